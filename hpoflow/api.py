@@ -1,0 +1,219 @@
+"""The Python API: ``optimize(spec_or_path)`` runs (or resumes) a study and returns its result.
+
+A run directory holds everything: the spec as given (``spec.yaml``), the Optuna storage
+(``study.journal`` unless ``storage`` says otherwise), ``trials/<number>/`` (logs per rank,
+``result.json``), ``trials.csv``, ``best.yaml`` and ``run.json``. Rerunning on the same directory
+resumes the study and never exceeds ``n_trials``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import optuna
+import yaml
+
+from hpoflow.errors import RunDirError, SpecError
+from hpoflow.search.driver import Driver, DriverListener, DriverSummary
+from hpoflow.search.samplers import make_pruner, make_sampler
+from hpoflow.search.storage import open_storage, storage_label
+from hpoflow.spec import StudySpec, load_spec, spec_from_mapping
+from hpoflow.tasks import Engine, make_engine
+
+__all__ = ["StudyResult", "load_run", "optimize", "prepare_spec"]
+
+_RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
+                   ("search", "max_failures"), ("resources", "timeout"), ("resources", "max_retries")}
+
+
+@dataclass(frozen=True)
+class StudyResult:
+    """What a study produced. ``study`` is the live Optuna study (open on its storage)."""
+
+    run_dir: Path
+    study: optuna.Study
+    summary: DriverSummary
+    storage: str
+
+    @property
+    def best_params(self) -> dict[str, Any] | None:
+        from hpoflow.report import best_trial
+
+        best = best_trial(self.study)
+        return None if best is None else dict(best.params)
+
+    @property
+    def best_value(self) -> float | None:
+        from hpoflow.report import best_trial
+
+        best = best_trial(self.study)
+        return None if best is None else best.value
+
+    def trials_dataframe(self) -> Any:
+        """Optuna's ``trials_dataframe()`` (needs pandas)."""
+        return self.study.trials_dataframe()
+
+
+def prepare_spec(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str]) -> tuple[StudySpec, str]:
+    """Accept a spec object, a mapping, or a YAML path; return the spec and its YAML text."""
+    if isinstance(spec, StudySpec):
+        return spec, yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    if isinstance(spec, Mapping):
+        parsed = spec_from_mapping(dict(spec))
+        return parsed, yaml.safe_dump(json.loads(json.dumps(dict(spec))), sort_keys=False)
+    return load_spec(spec)
+
+
+def _diff(a: Any, b: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[tuple[str, ...]] = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), (*path, str(k)))
+        return out
+    return [] if a == b else [path]
+
+
+def _check_resume(run_dir: Path, spec: StudySpec) -> None:
+    old_path = run_dir / "spec.yaml"
+    if not old_path.exists():
+        if any(run_dir.iterdir()):
+            raise RunDirError(
+                f"{run_dir} exists, is not empty and holds no spec.yaml, so it is not an hpoflow run "
+                "directory. Fix: choose another --run-dir"
+            )
+        return
+    try:
+        old = spec_from_mapping(yaml.safe_load(old_path.read_text()), source=str(old_path))
+    except SpecError as exc:
+        raise RunDirError(f"{old_path} is not a valid spec any more:\n{exc}") from None
+    diffs = [d for d in _diff(old.model_dump(mode="json"), spec.model_dump(mode="json"))
+             if d[:2] not in _RESUMABLE_KEYS]
+    if diffs:
+        shown = ", ".join(".".join(d) for d in diffs[:5])
+        raise RunDirError(
+            f"{run_dir} holds a run of a different study (they differ at {shown}); resuming it with this "
+            "spec would mix results. Fix: use a new --run-dir, or undo those changes (only search.n_trials, "
+            "timeout, max_concurrent, max_failures and resources.timeout/max_retries may change on resume)"
+        )
+
+
+@contextlib.contextmanager
+def _stop_on_signals(driver: Driver) -> Iterator[list[int]]:
+    """SIGINT/SIGTERM ask the driver to stop cleanly (in the main thread only)."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        driver.request_stop("signal")
+
+    if sys.platform == "win32" or not _in_main_thread():
+        yield received
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def optimize(
+    spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | None = None,
+    *,
+    n_trials: int | None = None,
+    engine: Engine | None = None,
+    listener: DriverListener | None = None,
+    progress: bool = False,
+    handle_signals: bool = True,
+) -> StudyResult:
+    """Run or resume a study; return when its budget is spent or it is stopped.
+
+    ``spec`` is a ``StudySpec``, a mapping in the YAML layout, or a YAML file path. ``run_dir``
+    defaults to ``runs/<study name>``. ``engine`` overrides the spec's engine (e.g. a configured
+    ``LocalEngine``). ``progress=True`` shows the live progress display on stderr.
+    """
+    parsed, text = prepare_spec(spec)
+    rd = Path(run_dir) if run_dir is not None else Path("runs") / parsed.study.name
+    rd.mkdir(parents=True, exist_ok=True)
+    _check_resume(rd, parsed)
+    (rd / "trials").mkdir(exist_ok=True)
+    if not (rd / "spec.yaml").exists():
+        (rd / "spec.yaml").write_text(text)
+    label = storage_label(parsed.storage, rd)
+    storage = open_storage(parsed.storage, rd)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        storage=storage, study_name=parsed.study.name, direction=parsed.study.direction,
+        sampler=make_sampler(parsed.search), pruner=make_pruner(parsed.search.pruner), load_if_exists=True,
+    )
+    run_info = {"study_name": parsed.study.name, "storage": label, "engine": parsed.engine,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if not (rd / "run.json").exists():
+        (rd / "run.json").write_text(json.dumps(run_info, indent=1))
+    own_engine = engine is None
+    eng = engine if engine is not None else make_engine(parsed.engine, **_engine_options(parsed, rd))
+    if listener is None and progress:
+        from hpoflow.report import ProgressListener
+
+        listener = ProgressListener()
+    python_path = tuple(dict.fromkeys([os.getcwd(), *sys.path[:1]]))
+    driver = Driver(parsed, study, eng, rd, listener=listener, n_trials=n_trials, python_path=python_path)
+    try:
+        if handle_signals:
+            with _stop_on_signals(driver):
+                summary = driver.run()
+        else:
+            summary = driver.run()
+    finally:
+        if own_engine:
+            eng.close()
+        _write_outputs(study, parsed, text, rd)
+    return StudyResult(rd, study, summary, label)
+
+
+def _engine_options(spec: StudySpec, run_dir: Path) -> dict[str, Any]:
+    if spec.engine == "compss":
+        return {"run_dir": run_dir, **spec.compss}
+    return {}
+
+
+def _write_outputs(study: optuna.Study, spec: StudySpec, text: str, run_dir: Path) -> None:
+    from hpoflow.report import write_best_yaml, write_trials_csv
+
+    write_trials_csv(study, run_dir / "trials.csv")
+    data = yaml.safe_load(text) if text.strip() else spec.model_dump(mode="json")
+    write_best_yaml(study, data, run_dir / "best.yaml")
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> tuple[optuna.Study, str]:
+    """Open a run directory's study (read-only use: status, tables)."""
+    rd = Path(run_dir)
+    info_path = rd / "run.json"
+    if not info_path.exists():
+        raise RunDirError(f"{rd} is not an hpoflow run directory (no run.json). Fix: pass the --run-dir of a run")
+    info = json.loads(info_path.read_text())
+    spec_storage = None
+    spec_path = rd / "spec.yaml"
+    if spec_path.exists():
+        spec_storage = (yaml.safe_load(spec_path.read_text()) or {}).get("storage")
+    storage = open_storage(spec_storage, rd)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=info["study_name"], storage=storage)
+    return study, info["storage"]

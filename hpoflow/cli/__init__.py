@@ -1,0 +1,1 @@
+"""Command-line interface: ``hpoflow run | validate | status | launch | oracle``."""

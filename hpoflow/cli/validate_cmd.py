@@ -1,0 +1,33 @@
+"""``hpoflow validate SPEC``: check a spec (and that its trials fit this machine) without running."""
+
+from __future__ import annotations
+
+import argparse
+
+from hpoflow.spec import load_spec
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="check a study spec without running it",
+                       description="Check a study spec; errors give the key path, line, rule and fix.")
+    p.add_argument("spec", help="study spec (YAML)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, _ = load_spec(args.spec)
+    if spec.engine == "local":
+        from hpoflow.tasks._base import TrialRequest
+        from hpoflow.tasks.local import check_fits, detect_gpus, machine_cores
+
+        r = spec.resources
+        probe = TrialRequest(-1, {}, {}, spec.study.metric, spec.study.direction, "", r.processes,
+                             r.cpus_per_process, r.gpus_per_process)
+        check_fits(probe, len(machine_cores()), len(detect_gpus()))
+    n = spec.search.n_trials
+    print(f"{args.spec}: valid — study {spec.study.name!r}, {len(spec.space)} parameters, "
+          f"{spec.search.algorithm}, {n if n is not None else 'all grid'} trials, "
+          f"{spec.resources.processes} process(es) per trial, engine {spec.engine}")
+    return 0

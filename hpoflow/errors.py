@@ -1,0 +1,46 @@
+"""Exceptions a user can cause. The CLI prints them as one short message and exits non-zero."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineError", "HpoflowError", "Issue", "RunDirError", "SpecError"]
+
+
+class HpoflowError(Exception):
+    """Base of every error that is the user's to fix (shown without a traceback, exit code 2)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One problem in a spec: where (key path and line), what rule, and how to fix it."""
+
+    path: str
+    message: str
+    line: int | None = None
+    source: str = "<spec>"
+
+    def __str__(self) -> str:
+        where = f"{self.source}:{self.line}" if self.line is not None else self.source
+        key = f" {self.path}:" if self.path else ""
+        return f"{where}:{key} {self.message}"
+
+
+class SpecError(HpoflowError):
+    """A study spec is invalid; ``issues`` lists every problem found."""
+
+    def __init__(self, issues: list[Issue]) -> None:
+        self.issues = issues
+        n = len(issues)
+        head = f"invalid study spec ({n} problem{'s' if n != 1 else ''}):"
+        super().__init__("\n".join([head, *(f"  {i}" for i in issues)]))
+
+
+class EngineError(HpoflowError):
+    """An engine cannot run the study as asked (missing runtime, resources larger than the machine)."""
+
+
+class RunDirError(HpoflowError):
+    """A run directory cannot be used (another spec's run, not a run directory, locked)."""

@@ -1,0 +1,211 @@
+"""What a study leaves for people: ``trials.csv``, ``best.yaml``, status, tables and live progress.
+
+Everything here reads the study from its Optuna storage, so it works on a finished run, a
+running one (from another process) and an interrupted one alike.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from optuna.trial import FrozenTrial, TrialState
+from rich.console import Console
+from rich.table import Table
+
+from hpoflow.search.driver import ATTR_INTERRUPTED, DriverSummary
+from hpoflow.tasks._base import TrialResult
+
+__all__ = [
+    "ProgressListener",
+    "best_trial",
+    "status_dict",
+    "trials_table",
+    "write_best_yaml",
+    "write_trials_csv",
+]
+
+
+def _counted(study: optuna.Study) -> list[FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False) if not t.system_attrs.get(ATTR_INTERRUPTED)]
+
+
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.value is not None]
+    if not done:
+        return None
+    pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+    return pick(done, key=lambda t: (t.value, -t.number) if pick is max else (t.value, t.number))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def write_trials_csv(study: optuna.Study, path: Path) -> None:
+    trials = _counted(study)
+    params = sorted({k for t in trials for k in t.params})
+    metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})})
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
+                *[f"metric_{m}" for m in metrics], "duration_s", "error"])
+    for t in trials:
+        m = t.user_attrs.get("metrics") or {}
+        dur = (t.user_attrs.get("timings") or {}).get("duration_s", "")
+        w.writerow([t.number, t.state.name, "" if t.value is None else t.value,
+                    *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
+                    dur, t.user_attrs.get("error", "")])
+    _atomic_write(path, buf.getvalue())
+
+
+def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Path) -> None:
+    """Best params and value, and a spec that reruns exactly that configuration (one trial)."""
+    best = best_trial(study)
+    if best is None:
+        return
+    rerun = json.loads(json.dumps(dict(spec_data)))  # deep copy of plain data
+    space = {k: {"type": "categorical", "choices": [v]} for k, v in best.params.items()}
+    rerun["space"] = space
+    rerun.setdefault("study", {})["name"] = f"{rerun.get('study', {}).get('name', 'study')}-best"
+    rerun["search"] = {"algorithm": "grid", "n_trials": 1}
+    rerun.pop("storage", None)
+    doc = {
+        "study": study.study_name,
+        "best_trial": best.number,
+        "best_value": best.value,
+        "best_params": best.params,
+        "metrics": best.user_attrs.get("metrics", {}),
+        "rerun_spec": rerun,
+    }
+    _atomic_write(path, yaml.safe_dump(doc, sort_keys=False))
+
+
+def status_dict(study: optuna.Study, storage_label: str) -> dict[str, Any]:
+    trials = _counted(study)
+    by = {s: sum(1 for t in trials if t.state == s) for s in TrialState}
+    best = best_trial(study)
+    return {
+        "study_name": study.study_name,
+        "storage": storage_label,
+        "direction": study.direction.name.lower(),
+        "n_trials": len(trials),
+        "n_complete": by[TrialState.COMPLETE],
+        "n_running": by[TrialState.RUNNING],
+        "n_waiting": by[TrialState.WAITING],
+        "n_failed": by[TrialState.FAIL],
+        "n_pruned": by[TrialState.PRUNED],
+        "best_value": None if best is None else best.value,
+        "best_params": None if best is None else best.params,
+        "best_trial": None if best is None else best.number,
+    }
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -> Table:
+    """The ``top`` best complete trials, best first."""
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    rev = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    done.sort(key=lambda t: t.value if t.value is not None else 0.0, reverse=rev)
+    params = sorted({k for t in done for k in t.params})
+    table = Table(title=title or f"best trials of {study.study_name}")
+    table.add_column("trial", justify="right")
+    table.add_column("value", justify="right")
+    for p in params:
+        table.add_column(p)
+    table.add_column("time s", justify="right")
+    for t in done[:top]:
+        dur = (t.user_attrs.get("timings") or {}).get("duration_s")
+        table.add_row(str(t.number), _fmt(t.value), *[_fmt(t.params.get(p, "-")) for p in params],
+                      "" if dur is None else f"{dur:.1f}")
+    return table
+
+
+class ProgressListener:
+    """Live progress for a terminal (a bar with done/running/failed/best/ETA) or, elsewhere, a line
+    per finished trial."""
+
+    def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
+        self.console = console or Console(stderr=True)
+        self.quiet = quiet
+        self.live = self.console.is_terminal and not quiet
+        self._progress: Any = None
+        self._task: Any = None
+        self.total = 0
+        self.done = 0
+        self.failed = 0
+        self.running = 0
+        self.best: float | None = None
+        self.t0 = time.monotonic()
+
+    def on_start(self, n_total: int, n_done: int) -> None:
+        self.total, self.done, self.t0 = n_total, n_done, time.monotonic()
+        if n_done:
+            self._print(f"resuming: {n_done} of {n_total} trials already finished")
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"),
+                TimeRemainingColumn(), console=self.console, transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("trials", total=n_total, completed=n_done, info="")
+
+    def _info(self) -> str:
+        best = "-" if self.best is None else f"{self.best:.4g}"
+        return f"running {self.running}  failed {self.failed}  best {best}"
+
+    def _print(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text, highlight=False, soft_wrap=True)
+        else:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
+        self.running += 1
+        if self._progress is not None:
+            self._progress.update(self._task, info=self._info())
+
+    def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None:
+        self.running -= 1
+        self.done += 1
+        self.best = best
+        if result.status == "failed":
+            self.failed += 1
+        value = "" if result.value is None else f" value={result.value:.4g}"
+        dur = result.timings.get("duration_s")
+        took = "" if dur is None else f" in {dur:.1f}s"
+        ps = " ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+        err = f"  error: {result.error}" if result.error and result.status != "complete" else ""
+        self._print(f"trial {result.number:>4} {result.status:<9}{value}{took}  {ps}{err}"
+                    f"  [{self.done}/{self.total}]")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=self.done, info=self._info())
+
+    def on_finish(self, summary: DriverSummary) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,302 @@
+"""The driver: asks the search for configurations, keeps trials in flight, tells results back.
+
+It keeps ``min(max_concurrent, engine capacity)`` trials running and consumes every event in the
+order it happens, so no slot waits for a batch. Budgets: ``n_trials`` is exact (finished trials:
+complete, pruned or failed; a trial interrupted by a stop or a crash does not count and is rerun
+with the same parameters), ``timeout`` stops new trials and lets running ones finish,
+``max_failures`` stops the study. Imports neither torch nor pycompss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import optuna
+from optuna.trial import TrialState
+
+from hpoflow.spec import StudySpec, resolve_training
+from hpoflow.tasks._base import Engine, TrialReport, TrialRequest, TrialResult
+from hpoflow.search.samplers import make_pruner, make_sampler
+from hpoflow.search.space import grid_points, suggest
+
+__all__ = ["ATTR_INTERRUPTED", "Driver", "DriverListener", "DriverSummary", "count_finished"]
+
+ATTR_INTERRUPTED = "hpoflow_interrupted"
+ATTR_GRID = "grid_index"
+_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+class DriverListener(Protocol):
+    def on_start(self, n_total: int, n_done: int) -> None: ...
+    def on_trial_start(self, number: int, params: dict[str, Any]) -> None: ...
+    def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None: ...
+    def on_finish(self, summary: DriverSummary) -> None: ...
+
+
+@dataclass
+class DriverSummary:
+    n_trials: int
+    n_complete: int = 0
+    n_pruned: int = 0
+    n_failed: int = 0
+    stopped_by: str = "budget"  # budget | timeout | max_failures | signal | grid_exhausted
+    elapsed_s: float = 0.0
+    driver_overhead_s: float = 0.0
+    results: list[TrialResult] = field(default_factory=list)
+
+    @property
+    def n_finished(self) -> int:
+        return self.n_complete + self.n_pruned + self.n_failed
+
+
+def count_finished(study: optuna.Study) -> int:
+    """Trials that count against ``n_trials``: complete, pruned, or failed for a reason of their own."""
+    return sum(
+        1 for t in study.get_trials(deepcopy=False, states=_FINISHED)
+        if not t.system_attrs.get(ATTR_INTERRUPTED)
+    )
+
+
+@dataclass
+class _InFlight:
+    trial: optuna.trial.Trial
+    request: TrialRequest
+    params: dict[str, Any]
+
+
+class Driver:
+    """One study's loop. Create it, call ``run()`` once; ``request_stop()`` may come from a signal."""
+
+    def __init__(self, spec: StudySpec, study: optuna.Study, engine: Engine, run_dir: Path,
+                 listener: DriverListener | None = None, n_trials: int | None = None,
+                 python_path: tuple[str, ...] = (),
+                 precheck: Callable[[TrialRequest], str | None] | None = None) -> None:
+        self.spec = spec
+        self.study = study
+        self.engine = engine
+        self.run_dir = run_dir
+        self.listener = listener
+        self.python_path = python_path
+        self.precheck = precheck
+        self.grid = grid_points(spec.space) if spec.search.algorithm == "grid" else None
+        budget = n_trials or spec.search.n_trials
+        if self.grid is not None:
+            budget = min(budget or len(self.grid), len(self.grid))
+        if budget is None:  # the spec guarantees n_trials for non-grid algorithms
+            raise ValueError("n_trials is required")
+        self.n_trials = budget
+        self._stop_reason: str | None = None
+        self._inflight: dict[int, _InFlight] = {}
+        self._used_grid: set[int] = set()
+        self._finished = 0
+        self._failures = 0
+        self._best: float | None = None
+        self.summary = DriverSummary(self.n_trials)
+
+    # -- public ---------------------------------------------------------------------------------
+    def request_stop(self, reason: str = "signal") -> None:
+        """Stop starting trials and cancel the running ones (they are rerun on resume)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    def run(self) -> DriverSummary:
+        t_start = time.monotonic()
+        overhead = 0.0
+        self._reconcile()
+        summary = self.summary
+        if self.listener:
+            self.listener.on_start(self.n_trials, self._finished)
+        deadline = t_start + self.spec.search.timeout if self.spec.search.timeout else None
+        probe = self._probe_request()
+        slots = max(1, min(self.spec.search.max_concurrent, self.engine.capacity(probe)))
+        cancelling = False
+        try:
+            while True:
+                t0 = time.monotonic()
+                if deadline is not None and t0 >= deadline and self._stop_reason is None:
+                    summary.stopped_by = "timeout"
+                    deadline = None
+                if self._stop_reason is not None and not cancelling:
+                    cancelling = True
+                    for number in list(self._inflight):
+                        self.engine.cancel(number, f"study stopped ({self._stop_reason})")
+                while not cancelling and summary.stopped_by == "budget" and self._can_start(slots):
+                    if not self._start_one():
+                        summary.stopped_by = "grid_exhausted"
+                        break
+                overhead += time.monotonic() - t0
+                if not self._inflight:
+                    break
+                wait = 0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
+                events = self.engine.poll(wait)
+                t1 = time.monotonic()
+                for ev in events:
+                    if isinstance(ev, TrialReport):
+                        self._on_report(ev)
+                    else:
+                        self._on_result(ev)
+                overhead += time.monotonic() - t1
+        finally:
+            if self._inflight:  # an exception escaped: leave nothing running
+                for number in list(self._inflight):
+                    self.engine.cancel(number, "driver error")
+        if self._stop_reason is not None:
+            summary.stopped_by = self._stop_reason
+        elif self.spec.search.max_failures and self._failures >= self.spec.search.max_failures:
+            summary.stopped_by = "max_failures"
+        summary.elapsed_s = time.monotonic() - t_start
+        summary.driver_overhead_s = overhead
+        if self.listener:
+            self.listener.on_finish(summary)
+        return summary
+
+    # -- internals ------------------------------------------------------------------------------
+    def _probe_request(self) -> TrialRequest:
+        r = self.spec.resources
+        return TrialRequest(-1, {}, {}, self.spec.study.metric, self.spec.study.direction, "",
+                            r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
+
+    def _reconcile(self) -> None:
+        """Resume: trials left RUNNING by a crashed driver are marked interrupted and rerun."""
+        for t in self.study.get_trials(deepcopy=False):
+            if ATTR_GRID in t.user_attrs and not t.system_attrs.get(ATTR_INTERRUPTED):
+                self._used_grid.add(int(t.user_attrs[ATTR_GRID]))
+            if t.state == TrialState.COMPLETE and not t.system_attrs.get(ATTR_INTERRUPTED):
+                self._update_best(t.value)
+            if t.state == TrialState.RUNNING:
+                self._interrupt(t._trial_id, t.params, t.user_attrs)
+            elif t.state in _FINISHED and not t.system_attrs.get(ATTR_INTERRUPTED):
+                self._finished += 1
+                if t.state == TrialState.FAIL:
+                    self._failures += 1
+
+    def _interrupt(self, trial_id: int, params: dict[str, Any], user_attrs: dict[str, Any]) -> None:
+        storage = self.study._storage
+        storage.set_trial_system_attr(trial_id, ATTR_INTERRUPTED, True)
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        self.study.enqueue_trial(params, user_attrs=dict(user_attrs), skip_if_exists=False)
+
+    def _can_start(self, slots: int) -> bool:
+        if len(self._inflight) >= slots:
+            return False
+        if self._finished + len(self._inflight) >= self.n_trials:
+            return False
+        mf = self.spec.search.max_failures
+        return not (mf is not None and self._failures >= mf)
+
+    def _next_grid_index(self) -> int | None:
+        n = len(self.grid) if self.grid is not None else 0
+        return next((i for i in range(n) if i not in self._used_grid), None)
+
+    def _update_best(self, value: float | None) -> None:
+        if value is None:
+            return
+        better = self._best is None or (
+            value > self._best if self.spec.study.direction == "maximize" else value < self._best)
+        if better:
+            self._best = value
+
+    def _has_waiting(self) -> bool:
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+    def _start_one(self) -> bool:
+        if self.grid is not None and not self._has_waiting():
+            idx = self._next_grid_index()
+            if idx is None:
+                return False
+            self.study.enqueue_trial(self.grid[idx], user_attrs={ATTR_GRID: idx})
+        trial = self.study.ask()
+        params = suggest(trial, self.spec.space)
+        if ATTR_GRID in trial.user_attrs:
+            self._used_grid.add(int(trial.user_attrs[ATTR_GRID]))
+        train = resolve_training(self.spec.training, params)
+        r = self.spec.resources
+        request = TrialRequest(
+            number=trial.number, params=params, train=train.model_dump(mode="json"),
+            metric=self.spec.study.metric, direction=self.spec.study.direction,
+            trial_dir=str(self.run_dir / "trials" / str(trial.number)),
+            processes=r.processes, cpus_per_process=r.cpus_per_process,
+            gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout,
+            pruning=self.spec.search.pruner.type != "none", python_path=self.python_path,
+            seed=train.seed,
+        )
+        self._inflight[trial.number] = _InFlight(trial, request, params)
+        if self.listener:
+            self.listener.on_trial_start(trial.number, params)
+        reason = self.precheck(request) if self.precheck else None
+        if reason is not None:
+            self._on_result(TrialResult(trial.number, "pruned", error=reason))
+            return True
+        self.engine.submit(request)
+        return True
+
+    def _on_report(self, ev: TrialReport) -> None:
+        fl = self._inflight.get(ev.number)
+        if fl is None:
+            return
+        value = ev.metrics.get(self.spec.study.metric)
+        prune = False
+        if value is not None and math.isfinite(value):
+            try:
+                fl.trial.report(value, ev.step)
+            except (NotImplementedError, ValueError):  # multi-objective or a repeated step
+                pass
+            if ev.wants_answer:
+                prune = fl.trial.should_prune()
+        if ev.wants_answer:
+            self.engine.answer(ev.number, prune)
+
+    def _on_result(self, res: TrialResult) -> None:
+        fl = self._inflight.get(res.number)
+        if fl is None:
+            return
+        mr = self.spec.resources.max_retries
+        if res.status == "failed" and res.retryable and fl.request.attempt < mr and self._stop_reason is None:
+            retry = replace(fl.request, attempt=fl.request.attempt + 1)
+            fl.request = retry
+            fl.trial.set_user_attr("attempts", retry.attempt + 1)
+            self.engine.submit(retry)
+            return
+        del self._inflight[res.number]
+        trial = fl.trial
+        trial.set_user_attr("metrics", res.metrics)
+        trial.set_user_attr("timings", {k: round(v, 4) for k, v in res.timings.items()})
+        if res.error:
+            trial.set_user_attr("error", res.error[:2000])
+        self._write_result(fl.request, res)
+        if res.status == "cancelled":
+            self._interrupt(trial._trial_id, fl.params, dict(trial.user_attrs))
+            return
+        if res.status == "complete" and res.value is not None and math.isfinite(res.value):
+            self.study.tell(trial, res.value)
+            self._update_best(res.value)
+        elif res.status == "pruned":
+            self.study.tell(trial, state=TrialState.PRUNED)
+        else:
+            self.study.tell(trial, state=TrialState.FAIL)
+            self._failures += 1
+        self._finished += 1
+        summary = self.summary
+        summary.results.append(res)
+        if res.status == "complete":
+            summary.n_complete += 1
+        elif res.status == "pruned":
+            summary.n_pruned += 1
+        else:
+            summary.n_failed += 1
+        if self.listener:
+            self.listener.on_trial_end(res, fl.params, self._best)
+
+    def _write_result(self, request: TrialRequest, res: TrialResult) -> None:
+        d = Path(request.trial_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        payload = {"params": request.params, "attempt": request.attempt, **res.to_dict()}
+        tmp = d / "result.json.tmp"
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        tmp.replace(d / "result.json")

@@ -1,0 +1,43 @@
+"""Study specs: YAML or Python mappings validated into typed, frozen objects."""
+
+from __future__ import annotations
+
+from hpoflow.spec._load import (
+    BUILTIN_METRICS,
+    load_spec,
+    placeholders,
+    resolve_training,
+    spec_from_mapping,
+)
+from hpoflow.spec._models import (
+    ALGORITHMS,
+    CategoricalParam,
+    FloatParam,
+    IntParam,
+    Param,
+    PrunerSpec,
+    ResourcesSpec,
+    SearchSpec,
+    StudySection,
+    StudySpec,
+    TrainConfig,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "BUILTIN_METRICS",
+    "CategoricalParam",
+    "FloatParam",
+    "IntParam",
+    "Param",
+    "PrunerSpec",
+    "ResourcesSpec",
+    "SearchSpec",
+    "StudySection",
+    "StudySpec",
+    "TrainConfig",
+    "load_spec",
+    "placeholders",
+    "resolve_training",
+    "spec_from_mapping",
+]

@@ -1,0 +1,276 @@
+"""Turn YAML text or a mapping into a validated ``StudySpec``; every problem becomes an ``Issue``.
+
+Pydantic checks shapes and ranges; this module adds what needs the whole spec at once: conditions
+that name other parameters, ``${param}`` placeholders in ``training`` (each checked with the values
+its parameter can take), grid spaces that must be finite, and ``module:function`` that must import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path as FsPath
+from typing import Any
+
+from pydantic import ValidationError
+
+from hpoflow.errors import Issue, SpecError
+from hpoflow.spec._models import (
+    PLACEHOLDER,
+    CategoricalParam,
+    FloatParam,
+    IntParam,
+    Param,
+    StudySpec,
+    TrainConfig,
+    did_you_mean,
+)
+from hpoflow.spec._yaml import Path, load_yaml_with_lines
+
+__all__ = [
+    "BUILTIN_METRICS",
+    "load_spec",
+    "placeholders",
+    "resolve_training",
+    "spec_from_mapping",
+]
+
+BUILTIN_METRICS = ("val_accuracy", "val_loss", "train_loss", "train_accuracy")
+_MISSING_FIX = {
+    ("study",): "add a study: section with name, metric and direction",
+    ("search",): "add a search: section with algorithm and n_trials",
+}
+
+
+def _line_for(loc: tuple[Any, ...], lines: Mapping[Path, int]) -> tuple[str, int | None]:
+    """Map a pydantic ``loc`` onto the YAML: drop union tags, find the deepest known line."""
+    path: list[str | int] = []
+    line = lines.get(())
+    for part in loc:
+        candidate = (*path, part)
+        if candidate in lines:
+            path.append(part)
+            line = lines[candidate]
+        elif isinstance(part, str) and part in ("float", "int", "categorical", "function-after"):
+            continue  # a discriminated-union tag, not a key
+        else:
+            path.append(part)
+    return ".".join(str(p) for p in path), line
+
+
+def _issues_from_validation(
+    exc: ValidationError, lines: Mapping[Path, int], source: str, prefix: tuple[Any, ...] = ()
+) -> list[Issue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc = (*prefix, *err["loc"])
+        kind = err["type"]
+        msg = err["msg"]
+        if kind == "unknown_key":
+            ctx = err.get("ctx") or {}
+            loc = (*loc, ctx.get("key", "?"))
+        path, line = _line_for(loc, lines)
+        if kind == "missing":
+            fix = _MISSING_FIX.get(tuple(loc), f"add {loc[-1]}:")
+            msg = f"missing required key {loc[-1]!r}. Fix: {fix}"
+        elif kind == "literal_error":
+            given = err.get("input")
+            expected = str((err.get("ctx") or {}).get("expected", ""))
+            choices = [c.strip().strip("'") for c in expected.replace(" or ", ",").split(",") if c.strip()]
+            msg = f"{given!r} is not allowed; choose one of: {', '.join(choices)}{did_you_mean(str(given), choices)}"
+        elif kind == "union_tag_invalid" or kind == "union_tag_not_found":
+            msg = "a parameter needs type: float, int or categorical. Fix: add or correct its type"
+        elif kind.startswith(("int_", "float_", "bool_", "string_", "dict_", "list_", "model_")):
+            msg = f"{msg}, but got {err.get('input')!r}"
+        elif kind.startswith("value_error"):
+            msg = msg.removeprefix("Value error, ")
+        issues.append(Issue(path, msg, line, source))
+    return issues
+
+
+def placeholders(value: Any) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    """Yield ``(path, param_name)`` for every ``${param}`` inside ``value`` (nested dicts/lists)."""
+    if isinstance(value, str):
+        m = PLACEHOLDER.match(value.strip())
+        if m:
+            yield (), m.group(1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            for sub, name in placeholders(v):
+                yield (k, *sub), name
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            for sub, name in placeholders(v):
+                yield (i, *sub), name
+
+
+def _substitute(value: Any, params: Mapping[str, Any]) -> Any:
+    """Replace placeholders; a placeholder of an inactive (absent) parameter becomes ``_ABSENT``."""
+    if isinstance(value, str):
+        m = PLACEHOLDER.match(value.strip())
+        if m:
+            return params.get(m.group(1), _ABSENT)
+        return value
+    if isinstance(value, dict):
+        out = {k: _substitute(v, params) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not _ABSENT}
+    if isinstance(value, list):
+        return [_substitute(v, params) for v in value]
+    return value
+
+
+_ABSENT = object()
+
+
+def resolve_training(training: Mapping[str, Any], params: Mapping[str, Any]) -> TrainConfig:
+    """The concrete training config of one trial: placeholders replaced by the trial's values.
+
+    A placeholder whose parameter is inactive (its condition not met) leaves the key unset, so the
+    field takes its default.
+    """
+    return TrainConfig.model_validate(_substitute(dict(training), params))
+
+
+def _candidates(param: Param) -> list[Any]:
+    """Values a parameter can take at its extremes: enough to type-check where it is used."""
+    if isinstance(param, CategoricalParam):
+        return list(param.choices)
+    return [param.low, param.high]
+
+
+def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str) -> list[Issue]:
+    issues: list[Issue] = []
+
+    def add(loc: tuple[Any, ...], msg: str) -> None:
+        path, line = _line_for(loc, lines)
+        issues.append(Issue(path, msg, line, source))
+
+    names = list(spec.space)
+    # Conditions: refer to a parameter defined earlier, with values it can take.
+    for i, (name, param) in enumerate(spec.space.items()):
+        for parent, values in (param.when or {}).items():
+            if parent not in spec.space:
+                add(("space", name, "when", parent),
+                    f"condition refers to unknown parameter {parent!r}{did_you_mean(parent, names)}; "
+                    f"parameters: {', '.join(names)}")
+                continue
+            if names.index(parent) >= i:
+                add(("space", name, "when", parent),
+                    f"condition parameter {parent!r} must be defined before {name!r}. Fix: move {name!r} below it")
+                continue
+            pp = spec.space[parent]
+            if isinstance(pp, CategoricalParam):
+                bad = [v for v in values if v not in pp.choices]
+                if bad:
+                    add(("space", name, "when", parent),
+                        f"value(s) {bad!r} are not among {parent!r}'s choices {pp.choices!r}")
+    # Placeholders: every ${name} is a parameter and its values fit the field.
+    used: dict[str, list[tuple[str | int, ...]]] = {}
+    for path, pname in placeholders(spec.training):
+        if pname not in spec.space:
+            add(("training", *path),
+                f"${{{pname}}} refers to no search parameter{did_you_mean(pname, names)}; "
+                f"parameters: {', '.join(names) or '(none)'}")
+            continue
+        used.setdefault(pname, []).append(path)
+    if not any(i.path.startswith("training") for i in issues):
+        base: dict[str, Any] = {n: _candidates(p)[0] for n, p in spec.space.items()}
+        checked = False
+        for pname in used:
+            for value in _candidates(spec.space[pname]):
+                try:
+                    resolve_training(spec.training, {**base, pname: value})
+                    checked = True
+                except ValidationError as exc:
+                    for issue in _issues_from_validation(exc, lines, source, ("training",)):
+                        issues.append(Issue(issue.path, f"with {pname}={value!r}: {issue.message}",
+                                            issue.line, source))
+                    break
+        if not checked:
+            try:
+                resolve_training(spec.training, base)
+            except ValidationError as exc:
+                issues.extend(_issues_from_validation(exc, lines, source, ("training",)))
+    if issues:
+        return issues
+    train = resolve_training(spec.training, {n: _candidates(p)[0] for n, p in spec.space.items()})
+    if train.function:
+        problem = _check_function(train.function)
+        if problem:
+            add(("training", "function"), problem)
+    elif spec.study.metric not in BUILTIN_METRICS:
+        add(("study", "metric"),
+            f"the built-in trainer reports {', '.join(BUILTIN_METRICS)}; {spec.study.metric!r} is none of "
+            f"them{did_you_mean(spec.study.metric, BUILTIN_METRICS)}")
+    elif train.model not in ("mlp", "cnn"):
+        add(("training", "model"),
+            f"unknown built-in model {train.model!r}{did_you_mean(train.model, ['mlp', 'cnn'])}; "
+            "choose mlp or cnn, or give training.function: 'module:function'")
+    # Grid: finite space.
+    if spec.search.algorithm == "grid":
+        for name, param in spec.space.items():
+            if isinstance(param, FloatParam) and param.step is None:
+                add(("space", name),
+                    "grid search needs a finite set of values; a float parameter needs step. "
+                    "Fix: add step: 0.1, or make it categorical")
+            if isinstance(param, IntParam) and param.log:
+                add(("space", name), "grid search cannot enumerate a log-scaled int. Fix: use choices")
+    if spec.search.algorithm == "cmaes" and any(isinstance(p, CategoricalParam) for p in spec.space.values()):
+        pass  # Optuna's CmaEsSampler samples categorical parameters independently; allowed.
+    if not spec.space:
+        add(("space",), "the search space is empty. Fix: add at least one parameter under space:")
+    return issues
+
+
+def _check_function(ref: str) -> str | None:
+    module_name, _, attr = ref.partition(":")
+    for p in (os.getcwd(),):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return (f"cannot import module {module_name!r} ({exc}). Fix: make it importable from the "
+                "current directory or PYTHONPATH")
+    except Exception as exc:  # user code raised at import: report it, do not crash
+        return f"importing {module_name!r} raised {type(exc).__name__}: {exc}"
+    fn = getattr(module, attr, None)
+    if fn is None:
+        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        return f"module {module_name!r} has no attribute {attr!r}{did_you_mean(attr, public)}"
+    if not callable(fn):
+        return f"{ref!r} is not callable"
+    return None
+
+
+def spec_from_mapping(
+    data: Any, lines: Mapping[Path, int] | None = None, source: str = "<spec>"
+) -> StudySpec:
+    """Validate a mapping (parsed YAML or built in Python) into a ``StudySpec``."""
+    lines = lines or {}
+    if not isinstance(data, dict):
+        raise SpecError([Issue("", f"a study spec is a mapping of sections, but got {type(data).__name__}. "
+                               "Fix: start with study:, space:, search:, training:", 1, source)])
+    try:
+        spec = StudySpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_issues_from_validation(exc, lines, source)) from None
+    issues = _semantic_issues(spec, lines, source)
+    if issues:
+        raise SpecError(issues)
+    return spec
+
+
+def load_spec(path: str | os.PathLike[str]) -> tuple[StudySpec, str]:
+    """Read and validate a YAML spec file; return the spec and the text as given."""
+    p = FsPath(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise SpecError([Issue("", "no such file. Fix: check the path", None, str(p))]) from None
+    except OSError as exc:
+        raise SpecError([Issue("", f"cannot read: {exc.strerror}", None, str(p))]) from None
+    data, lines = load_yaml_with_lines(text, str(p))
+    return spec_from_mapping(data, lines, str(p)), text

@@ -1,0 +1,36 @@
+"""Process-group set-up and tear-down for one trial (gloo on CPU, nccl on GPU)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["destroy", "init_process_group"]
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
+                       use_cuda: bool, timeout_s: float = 120.0) -> None:
+    """Join the trial's fresh process group over TCP at ``master_addr:master_port``."""
+    os.environ.update(
+        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=_dt.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy() -> None:
+    """Destroy the process group if one exists (safe to call always, e.g. in ``finally``)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,132 @@
+"""One rank of one trial, from job description to result: the same code for every engine.
+
+``run_rank`` sets up threads, devices and the process group, runs the training function (the
+built-in trainer or the user's ``module:function``), and always destroys the process group. It
+returns the rank's outcome as plain data; it raises nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpoflow.spec import TrainConfig
+from hpoflow.tasks._base import TrialRequest
+from hpoflow.train import dist as hdist
+from hpoflow.train.builtin import NonFiniteLoss, train_builtin
+from hpoflow.train.channel import Channel, NullChannel
+from hpoflow.train.context import TrialContext
+
+__all__ = ["RankJob", "RankOutcome", "load_function", "run_rank"]
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """One rank's share of a ``TrialRequest``: where it sits and how to reach rank 0."""
+
+    request: TrialRequest
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    threads: int = 1
+    pg_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    status: str  # "ok" | "error" | "pruned"
+    metrics: dict[str, float]
+    error: str | None = None
+    error_type: str | None = None
+    retryable: bool = False
+    first_step_s: float | None = None
+
+
+def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[TrialContext], Any]:
+    """Import ``module:function``; ``python_path`` entries are put in front of ``sys.path``."""
+    for p in reversed(python_path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    module_name, _, attr = ref.partition(":")
+    module = importlib.import_module(module_name)
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise TypeError(f"{ref} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _final_metrics(ret: Any, ctx: TrialContext) -> dict[str, float]:
+    if isinstance(ret, dict):
+        return {k: float(v) for k, v in ret.items() if isinstance(v, (int, float))}
+    if isinstance(ret, (int, float)):
+        return {ctx.metric: float(ret)}
+    if ret is None and ctx.reports:
+        return dict(ctx.reports[-1][1])
+    return {}
+
+
+def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
+    """Run one rank to the end. Exceptions in training become an ``error`` outcome."""
+    req = job.request
+    channel = channel or NullChannel()
+    torch.set_num_threads(max(1, job.threads))
+    use_cuda = req.gpus_per_process > 0 and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    _seed_everything(req.seed)
+    config = TrainConfig.model_validate(req.train)
+    ctx = TrialContext(
+        params=dict(req.params), config=config, trial_number=req.number, trial_dir=Path(req.trial_dir),
+        rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, device=device,
+        metric=req.metric, pruning=req.pruning, channel=channel, attempt=req.attempt,
+    )
+    t0 = time.perf_counter()
+    try:
+        if job.world_size > 1:
+            hdist.init_process_group(job.rank, job.world_size, job.master_addr, job.master_port,
+                                     use_cuda, job.pg_timeout_s)
+        fn = load_function(config.function, req.python_path) if config.function else train_builtin
+        ret = fn(ctx)
+        metrics = _final_metrics(ret, ctx)
+        pruned = ctx._prune
+        value = metrics.get(req.metric)
+        if job.rank == 0 and not pruned:
+            if value is None:
+                raise KeyError(
+                    f"the training function returned no {req.metric!r} (study.metric); it returned "
+                    f"{sorted(metrics) or ret!r}. Fix: return a dict with {req.metric!r}, or a float"
+                )
+            if not math.isfinite(value):
+                raise NonFiniteLoss(f"{req.metric} is {value}")
+        return RankOutcome("pruned" if pruned else "ok", metrics, first_step_s=time.perf_counter() - t0)
+    except (Exception, SystemExit) as exc:  # a trial never raises through the engine
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        sys.stderr.flush()
+        # A broken collective (peer died) is a lost rank: worth retrying. User errors are not.
+        text = str(exc).lower()
+        retryable = job.world_size > 1 and any(w in text for w in ("gloo", "connection", "timed out"))
+        return RankOutcome("error", {}, error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
+                           retryable=retryable)
+    finally:
+        hdist.destroy()
+        sys.stdout.flush()
+        sys.stderr.flush()
