@@ -162,8 +162,14 @@ class ProgressListener:
         if n_done:
             self._print(f"resuming: {n_done} of {n_total} trials already finished")
         if self.live:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            from rich.progress import TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(
                 TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -12,23 +13,34 @@ from hpoflow.errors import HpoflowError
 __all__ = ["build_parser", "main"]
 
 
-def _registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from hpoflow.cli import run_cmd, status_cmd, validate_cmd
+# command -> module with ``register(subparsers)``; a module is imported only when its command runs
+# (or for --help), so a light command never pays for a heavy one's imports (torch, optuna).
+COMMANDS: dict[str, str] = {
+    "run": "hpoflow.cli.run_cmd",
+    "validate": "hpoflow.cli.validate_cmd",
+    "status": "hpoflow.cli.status_cmd",
+    "launch": "hpoflow.cli.launch_cmd",
+    "scaling": "hpoflow.cli.scaling_cmd",
+    "oracle": "hpoflow.oracle.cli",
+}
 
-    regs = [run_cmd.register, validate_cmd.register, status_cmd.register]
-    for mod, attr in (("hpoflow.cli.launch_cmd", "register"), ("hpoflow.oracle.cli", "register"),
-                      ("hpoflow.cli.scaling_cmd", "register")):
+
+def _registrars(argv: Sequence[str]) -> list[Callable[[argparse._SubParsersAction], None]]:
+    first = next((a for a in argv if not a.startswith("-")), None)
+    modules = [COMMANDS[first]] if first in COMMANDS else list(COMMANDS.values())
+    regs = []
+    for mod in modules:
         try:
-            module = __import__(mod, fromlist=[attr])
+            module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:
             if exc.name and mod.startswith(exc.name):
                 continue  # optional subcommand not present in this build
             raise
-        regs.append(getattr(module, attr))
+        regs.append(module.register)
     return regs
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpoflow",
         description="Task-based hyperparameter optimisation for deep learning (local or PyCOMPSs).",
@@ -36,13 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hpoflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for register in _registrars():
+    for register in _registrars(argv):
         register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

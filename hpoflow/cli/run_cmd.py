@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 
-
 __all__ = ["register"]
 
 

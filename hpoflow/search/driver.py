@@ -20,10 +20,9 @@ from typing import Any, Protocol
 import optuna
 from optuna.trial import TrialState
 
+from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, resolve_training
 from hpoflow.tasks._base import Engine, TrialReport, TrialRequest, TrialResult
-from hpoflow.search.samplers import make_pruner, make_sampler
-from hpoflow.search.space import grid_points, suggest
 
 __all__ = ["ATTR_INTERRUPTED", "Driver", "DriverListener", "DriverSummary", "count_finished"]
 

@@ -36,7 +36,8 @@ def make_sampler(search: SearchSpec) -> optuna.samplers.BaseSampler:
     if algo == "cmaes":
         opts.setdefault("warn_independent_sampling", False)
     try:
-        return factories[algo](seed=seed, **opts)  # type: ignore[no-any-return]
+        sampler: optuna.samplers.BaseSampler = factories[algo](seed=seed, **opts)
+        return sampler
     except TypeError as exc:
         raise HpoflowError(
             f"search.sampler_options: {exc}. These options go to optuna.samplers."

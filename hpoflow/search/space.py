@@ -48,7 +48,7 @@ def _grid_values(p: Param) -> list[Any]:
     step = p.step
     if step is None:  # the spec rejects this for grid; keep the function total
         raise ValueError("a float parameter needs step to be enumerated")
-    n = int(round((p.high - p.low) / step))
+    n = round((p.high - p.low) / step)
     return [round(p.low + i * step, 12) for i in range(n + 1) if p.low + i * step <= p.high + 1e-12]
 
 

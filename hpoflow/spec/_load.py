@@ -177,22 +177,28 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str) ->
         used.setdefault(pname, []).append(path)
     if not any(i.path.startswith("training") for i in issues):
         base: dict[str, Any] = {n: _candidates(p)[0] for n, p in spec.space.items()}
-        checked = False
-        for pname in used:
-            for value in _candidates(spec.space[pname]):
-                try:
-                    resolve_training(spec.training, {**base, pname: value})
-                    checked = True
-                except ValidationError as exc:
-                    for issue in _issues_from_validation(exc, lines, source, ("training",)):
-                        issues.append(Issue(issue.path, f"with {pname}={value!r}: {issue.message}",
-                                            issue.line, source))
-                    break
-        if not checked:
-            try:
-                resolve_training(spec.training, base)
-            except ValidationError as exc:
-                issues.extend(_issues_from_validation(exc, lines, source, ("training",)))
+        try:
+            resolve_training(spec.training, base)
+        except ValidationError as exc:
+            where = {".".join(str(x) for x in ("training", *path)): n
+                     for path, n in placeholders(spec.training)}
+            for issue in _issues_from_validation(exc, lines, source, ("training",)):
+                found = where.get(issue.path)
+                if found is not None:
+                    issue = Issue(issue.path, f"${{{found}}} can be {base[found]!r}: {issue.message}",
+                                  issue.line, source)
+                issues.append(issue)
+        else:
+            # The base values fit; now each used parameter's other extreme, one at a time.
+            for pname in used:
+                for value in _candidates(spec.space[pname])[1:]:
+                    try:
+                        resolve_training(spec.training, {**base, pname: value})
+                    except ValidationError as exc:
+                        for issue in _issues_from_validation(exc, lines, source, ("training",)):
+                            issues.append(Issue(issue.path, f"with {pname}={value!r}: {issue.message}",
+                                                issue.line, source))
+                        break
     if issues:
         return issues
     train = resolve_training(spec.training, {n: _candidates(p)[0] for n, p in spec.space.items()})

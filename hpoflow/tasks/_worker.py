@@ -25,9 +25,9 @@ def warm_up() -> None:
     constructor alone imports ``torch._dynamo``: ~800 modules, ~2 s). No tensor op runs here that
     could start a thread pool, so forking afterwards stays safe."""
     import torch
-    import torch.distributed  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
-    import torch.utils.data  # noqa: F401
+    import torch.distributed
+    import torch.nn.parallel
+    import torch.utils.data
 
     p = [torch.nn.Parameter(torch.zeros(1))]
     torch.optim.SGD(p, lr=0.1)

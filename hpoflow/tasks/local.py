@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpoflow.errors import EngineError
-from hpoflow.tasks._base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
+from hpoflow.tasks._base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult, TrialStatus
 
 __all__ = ["LocalEngine", "check_fits", "detect_gpus", "machine_cores", "plan_placement", "tail"]
 
@@ -386,7 +386,7 @@ class LocalEngine(Engine):
                                retryable=t.retryable)
         chief = t.outcomes.get(0, {})
         metrics = chief.get("metrics", {})
-        status = "pruned" if chief.get("status") == "pruned" else "complete"
+        status: TrialStatus = "pruned" if chief.get("status") == "pruned" else "complete"
         return TrialResult(req.number, status, value=metrics.get(req.metric), metrics=metrics,
                            timings=timings)
 

@@ -65,7 +65,7 @@ def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[Tria
     fn = getattr(module, attr)
     if not callable(fn):
         raise TypeError(f"{ref} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _seed_everything(seed: int) -> None:

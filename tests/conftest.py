@@ -1,0 +1,51 @@
+"""Shared fixtures: small specs that train in about a second, and process-leak checks."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # so trial processes can import tests' training functions
+
+TINY: dict[str, Any] = {
+    "study": {"name": "tiny", "metric": "val_accuracy", "direction": "maximize"},
+    "space": {
+        "lr": {"type": "float", "low": 0.003, "high": 0.03, "log": True},
+        "hidden": {"type": "categorical", "choices": [32, 64]},
+    },
+    "search": {"algorithm": "random", "n_trials": 3, "max_concurrent": 2, "seed": 1},
+    "training": {"model": "mlp", "model_options": {"hidden": "${hidden}"}, "dataset": "digits",
+                 "epochs": 2, "batch_size": 64, "optimizer": "adam", "lr": "${lr}"},
+    "resources": {"processes": 1, "cpus_per_process": 1},
+}
+
+
+@pytest.fixture
+def tiny_spec() -> dict[str, Any]:
+    return copy.deepcopy(TINY)
+
+
+def descendants() -> set[int]:
+    """Pids of live descendants of this process, except the multiprocessing forkserver and resource
+    tracker themselves (long-lived helpers of this process; trial ranks are *their* children)."""
+    me = os.getpid()
+    out = set()
+    for p in psutil.Process(me).children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.cmdline())
+            ppid = p.ppid()
+        except psutil.Error:
+            continue
+        if ppid == me and ("forkserver" in cmd or "resource_tracker" in cmd):
+            continue
+        out.add(p.pid)
+    return out

@@ -1,0 +1,187 @@
+"""The driver, on the thread engine: budgets, ordering, grid, determinism, resume, pruning."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpoflow.api import optimize
+from hpoflow.search.driver import ATTR_INTERRUPTED, Driver, count_finished
+from hpoflow.search.samplers import make_pruner, make_sampler
+from hpoflow.search.space import grid_points
+from hpoflow.spec import spec_from_mapping
+from hpoflow.tasks.threads import Reporter, ThreadEngine
+
+BASE: dict[str, Any] = {
+    "study": {"name": "drv", "metric": "score", "direction": "maximize"},
+    "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}, "k": {"type": "categorical", "choices": [1, 2, 3]}},
+    "search": {"algorithm": "random", "n_trials": 12, "max_concurrent": 3, "seed": 7},
+    "training": {"function": "trainfns:counter"},
+}
+
+
+def make(overrides: dict[str, Any] | None = None, **search: Any) -> Any:
+    data = copy.deepcopy(BASE)
+    data["search"].update(search)
+    for k, v in (overrides or {}).items():
+        data[k] = v
+    return spec_from_mapping(data)
+
+
+def run_driver(spec: Any, objective: Any, slots: int, tmp_path: Path, study: optuna.Study | None = None,
+               ) -> tuple[Driver, ThreadEngine, optuna.Study]:
+    study = study or optuna.create_study(direction=spec.study.direction, sampler=make_sampler(spec.search),
+                                         pruner=make_pruner(spec.search.pruner))
+    engine = ThreadEngine(objective, slots=slots)
+    driver = Driver(spec, study, engine, tmp_path)
+    driver.run()
+    engine.close()
+    return driver, engine, study
+
+
+def test_exact_budget_and_concurrency(tmp_path: Path) -> None:
+    spec = make()
+    driver, engine, study = run_driver(spec, lambda p, r: (time.sleep(0.01), p["x"])[1], 3, tmp_path)
+    assert count_finished(study) == 12
+    assert len(study.trials) == 12
+    assert engine.max_in_flight == 3
+    assert driver.summary.n_complete == 12 and driver.summary.stopped_by == "budget"
+
+
+def test_results_consumed_in_completion_order(tmp_path: Path) -> None:
+    spec = make(n_trials=8, max_concurrent=2)
+    slow = {"first": True}
+
+    def objective(p: dict[str, Any], r: Reporter) -> float:
+        if slow.pop("first", False):
+            time.sleep(0.8)  # trial 0 is slow: the other slot must keep turning over meanwhile
+        else:
+            time.sleep(0.02)
+        return p["x"]
+
+    driver, engine, _ = run_driver(spec, objective, 2, tmp_path)
+    order = [r.number for r in driver.summary.results]
+    assert order[-1] == 0 or order.index(0) >= 6, order  # no batch waits for the slow trial
+    assert len(engine.submitted) == 8
+
+
+def test_wall_clock_budget_lets_running_trials_finish(tmp_path: Path) -> None:
+    spec = make(n_trials=1000, max_concurrent=2, timeout=0.4)
+    t0 = time.monotonic()
+    driver, _, study = run_driver(spec, lambda p, r: (time.sleep(0.1), 1.0)[1], 2, tmp_path)
+    assert time.monotonic() - t0 < 2.0
+    assert driver.summary.stopped_by == "timeout"
+    assert 4 <= count_finished(study) < 20
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)  # nothing cancelled
+
+
+def test_grid_covers_every_point_once_with_concurrency(tmp_path: Path) -> None:
+    space = {
+        "opt": {"type": "categorical", "choices": ["sgd", "adam"]},
+        "momentum": {"type": "float", "low": 0.5, "high": 0.9, "step": 0.2, "when": {"opt": "sgd"}},
+        "width": {"type": "int", "low": 1, "high": 3},
+    }
+    data = copy.deepcopy(BASE)
+    data["space"] = space
+    data["search"] = {"algorithm": "grid", "max_concurrent": 3}
+    spec = spec_from_mapping(data)
+    points = grid_points(spec.space)
+    assert len(points) == (3 + 1) * 3  # sgd x 3 momenta + adam, times 3 widths
+    _, _, study = run_driver(spec, lambda p, r: (time.sleep(0.005), 1.0)[1], 3, tmp_path)
+    seen = sorted(tuple(sorted(t.params.items())) for t in study.trials)
+    assert seen == sorted(tuple(sorted(p.items())) for p in points)
+    assert len(study.trials) == len(points)
+
+
+@pytest.mark.parametrize("algorithm,concurrency", [("random", 2), ("tpe", 1), ("cmaes", 1), ("gp", 1)])
+def test_same_seed_same_configurations(tmp_path: Path, algorithm: str, concurrency: int) -> None:
+    n = 6 if algorithm == "gp" else 14
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}, "y": {"type": "float", "low": -1.0, "high": 1.0}}
+    spec = make({"space": space}, algorithm=algorithm, n_trials=n, max_concurrent=concurrency, seed=3)
+
+    def objective(p: dict[str, Any], r: Reporter) -> float:
+        return -((p["x"] - 0.3) ** 2) - p["y"] ** 2
+
+    runs = []
+    for _ in range(2):
+        _, _, study = run_driver(spec, objective, concurrency, tmp_path)
+        runs.append(sorted((t.number, tuple(sorted(t.params.items()))) for t in study.trials))
+    assert runs[0] == runs[1]
+
+
+def test_resume_marks_crashed_trials_and_keeps_budget(tmp_path: Path) -> None:
+    spec = make(n_trials=6, max_concurrent=2)
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(spec.search))
+    for _ in range(2):  # two finished trials
+        t = study.ask()
+        t.suggest_float("x", 0, 1)
+        t.suggest_categorical("k", [1, 2, 3])
+        study.tell(t, 0.5)
+    crashed = study.ask()  # left RUNNING, as a killed driver leaves it
+    crashed_params = {"x": crashed.suggest_float("x", 0, 1), "k": crashed.suggest_categorical("k", [1, 2, 3])}
+    _, engine, study = run_driver(spec, lambda p, r: p["x"], 2, tmp_path, study)
+    assert count_finished(study) == 6
+    frozen = study.trials[crashed.number]
+    assert frozen.system_attrs.get(ATTR_INTERRUPTED) and frozen.state == TrialState.FAIL
+    rerun = [t for t in study.trials if t.params == crashed_params and t.number != crashed.number]
+    assert len(rerun) == 1 and rerun[0].state == TrialState.COMPLETE  # rerun with the same params
+    assert len(engine.submitted) == 4  # 6 - 2 already finished
+
+
+def test_max_failures_stops_the_study(tmp_path: Path) -> None:
+    spec = make(n_trials=50, max_concurrent=1, max_failures=3)
+
+    def objective(p: dict[str, Any], r: Reporter) -> float:
+        raise RuntimeError("always fails")
+
+    driver, _, study = run_driver(spec, objective, 1, tmp_path)
+    assert driver.summary.stopped_by == "max_failures"
+    assert driver.summary.n_failed == 3 and len(study.trials) == 3
+    assert "always fails" in study.trials[0].user_attrs["error"]
+    assert (tmp_path / "trials" / "0" / "result.json").exists()
+
+
+def test_pruning_decisions_reach_the_trial(tmp_path: Path) -> None:
+    spec = make(n_trials=20, max_concurrent=1,
+                pruner={"type": "median", "startup_trials": 3, "warmup_steps": 0})
+
+    def objective(p: dict[str, Any], r: Reporter) -> dict[str, float]:
+        for step in range(1, 11):
+            if r.report(step, score=p["x"] * step):
+                return {"score": p["x"] * step}
+        return {"score": p["x"] * 10}
+
+    driver, _, study = run_driver(spec, objective, 1, tmp_path)
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
+    assert driver.summary.n_pruned == len(pruned) > 0
+    assert all(len(t.intermediate_values) < 10 for t in pruned)
+    assert count_finished(study) == 20
+
+
+def test_optimize_resumes_in_a_run_dir_without_exceeding_budget(tmp_path: Path) -> None:
+    data = copy.deepcopy(BASE)
+    data["search"]["n_trials"] = 5
+    r1 = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2), n_trials=3)
+    assert r1.summary.n_finished == 3
+    r2 = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))
+    assert r2.summary.n_finished == 2
+    r3 = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))
+    assert r3.summary.n_finished == 0
+    assert count_finished(r3.study) == 5
+    assert (tmp_path / "run" / "trials.csv").read_text().count("\n") == 6
+
+
+def test_resume_refuses_a_different_study(tmp_path: Path) -> None:
+    from hpoflow.errors import RunDirError
+
+    data = copy.deepcopy(BASE)
+    optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2), n_trials=1)
+    data["space"]["x"]["high"] = 2.0
+    with pytest.raises(RunDirError, match=r"space\.x\.high"):
+        optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))

@@ -1,0 +1,134 @@
+"""Malformed specs: each gives a short error with the key path and line, and exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpoflow.errors import SpecError
+from hpoflow.spec import load_spec
+
+GOOD = """\
+study:
+  name: t
+  metric: val_accuracy
+  direction: maximize
+space:
+  lr: {type: float, low: 0.001, high: 0.1, log: true}
+  opt: {type: categorical, choices: [adam, sgd]}
+  momentum: {type: float, low: 0.1, high: 0.9, when: {opt: sgd}}
+  width: {type: int, low: 16, high: 64, step: 16}
+search:
+  algorithm: tpe
+  n_trials: 4
+  max_concurrent: 1
+training:
+  model: mlp
+  epochs: 2
+  lr: ${lr}
+  optimizer: ${opt}
+  momentum: ${momentum}
+  model_options: {hidden: "${width}"}
+"""
+
+# (name, old, new, expected path fragment, expected line, expected words)
+CASES = [
+    ("wrong type", "n_trials: 4", "n_trials: four", "search.n_trials", 12, "integer"),
+    ("unknown key", "  epochs: 2", "  epoch: 2", "training.epoch", 16, "did you mean 'epochs'"),
+    ("unknown top key", "search:\n", "serch:\n", "serch", 10, "did you mean 'search'"),
+    ("low > high", "low: 0.001, high: 0.1", "low: 0.5, high: 0.1", "space.lr", 6, "low <= high"),
+    ("empty choices", "choices: [adam, sgd]", "choices: []", "space.opt", 7, "at least one"),
+    ("unknown algorithm", "algorithm: tpe", "algorithm: bayes", "search.algorithm", 11, "choose one of"),
+    ("algorithm typo", "algorithm: tpe", "algorithm: tpee", "search.algorithm", 11, "did you mean 'tpe'"),
+    ("missing metric", "  metric: val_accuracy\n", "", "study.metric", 1, "missing required key"),
+    ("missing search", "search:\n  algorithm: tpe\n  n_trials: 4\n  max_concurrent: 1\n", "",
+     "search", None, "missing required key"),
+    ("broken yaml", "  n_trials: 4", "  n_trials: [4", "", 13, "YAML syntax error"),
+    ("bad module:function", "  model: mlp", "  function: not_a_module_xyz:train", "training.function",
+     15, "cannot import"),
+    ("function without colon", "  model: mlp", "  function: just_a_name", "training.function", 15,
+     "pattern"),
+    ("missing attribute", "  model: mlp", "  function: os.path:no_such_fn", "training.function", 15,
+     "no attribute"),
+    ("unknown placeholder", "lr: ${lr}", "lr: ${lrate}", "training.lr", 17, "refers to no search parameter"),
+    ("bad direction", "direction: maximize", "direction: up", "study.direction", 4, "choose one of"),
+    ("log with low 0", "low: 0.001, high: 0.1, log: true", "low: 0.0, high: 0.1, log: true", "space.lr",
+     6, "low > 0"),
+    ("condition on unknown", "when: {opt: sgd}", "when: {optim: sgd}", "space.momentum.when.optim", 8,
+     "unknown parameter"),
+    ("negative concurrency", "max_concurrent: 1", "max_concurrent: 0", "search.max_concurrent", 13,
+     "greater than or equal to 1"),
+    ("missing param type", "{type: int, low: 16, high: 64, step: 16}", "{low: 16, high: 64}",
+     "space.width", 9, "type"),
+    ("placeholder wrong type", "  epochs: 2", "  epochs: ${opt}", "training.epochs", 16, "${opt} can be 'adam'"),
+    ("unknown built-in model", "model: mlp", "model: resnet9000", "training.model", 15, "unknown built-in model"),
+    ("duplicate key", "  epochs: 2\n", "  epochs: 2\n  epochs: 3\n", "training.epochs", 17, "duplicate key"),
+    ("grid needs step", "algorithm: tpe", "algorithm: grid", "space.lr", 6, "needs step"),
+    ("unknown metric", "metric: val_accuracy", "metric: accuracy", "study.metric", 3, "did you mean"),
+]
+
+
+@pytest.mark.parametrize("name,old,new,path,line,words", CASES, ids=[c[0] for c in CASES])
+def test_malformed_spec_errors(tmp_path: Path, name: str, old: str, new: str, path: str,
+                               line: int | None, words: str) -> None:
+    assert old in GOOD, name
+    f = tmp_path / "spec.yaml"
+    f.write_text(GOOD.replace(old, new, 1))
+    with pytest.raises(SpecError) as info:
+        load_spec(f)
+    issues = info.value.issues
+    match = [i for i in issues if i.path == path or (path and i.path.startswith(path))]
+    assert match, f"no issue at {path!r}: {[str(i) for i in issues]}"
+    issue = match[0]
+    assert words in issue.message, str(issue)
+    if line is not None:
+        assert issue.line == line, str(issue)
+    assert len(str(info.value)) < 1200  # short
+
+
+def test_good_spec_loads(tmp_path: Path) -> None:
+    f = tmp_path / "spec.yaml"
+    f.write_text(GOOD)
+    spec, text = load_spec(f)
+    assert text == GOOD
+    assert list(spec.space) == ["lr", "opt", "momentum", "width"]
+    assert spec.search.n_trials == 4
+
+
+@pytest.mark.parametrize("old,new", [("n_trials: 4", "n_trials: -3"), ("  epochs: 2", "  epoch: 2"),
+                                     ("  n_trials: 4", "  n_trials: [4")])
+def test_cli_validate_exit_code_2_without_traceback(tmp_path: Path, old: str, new: str) -> None:
+    f = tmp_path / "spec.yaml"
+    f.write_text(GOOD.replace(old, new))
+    p = subprocess.run([sys.executable, "-m", "hpoflow", "validate", str(f)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert f"{f}:" in p.stderr
+
+
+def test_cli_validate_ok(tmp_path: Path) -> None:
+    f = tmp_path / "spec.yaml"
+    f.write_text(GOOD)
+    p = subprocess.run([sys.executable, "-m", "hpoflow", "validate", str(f)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "valid" in p.stdout
+
+
+def test_validate_rejects_more_cores_than_machine(tmp_path: Path) -> None:
+    f = tmp_path / "spec.yaml"
+    f.write_text(GOOD + "resources: {processes: 64, cpus_per_process: 4}\n")
+    p = subprocess.run([sys.executable, "-m", "hpoflow", "validate", str(f)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2
+    assert "256 cores" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_examples_are_valid() -> None:
+    root = Path(__file__).resolve().parents[2] / "examples"
+    for f in sorted(root.glob("*.yaml")):
+        load_spec(f)

@@ -1,0 +1,104 @@
+"""Training functions used by tests through ``training.function: trainfns:NAME``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hpoflow.train import TrialContext
+
+CALLS = 0  # module global: must start at 0 in every trial (no state leaks between trials)
+
+
+def ddp_identical(ctx: TrialContext) -> dict[str, float]:
+    """Real DDP training of a small net on per-rank different data; returns how far the ranks'
+    weights differ (all-gathered) and how far they moved."""
+    torch.manual_seed(1234 + ctx.rank)  # different init per rank: DDP must broadcast rank 0's
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    net = DistributedDataParallel(model) if ctx.distributed else model
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(ctx.rank)  # each rank its own shard
+    for _ in range(20):
+        x = torch.randn(32, 8, generator=g)
+        y = x.sum(1, keepdim=True)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(ctx.world_size)]
+    if ctx.distributed:
+        dist.all_gather(gathered, flat)
+    else:
+        gathered = [flat]
+    spread = max(float((t - gathered[0]).abs().max()) for t in gathered)
+    ctx.report(1, loss=float(loss))
+    return {"loss": float(loss), "weight_spread": spread, "moved": float((flat - start).abs().max()),
+            "world": float(ctx.world_size)}
+
+
+def fail(ctx: TrialContext) -> float:
+    print("about to fail", flush=True)
+    raise ValueError("boom from user code")
+
+
+def crash_rank1(ctx: TrialContext) -> float:
+    """Rank 1 dies by SIGKILL mid-collective; rank 0 must not hang."""
+    if ctx.rank == 1:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 blocks here until the engine kills it
+    return 1.0
+
+
+def sleepy(ctx: TrialContext) -> float:
+    time.sleep(float(ctx.options.get("seconds", 30)))
+    return 1.0
+
+
+def counter(ctx: TrialContext) -> dict[str, float]:
+    global CALLS
+    CALLS += 1
+    return {"calls": float(CALLS), "threads": float(torch.get_num_threads()),
+            "seed_draw": float(torch.rand(1).item())}
+
+
+def env_probe(ctx: TrialContext) -> dict[str, float]:
+    path = ctx.trial_dir / f"env{ctx.rank}.txt"
+    path.write_text(
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}\n{sorted(os.sched_getaffinity(0))}\n"
+        f"{os.environ.get('OMP_NUM_THREADS')}\n"
+    )
+    if ctx.distributed:
+        dist.barrier()
+    return {"ok": 1.0}
+
+
+def spawn_child_and_sleep(ctx: TrialContext) -> float:
+    """Starts a grandchild process, then sleeps: cancel must kill both."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (ctx.trial_dir / "grandchild.pid").write_text(str(child.pid))
+    time.sleep(60)
+    return 1.0
+
+
+def report_epochs(ctx: TrialContext) -> dict[str, Any]:
+    value = float(ctx.params.get("x", 0.0))
+    for step in range(1, 6):
+        ctx.report(step, score=value * step)
+        if ctx.should_stop():
+            return {"score": value * step}
+        time.sleep(0.02)
+    return {"score": value * 5}
