@@ -27,7 +27,7 @@ from hpoflow.errors import RunDirError, SpecError
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.storage import open_storage, storage_label
-from hpoflow.spec import StudySpec, load_spec, spec_from_mapping
+from hpoflow.spec import StudySpec, load_spec, search_dirs, spec_from_mapping
 from hpoflow.tasks import Engine, make_engine
 
 __all__ = ["StudyResult", "load_run", "optimize", "prepare_spec"]
@@ -150,6 +150,8 @@ def optimize(
     ``LocalEngine``). ``progress=True`` shows the live progress display on stderr.
     """
     parsed, text = prepare_spec(spec)
+    # Trials import training.function from the spec's directory, then the current one.
+    dirs = search_dirs(spec) if isinstance(spec, str | os.PathLike) else search_dirs()
     rd = Path(run_dir) if run_dir is not None else Path("runs") / parsed.study.name
     rd.mkdir(parents=True, exist_ok=True)
     _check_resume(rd, parsed)
@@ -173,8 +175,7 @@ def optimize(
         from hpoflow.report import ProgressListener
 
         listener = ProgressListener()
-    python_path = tuple(dict.fromkeys([os.getcwd(), *sys.path[:1]]))
-    driver = Driver(parsed, study, eng, rd, listener=listener, n_trials=n_trials, python_path=python_path)
+    driver = Driver(parsed, study, eng, rd, listener=listener, n_trials=n_trials, python_path=dirs)
     try:
         if handle_signals:
             with _stop_on_signals(driver):

@@ -59,14 +59,14 @@ def _atomic_write(path: Path, text: str) -> None:
 def write_trials_csv(study: optuna.Study, path: Path) -> None:
     trials = _counted(study)
     params = sorted({k for t in trials for k in t.params})
-    metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})})
+    metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - {"duration_s"})
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
                 *[f"metric_{m}" for m in metrics], "duration_s", "error"])
     for t in trials:
         m = t.user_attrs.get("metrics") or {}
-        dur = (t.user_attrs.get("timings") or {}).get("duration_s", "")
+        dur = m.get("duration_s", "")
         w.writerow([t.number, t.state.name, "" if t.value is None else t.value,
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     dur, t.user_attrs.get("error", "")])
@@ -134,7 +134,7 @@ def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -
         table.add_column(p)
     table.add_column("time s", justify="right")
     for t in done[:top]:
-        dur = (t.user_attrs.get("timings") or {}).get("duration_s")
+        dur = (t.user_attrs.get("metrics") or {}).get("duration_s")
         table.add_row(str(t.number), _fmt(t.value), *[_fmt(t.params.get(p, "-")) for p in params],
                       "" if dur is None else f"{dur:.1f}")
     return table

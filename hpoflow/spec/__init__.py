@@ -7,6 +7,7 @@ from hpoflow.spec._load import (
     load_spec,
     placeholders,
     resolve_training,
+    search_dirs,
     spec_from_mapping,
 )
 from hpoflow.spec._models import (
@@ -39,5 +40,6 @@ __all__ = [
     "load_spec",
     "placeholders",
     "resolve_training",
+    "search_dirs",
     "spec_from_mapping",
 ]

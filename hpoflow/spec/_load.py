@@ -7,7 +7,8 @@ its parameter can take), grid spaces that must be finite, and ``module:function`
 
 from __future__ import annotations
 
-import importlib
+import ast
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,7 @@ __all__ = [
     "load_spec",
     "placeholders",
     "resolve_training",
+    "search_dirs",
     "spec_from_mapping",
 ]
 
@@ -140,7 +142,8 @@ def _candidates(param: Param) -> list[Any]:
     return [param.low, param.high]
 
 
-def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str) -> list[Issue]:
+def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
+                     search_dirs: tuple[str, ...]) -> list[Issue]:
     issues: list[Issue] = []
 
     def add(loc: tuple[Any, ...], msg: str) -> None:
@@ -203,7 +206,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str) ->
         return issues
     train = resolve_training(spec.training, {n: _candidates(p)[0] for n, p in spec.space.items()})
     if train.function:
-        problem = _check_function(train.function)
+        problem = _check_function(train.function, search_dirs)
         if problem:
             add(("training", "function"), problem)
     elif spec.study.metric not in BUILTIN_METRICS:
@@ -230,31 +233,71 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str) ->
     return issues
 
 
-def _check_function(ref: str) -> str | None:
-    module_name, _, attr = ref.partition(":")
-    for p in (os.getcwd(),):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+def _top_level_names(source: str) -> set[str] | None:
+    """Names a module defines at top level (functions, classes, assignments, imports)."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        return (f"cannot import module {module_name!r} ({exc}). Fix: make it importable from the "
-                "current directory or PYTHONPATH")
-    except Exception as exc:  # user code raised at import: report it, do not crash
-        return f"importing {module_name!r} raised {type(exc).__name__}: {exc}"
-    fn = getattr(module, attr, None)
-    if fn is None:
-        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        return f"module {module_name!r} has no attribute {attr!r}{did_you_mean(attr, public)}"
-    if not callable(fn):
-        return f"{ref!r} is not callable"
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _check_function(ref: str, search_dirs: tuple[str, ...] = ()) -> str | None:
+    """Check ``module:function`` without running the module (the driver must not import the user's
+    training code, nor torch with it): the module must be findable and, when its source can be
+    read, define the name at top level. The trial imports it for real."""
+    module_name, _, attr = ref.partition(":")
+    saved = list(sys.path)
+    sys.path[:0] = [d for d in search_dirs if d not in sys.path]
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        found, why = None, str(exc)
+    else:
+        why = "no such module"
+    finally:
+        sys.path[:] = saved
+    if found is None:
+        return (f"cannot import module {module_name!r} ({why}). Fix: put it next to the spec, in the current "
+                "directory, or on PYTHONPATH")
+    origin = found.origin
+    if not origin or not origin.endswith(".py"):
+        return None  # an extension or namespace module: the trial will tell
+    try:
+        source = FsPath(origin).read_text()
+    except OSError:
+        return None
+    names = _top_level_names(source)
+    if names is None:
+        return f"module {module_name!r} ({origin}) has a syntax error. Fix: run python {origin} to see it"
+    if attr not in names:
+        public = sorted(n for n in names if not n.startswith("_"))
+        return f"module {module_name!r} defines no {attr!r}{did_you_mean(attr, public)}"
     return None
 
 
+def search_dirs(spec_path: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
+    """Where ``training.function`` modules are looked up: the spec's directory, then the current one."""
+    dirs = [str(FsPath(spec_path).resolve().parent)] if spec_path is not None else []
+    return tuple(dict.fromkeys([*dirs, os.getcwd()]))
+
+
 def spec_from_mapping(
-    data: Any, lines: Mapping[Path, int] | None = None, source: str = "<spec>"
+    data: Any, lines: Mapping[Path, int] | None = None, source: str = "<spec>",
+    dirs: tuple[str, ...] | None = None,
 ) -> StudySpec:
-    """Validate a mapping (parsed YAML or built in Python) into a ``StudySpec``."""
+    """Validate a mapping (parsed YAML or built in Python) into a ``StudySpec``. ``dirs``: where
+    ``training.function`` modules are looked up (default: the current directory)."""
     lines = lines or {}
     if not isinstance(data, dict):
         raise SpecError([Issue("", f"a study spec is a mapping of sections, but got {type(data).__name__}. "
@@ -263,7 +306,7 @@ def spec_from_mapping(
         spec = StudySpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(_issues_from_validation(exc, lines, source)) from None
-    issues = _semantic_issues(spec, lines, source)
+    issues = _semantic_issues(spec, lines, source, dirs if dirs is not None else search_dirs())
     if issues:
         raise SpecError(issues)
     return spec
@@ -279,4 +322,4 @@ def load_spec(path: str | os.PathLike[str]) -> tuple[StudySpec, str]:
     except OSError as exc:
         raise SpecError([Issue("", f"cannot read: {exc.strerror}", None, str(p))]) from None
     data, lines = load_yaml_with_lines(text, str(p))
-    return spec_from_mapping(data, lines, str(p)), text
+    return spec_from_mapping(data, lines, str(p), search_dirs(p)), text

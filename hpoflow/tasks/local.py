@@ -1,12 +1,14 @@
-"""The local engine: trials as process groups on this machine, forked from a warm forkserver.
+"""The local engine: trials as ranks on warm worker processes of this machine.
 
-Start-up: a ``multiprocessing`` forkserver with torch and hpoflow preloaded starts once per engine;
-each rank of each trial is a fresh fork of it (milliseconds, no interpreter or torch import).
+Start-up: a ``multiprocessing`` forkserver with torch and hpoflow preloaded starts once per engine and
+forks one worker per core; workers run trial after trial (no interpreter start, no torch import, no
+fork per trial), resetting what a trial may change in between (see ``_worker``).
 Placement: CPU cores and GPU ids are slots; a trial takes ``processes * cpus_per_process`` cores
 and ``processes * gpus_per_process`` GPUs, each rank pinned to its cores with its own
 ``CUDA_VISIBLE_DEVICES`` and thread count. Nothing is oversubscribed.
-Robustness: each rank leads its own process group; a rank that raises, dies (signal, OOM kill) or
-outlives the trial's timeout fails the whole trial, whose other ranks are killed with their children.
+Robustness: each worker leads its own process group; a rank that raises, dies (signal, OOM kill) or
+outlives the trial's timeout fails the whole trial; workers of ranks that did not finish are killed
+with their children and replaced.
 """
 
 from __future__ import annotations
@@ -117,49 +119,121 @@ def _signal_name(code: int | None) -> str:
 
 
 @dataclass
+class _Worker:
+    """A warm worker process; ``gpus`` is the GPU set it is bound to once it ran a GPU rank (CUDA
+    cannot change devices in a process that initialised it)."""
+
+    wid: int
+    proc: BaseProcess
+    conn: Connection
+    gpus: tuple[int, ...] | None = None
+    trial: int | None = None
+    rank: int = -1
+    trials_run: int = 0
+
+
+@dataclass
 class _Trial:
     request: TrialRequest
     placement: list[Placement]
-    procs: list[BaseProcess]
-    conns: list[Connection]
+    workers: list[_Worker]
     submitted: float
     deadline: float | None
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
-    exited: set[int] = field(default_factory=set)
-    open_conns: set[int] = field(default_factory=set)
     first_report: float | None = None
     cancel_reason: str | None = None
     failure: str | None = None
     retryable: bool = False
 
+    @property
+    def done(self) -> bool:
+        return len(self.outcomes) == len(self.workers)
+
 
 class LocalEngine(Engine):
-    """Runs trials as processes on this machine; see the module docstring."""
+    """Runs trials as ranks on warm worker processes of this machine; see the module docstring.
+
+    ``max_trials_per_worker``: recycle a worker after that many trials (0: never; 1: a fresh
+    process for every trial, for training code that leaks state hpoflow cannot reset).
+    """
 
     name = "local"
 
     def __init__(self, cores: list[int] | None = None, gpus: list[int] | None = None,
-                 preload: list[str] | None = None, pg_timeout_s: float = 120.0) -> None:
+                 preload: list[str] | None = None, pg_timeout_s: float = 120.0,
+                 max_trials_per_worker: int = 0, prestart: bool = True) -> None:
         self.cores = machine_cores() if cores is None else list(cores)
         self.gpus = detect_gpus() if gpus is None else list(gpus)
         self.free_cores = list(self.cores)
         self.free_gpus = list(self.gpus)
         self.pg_timeout_s = pg_timeout_s
+        self.max_trials_per_worker = max_trials_per_worker
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD if preload is None else preload)
         self._trials: dict[int, _Trial] = {}
+        self._workers: dict[int, _Worker] = {}
+        self._idle: list[_Worker] = []
+        self._next_wid = 0
         self._events: list[Event] = []
         self._ports: deque[int] = deque(maxlen=256)
+        self._lock = threading.RLock()
         self._closed = False
-        # Start the forkserver (and its torch import) now, in the background, while the driver
-        # sets up the study; the first submit waits for it only if it is not ready yet.
-        self._warm = threading.Thread(target=self._start_forkserver, daemon=True)
+        # Start the forkserver (its torch import) and one worker per core now, in the background,
+        # while the driver sets up the study; the first submit waits only for what is not ready.
+        self._warm = threading.Thread(target=self._prestart, args=(len(self.cores) if prestart else 0,),
+                                      daemon=True)
         self._warm.start()
 
-    def _start_forkserver(self) -> None:
+    def _prestart(self, n: int) -> None:
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
+        for _ in range(n):
+            with self._lock:
+                if self._closed or len(self._workers) >= n:
+                    return
+                self._idle.append(self._spawn_worker())
+
+    def _spawn_worker(self) -> _Worker:
+        from hpoflow.tasks._worker import worker_main
+
+        parent, child = self._ctx.Pipe(duplex=True)
+        wid = self._next_wid
+        self._next_wid += 1
+        proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}", daemon=True)
+        proc.start()
+        child.close()
+        w = _Worker(wid, proc, parent)
+        self._workers[wid] = w
+        return w
+
+    def _acquire_worker(self, gpus: tuple[int, ...]) -> _Worker:
+        """An idle worker that may use ``gpus`` (same binding, or never bound), else a new one."""
+        want = gpus or None
+
+        def fits(w: _Worker, exact: bool) -> bool:
+            if exact:
+                return w.gpus == want
+            return w.gpus is None or want is None  # unbound; or a CPU rank, which any worker can run
+
+        for exact in (True, False):
+            for i, w in enumerate(self._idle):
+                if fits(w, exact):
+                    return self._idle.pop(i)
+        # None fits: retire an idle worker bound elsewhere (keep the pool size bounded), start anew.
+        if self._idle and len(self._workers) >= len(self.cores):
+            self._retire(self._idle.pop(0))
+        return self._spawn_worker()
+
+    def _retire(self, w: _Worker) -> None:
+        self._workers.pop(w.wid, None)
+        _killpg(w.proc)
+        w.proc.join(_KILL_GRACE_S)
+        w.conn.close()
+        try:
+            w.proc.close()
+        except ValueError:
+            pass
 
     # -- contract -------------------------------------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
@@ -190,33 +264,28 @@ class LocalEngine(Engine):
         trial_dir = Path(request.trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
         port = _free_port(self._ports) if request.processes > 1 else 0
-        from hpoflow.tasks._worker import rank_process  # light: only the entry point's module
         from hpoflow.train.runner import RankJob
 
         now = time.monotonic()
-        trial = _Trial(request, placement, [], [], now,
-                       now + request.timeout if request.timeout else None)
-        for p in placement:
-            parent, child = self._ctx.Pipe(duplex=True)
-            threads = max(1, len(p.cores))
-            env = {
-                "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                "HPOFLOW_TRIAL": str(request.number), "HPOFLOW_RANK": str(p.rank),
-                "LOCAL_RANK": str(p.rank), "LOCAL_WORLD_SIZE": str(request.processes),
-            }
-            if self.gpus:  # only touch CUDA_VISIBLE_DEVICES where GPUs exist
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.gpus)
-            job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", port, threads,
-                          self.pg_timeout_s)
-            proc = self._ctx.Process(
-                target=rank_process, name=f"hpoflow-trial{request.number}-rank{p.rank}",
-                args=(job, child, env, p.cores, str(trial_dir / f"rank{p.rank}.log")), daemon=True,
-            )
-            proc.start()
-            child.close()
-            trial.procs.append(proc)
-            trial.conns.append(parent)
-            trial.open_conns.add(p.rank)
+        trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None)
+        with self._lock:
+            for p in placement:
+                w = self._acquire_worker(p.gpus)
+                threads = max(1, len(p.cores))
+                env = {
+                    "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                    "HPOFLOW_TRIAL": str(request.number), "HPOFLOW_RANK": str(p.rank),
+                    "LOCAL_RANK": str(p.rank), "LOCAL_WORLD_SIZE": str(request.processes),
+                }
+                if self.gpus:  # only touch CUDA_VISIBLE_DEVICES where GPUs exist
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.gpus)
+                    if p.gpus:
+                        w.gpus = p.gpus
+                job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", port, threads,
+                              self.pg_timeout_s)
+                w.trial, w.rank = request.number, p.rank
+                w.conn.send(("run", (job, env, p.cores, str(trial_dir / f"rank{p.rank}.log"))))
+                trial.workers.append(w)
         self._trials[request.number] = trial
 
     def poll(self, timeout: float | None) -> list[Event]:
@@ -235,31 +304,18 @@ class LocalEngine(Engine):
                 if deadline is not None and now >= deadline:
                     return []
                 continue
-            objs: list[Any] = []
-            owner: dict[int, tuple[_Trial, int, str]] = {}
+            owner: dict[Any, _Worker] = {}
             for t in self._trials.values():
-                for r, conn in enumerate(t.conns):
-                    if r in t.open_conns:
-                        objs.append(conn)
-                        owner[id(conn)] = (t, r, "conn")
-                for r, proc in enumerate(t.procs):
-                    if r not in t.exited:
-                        objs.append(proc.sentinel)
-                        owner[id(proc.sentinel)] = (t, r, "proc")
-            ready = wait(objs, timeout=wait_for)
-            for obj in ready:
-                key = id(obj)
-                if key not in owner:  # sentinels are ints: look them up by value
-                    for t in self._trials.values():
-                        for r, proc in enumerate(t.procs):
-                            if proc.sentinel == obj:
-                                self._on_exit(t, r)
-                    continue
-                t, r, kind = owner[key]
-                if kind == "conn":
-                    self._drain(t, r)
+                for w in t.workers:
+                    if w.rank not in t.outcomes and w.wid in self._workers:
+                        owner[w.conn] = w
+                        owner[w.proc.sentinel] = w
+            for obj in wait(list(owner), timeout=wait_for):
+                w = owner[obj]
+                if obj is w.conn:
+                    self._drain(w)
                 else:
-                    self._on_exit(t, r)
+                    self._on_worker_exit(w)
 
     def _next_wakeup(self, now: float, deadline: float | None) -> float | None:
         times = [t.deadline for t in self._trials.values() if t.deadline is not None]
@@ -269,65 +325,78 @@ class LocalEngine(Engine):
 
     def answer(self, number: int, prune: bool) -> None:
         t = self._trials.get(number)
-        if t is None or 0 not in t.open_conns:
+        if t is None or 0 in t.outcomes:
             return
         try:
-            t.conns[0].send(("prune", prune))
+            t.workers[0].conn.send(("prune", prune))
         except (BrokenPipeError, OSError):
             pass
 
     def cancel(self, number: int, reason: str) -> None:
         t = self._trials.get(number)
-        if t is not None and t.cancel_reason is None:
+        if t is not None and t.cancel_reason is None and not t.done:
             t.cancel_reason = reason
-            self._kill(t)
+            self._kill_unfinished(t)
 
     def running(self) -> list[int]:
         return sorted(self._trials)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for t in list(self._trials.values()):
-            t.cancel_reason = t.cancel_reason or "engine closed"
-            self._kill(t)
-        for t in list(self._trials.values()):
-            self._release(t)
-        self._trials.clear()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._warm.join()
+        with self._lock:
+            for w in list(self._workers.values()):
+                try:
+                    w.conn.send(("exit", None))
+                except (BrokenPipeError, OSError):
+                    pass
+                _killpg(w.proc)  # busy or idle: nothing of a closed engine may run on
+            for w in list(self._workers.values()):
+                self._retire(w)
+            self._idle.clear()
+            self._trials.clear()
 
     # -- internals ------------------------------------------------------------------------------
-    def _drain(self, t: _Trial, rank: int) -> None:
-        conn = t.conns[rank]
+    def _trial_of(self, w: _Worker) -> _Trial | None:
+        return self._trials.get(w.trial) if w.trial is not None else None
+
+    def _drain(self, w: _Worker) -> None:
+        t = self._trial_of(w)
         try:
-            while conn.poll():
-                kind, payload = conn.recv()
+            while w.conn.poll():
+                kind, payload = w.conn.recv()
+                if t is None:
+                    continue
                 if kind == "report":
                     step, metrics, wants = payload
                     if t.first_report is None:
                         t.first_report = time.monotonic()
                     self._events.append(TrialReport(t.request.number, step, metrics, wants))
                 elif kind == "outcome":
-                    t.outcomes[rank] = payload
+                    t.outcomes[w.rank] = payload
                     if payload["status"] == "error" and t.failure is None:
-                        t.failure = f"rank {rank}: {payload['error']}"
+                        t.failure = f"rank {w.rank}: {payload['error']}"
                         t.retryable = bool(payload.get("retryable"))
-                        self._kill(t)
+                        self._kill_unfinished(t)
         except (EOFError, OSError):
-            t.open_conns.discard(rank)
+            self._on_worker_exit(w)
 
-    def _on_exit(self, t: _Trial, rank: int) -> None:
-        if rank in t.exited:
+    def _on_worker_exit(self, w: _Worker) -> None:
+        if w.wid not in self._workers:
             return
-        t.exited.add(rank)
-        if rank in t.open_conns:
-            self._drain(t, rank)
-        proc = t.procs[rank]
-        proc.join(0.5)
-        if rank not in t.outcomes and t.failure is None and t.cancel_reason is None:
-            t.failure = f"rank {rank} {_signal_name(proc.exitcode)} before it finished"
-            t.retryable = True
-            self._kill(t)
+        t = self._trial_of(w)
+        w.proc.join(0.5)
+        code = w.proc.exitcode
+        self._retire(w)
+        if t is not None and w.rank not in t.outcomes:
+            t.outcomes[w.rank] = {"status": "lost"}
+            if t.failure is None and t.cancel_reason is None:
+                t.failure = f"rank {w.rank} {_signal_name(code)} before it finished"
+                t.retryable = True
+                self._kill_unfinished(t)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -336,35 +405,20 @@ class LocalEngine(Engine):
                 t.failure = f"timed out after {t.request.timeout:g} s (resources.timeout)"
                 t.retryable = True
                 t.deadline = None
-                self._kill(t)
+                self._kill_unfinished(t)
 
-    def _kill(self, t: _Trial) -> None:
-        for proc in t.procs:
-            pid = proc.pid
-            if pid is None or proc.exitcode is not None:
-                continue
-            try:
-                os.killpg(pid, signal.SIGKILL)  # the rank and everything it started
-            except (ProcessLookupError, PermissionError):
-                try:
-                    proc.kill()
-                except (ProcessLookupError, OSError):
-                    pass
+    def _kill_unfinished(self, t: _Trial) -> None:
+        """Kill the workers of ``t`` that have not finished their rank (they may hang in a
+        collective); they are replaced, never reused."""
+        for w in t.workers:
+            if w.rank not in t.outcomes and w.wid in self._workers:
+                t.outcomes[w.rank] = {"status": "killed"}
+                self._retire(w)
 
     def _finish_ready(self) -> None:
         for number, t in list(self._trials.items()):
-            if len(t.exited) < len(t.procs):
-                if t.failure is None and t.cancel_reason is None:
-                    continue
-                # killed: wait for the ranks to be reaped
-                for r, proc in enumerate(t.procs):
-                    proc.join(_KILL_GRACE_S)
-                    self._on_exit(t, r)
-                if len(t.exited) < len(t.procs):
-                    continue
-            for r in range(len(t.procs)):
-                if r in t.open_conns:
-                    self._drain(t, r)
+            if not t.done:
+                continue
             self._events.append(self._result(t))
             self._release(t)
             del self._trials[number]
@@ -375,20 +429,21 @@ class LocalEngine(Engine):
         timings = {"duration_s": now - t.submitted}
         if t.first_report is not None:
             timings["to_first_report_s"] = t.first_report - t.submitted
+        chief = t.outcomes.get(0, {})
+        if chief.get("first_step_s") is not None:
+            timings["to_first_step_s"] = float(chief["first_step_s"])
         trial_dir = Path(req.trial_dir)
         if t.failure is not None or t.cancel_reason is not None:
-            logs = [tail(trial_dir / f"rank{r}.log", 2000) for r in range(len(t.procs))]
+            logs = [tail(trial_dir / f"rank{r}.log", 2000) for r in range(len(t.workers))]
             stderr = "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs) if text.strip())
             if t.failure is None:
                 return TrialResult(req.number, "cancelled", error=t.cancel_reason, stderr_tail=stderr,
                                    timings=timings)
             return TrialResult(req.number, "failed", error=t.failure, stderr_tail=stderr, timings=timings,
                                retryable=t.retryable)
-        chief = t.outcomes.get(0, {})
         metrics = chief.get("metrics", {})
         status: TrialStatus = "pruned" if chief.get("status") == "pruned" else "complete"
-        return TrialResult(req.number, status, value=metrics.get(req.metric), metrics=metrics,
-                           timings=timings)
+        return TrialResult(req.number, status, value=metrics.get(req.metric), metrics=metrics, timings=timings)
 
     def _release(self, t: _Trial) -> None:
         for p in t.placement:
@@ -396,12 +451,27 @@ class LocalEngine(Engine):
             self.free_gpus.extend(g for g in p.gpus if g not in self.free_gpus)
         self.free_cores.sort()
         self.free_gpus.sort()
-        for conn in t.conns:
-            conn.close()
-        for proc in t.procs:
-            if proc.exitcode is None:
-                proc.join(_KILL_GRACE_S)
-            try:
-                proc.close()
-            except ValueError:
-                pass
+        with self._lock:
+            for w in t.workers:
+                if w.wid not in self._workers:
+                    continue  # killed: already retired
+                w.trial, w.rank = None, -1
+                w.trials_run += 1
+                if self.max_trials_per_worker and w.trials_run >= self.max_trials_per_worker:
+                    self._retire(w)
+                else:
+                    self._idle.append(w)
+
+
+def _killpg(proc: BaseProcess) -> None:
+    """SIGKILL a worker and everything it started (it leads its own process group)."""
+    pid = proc.pid
+    if pid is None or proc.exitcode is not None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except (ProcessLookupError, OSError, ValueError):
+            pass

@@ -51,8 +51,8 @@ CASES = [
      15, "cannot import"),
     ("function without colon", "  model: mlp", "  function: just_a_name", "training.function", 15,
      "pattern"),
-    ("missing attribute", "  model: mlp", "  function: os.path:no_such_fn", "training.function", 15,
-     "no attribute"),
+    ("missing attribute", "  model: mlp", "  function: json:no_such_fn", "training.function", 15,
+     "defines no"),
     ("unknown placeholder", "lr: ${lr}", "lr: ${lrate}", "training.lr", 17, "refers to no search parameter"),
     ("bad direction", "direction: maximize", "direction: up", "study.direction", 4, "choose one of"),
     ("log with low 0", "low: 0.001, high: 0.1, log: true", "low: 0.0, high: 0.1, log: true", "space.lr",
@@ -132,3 +132,21 @@ def test_examples_are_valid() -> None:
     root = Path(__file__).resolve().parents[2] / "examples"
     for f in sorted(root.glob("*.yaml")):
         load_spec(f)
+
+
+def test_validating_a_user_function_does_not_run_it(tmp_path: Path) -> None:
+    """The driver must not import the user's training code (nor torch through it)."""
+    (tmp_path / "mytrain.py").write_text(
+        "import torch\nraise SystemExit('executed!')\ndef train(ctx):\n    return 1.0\n")
+    f = tmp_path / "spec.yaml"
+    f.write_text(GOOD.replace("  model: mlp", "  function: mytrain:train").replace("val_accuracy", "loss"))
+    code = ("import sys; from hpoflow.spec import load_spec; load_spec(sys.argv[1]); "
+            "print('torch' in sys.modules, 'mytrain' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False"]
+    f.write_text(GOOD.replace("  model: mlp", "  function: mytrain:trian").replace("val_accuracy", "loss"))
+    p = subprocess.run([sys.executable, "-m", "hpoflow", "validate", str(f)], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert p.returncode == 2 and "did you mean 'train'" in p.stderr
