@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import optuna
 from optuna.trial import TrialState
 
+from hpoflow.errors import EngineError
 from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, resolve_training
 from hpoflow.tasks._base import Engine, TrialReport, TrialRequest, TrialResult
@@ -113,7 +114,14 @@ class Driver:
             self.listener.on_start(self.n_trials, self._finished)
         deadline = t_start + self.spec.search.timeout if self.spec.search.timeout else None
         probe = self._probe_request()
-        slots = max(1, min(self.spec.search.max_concurrent, self.engine.capacity(probe)))
+        capacity = self.engine.capacity(probe)
+        if capacity < 1:  # refuse before asking the study for a trial that could never run
+            raise EngineError(
+                f"the {self.engine.name} engine cannot run a trial of {probe.processes} process(es) x "
+                f"{probe.cpus_per_process} CPU(s) x {probe.gpus_per_process} GPU(s) on {probe.nodes} node(s) "
+                "here. Fix: lower resources, or use an engine/allocation that has them"
+            )
+        slots = max(1, min(self.spec.search.max_concurrent, capacity))
         cancelling = False
         try:
             while True:

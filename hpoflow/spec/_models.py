@@ -220,6 +220,118 @@ class TrainConfig(_Strict):
     val_fraction: float = Field(default=0.2, gt=0, lt=1)
     seed: int = 0
     options: dict[str, Any] = Field(default_factory=dict)
+    # -- data-parallel strategy (hpoflow.train.strategies; docs/strategies.md) ------------------
+    strategy: Literal["allreduce", "parameter_server", "easgd", "local_sgd"] = Field(
+        default="allreduce", description="How the ranks of a trial combine their work.")
+    strategy_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the strategy, or one mapping per strategy name (for a "
+                    "searched strategy); once validated: the active strategy's options, in full.")
+    # -- large-batch control (hpoflow.train.largebatch) -----------------------------------------
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        default="none", description="Scale lr by the global batch over base_batch_size.")
+    base_batch_size: int | None = Field(
+        default=None, ge=1, description="Batch size lr was tuned for (default: batch_size).")
+    warmup_epochs: float = Field(default=0.0, ge=0, description="Linear lr warm-up length.")
+    lars: bool = Field(default=False, description="Layer-wise adaptive rate scaling (LARS).")
+    lars_trust_coefficient: float = Field(default=0.001, gt=0)
+    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+
+    @staticmethod
+    def strategy_option_table() -> dict[str, dict[str, tuple[str, Any, Any]]]:
+        """strategy -> option -> (kind, default, rule): the single source of truth for strategy
+        options, torch-free because the driver validates specs without importing torch."""
+        return {
+            "allreduce": {
+                "bucket_cap_mb": ("float>0", 25.0, None),
+                "gradient_as_bucket_view": ("bool", False, None),
+                "compression": ("choice", "none", ("none", "fp16", "bf16", "powersgd")),
+                "powersgd_rank": ("int>=1", 1, None),
+                "powersgd_start_iter": ("int>=2", 2, None),
+            },
+            "parameter_server": {"servers": ("int>=1", 1, None)},
+            "easgd": {
+                "alpha": ("float(0,1)", None, None),
+                "rho": ("float>0", None, None),
+                "tau": ("int>=1", 4, None),
+                "momentum": ("bool", False, None),
+                "momentum_coefficient": ("float[0,1)", 0.9, None),
+            },
+            "local_sgd": {"period": ("int>=1", 8, None)},
+        }
+
+    @staticmethod
+    def _option_problem(kind: str, value: Any, rule: Any) -> str | None:
+        """Why ``value`` breaks an option's rule, or None if it is fine."""
+        if kind == "bool":
+            return None if isinstance(value, bool) else "must be true or false"
+        if kind == "choice":
+            return None if value in rule else f"must be one of {', '.join(rule)}"
+        if kind.startswith("int"):
+            low = int(kind.removeprefix("int>="))
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            return None if ok else f"must be a whole number >= {low}"
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return "must be a number"
+        if kind == "float>0":
+            return None if value > 0 else "must be > 0"
+        if kind == "float(0,1)":
+            return None if 0 < value < 1 else "must lie in the open interval (0, 1)"
+        return None if 0 <= value < 1 else "must lie in [0, 1)"  # float[0,1)
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> TrainConfig:
+        table = self.strategy_option_table()
+        raw = dict(self.strategy_options)
+        if raw and all(k in table for k in raw):  # one mapping per strategy: take the active one
+            for name, sub in raw.items():
+                if not isinstance(sub, dict):
+                    raise PydanticCustomError(
+                        "strategy_options",
+                        "strategy_options.{name} must be a mapping of {name}'s options, but got "
+                        "{value}. Fix: put {name}'s options under strategy_options.{name}",
+                        {"name": name, "value": sub})
+            chosen = dict(raw.get(self.strategy, {}))
+            others = {n: dict(s) for n, s in raw.items() if n != self.strategy}
+        else:
+            chosen, others = raw, {}
+        for name, opts in [(self.strategy, chosen), *others.items()]:
+            schema = table[name]
+            prefix = "strategy_options" if chosen is raw else f"strategy_options.{name}"
+            for key, value in opts.items():
+                if key not in schema:
+                    raise PydanticCustomError(
+                        "unknown_strategy_option",
+                        "{prefix}.{key}: unknown option of strategy '{name}'{hint}; valid "
+                        "options of {name}: {valid}. Fix: rename or remove it",
+                        {"prefix": prefix, "key": key, "name": name, "valid": ", ".join(schema),
+                         "hint": did_you_mean(key, list(schema))})
+                kind, default, rule = schema[key]
+                if value is None and default is None:
+                    continue  # "unset" (how a normalised config round-trips)
+                problem = self._option_problem(kind, value, rule)
+                if problem:
+                    raise PydanticCustomError(
+                        "bad_strategy_option",
+                        "{prefix}.{key} {problem}, but got {value} (strategy '{name}')",
+                        {"prefix": prefix, "key": key, "problem": problem, "value": value,
+                         "name": name})
+        if self.strategy == "easgd" and None not in (chosen.get("alpha"), chosen.get("rho")):
+            raise PydanticCustomError(
+                "bad_strategy_option",
+                "strategy_options: easgd takes alpha or rho (alpha = lr * rho), not both, but got "
+                "alpha={alpha}, rho={rho}. Fix: remove one",
+                {"alpha": chosen["alpha"], "rho": chosen["rho"]})
+        if self.strategy == "easgd" and chosen.get("momentum") and self.optimizer != "sgd":
+            raise PydanticCustomError(
+                "bad_strategy_option",
+                "strategy_options.momentum: true (momentum EASGD) puts Nesterov momentum on each "
+                "worker's SGD step, so it needs optimizer: sgd, but got optimizer: {opt}. Fix: set "
+                "optimizer: sgd or momentum: false", {"opt": self.optimizer})
+        full = {k: chosen.get(k, spec[1]) for k, spec in table[self.strategy].items()}
+        if full != self.strategy_options:
+            object.__setattr__(self, "strategy_options", full)  # frozen: normalise once, here
+        return self
 
 
 class ResourcesSpec(_Strict):

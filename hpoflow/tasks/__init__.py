@@ -32,14 +32,9 @@ def make_engine(name: str, **options: Any) -> Engine:
 
         return LocalEngine(**options)
     if name == "compss":
-        try:
-            from hpoflow.tasks.compss import CompssEngine
-        except ImportError as exc:
-            raise EngineError(
-                f"the compss engine needs PyCOMPSs, which is not importable here ({exc}). Fix: on a "
-                "cluster, load the COMPSs module (e.g. `module load COMPSs`) or install COMPSs and "
-                "`pip install 'hpoflow[compss]'`, then launch with `hpoflow launch SPEC --engine compss`; "
-                "on a laptop, use engine: local"
-            ) from None
+        # Importable without pycompss (for the sequential fallback of workflows/hpo.py); the engine
+        # itself raises EngineError with the install steps when PyCOMPSs is needed but missing.
+        from hpoflow.tasks.compss import CompssEngine
+
         return CompssEngine(**options)
     raise EngineError(f"unknown engine {name!r}; valid engines: {', '.join(ENGINES)}")

@@ -139,6 +139,7 @@ class _Trial:
     workers: list[_Worker]
     submitted: float
     deadline: float | None
+    submitted_wall: float = 0.0
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     first_report: float | None = None
     cancel_reason: str | None = None
@@ -267,7 +268,8 @@ class LocalEngine(Engine):
         from hpoflow.train.runner import RankJob
 
         now = time.monotonic()
-        trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None)
+        trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
+                       submitted_wall=time.time())
         with self._lock:
             for p in placement:
                 w = self._acquire_worker(p.gpus)
@@ -430,8 +432,9 @@ class LocalEngine(Engine):
         if t.first_report is not None:
             timings["to_first_report_s"] = t.first_report - t.submitted
         chief = t.outcomes.get(0, {})
-        if chief.get("first_step_s") is not None:
-            timings["to_first_step_s"] = float(chief["first_step_s"])
+        if chief.get("started_at") is not None:  # submit -> training starts (workers, rendezvous)
+            timings["launch_s"] = float(chief["started_at"]) - t.submitted_wall
+            timings["run_s"] = float(chief["run_s"])
         trial_dir = Path(req.trial_dir)
         if t.failure is not None or t.cancel_reason is not None:
             logs = [tail(trial_dir / f"rank{r}.log", 2000) for r in range(len(t.workers))]

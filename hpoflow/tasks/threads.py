@@ -44,7 +44,7 @@ class ThreadEngine(Engine):
     def __init__(self, objective: Callable[[dict[str, Any], Reporter], Any], slots: int = 1) -> None:
         self.objective = objective
         self.slots = slots
-        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="hpoflow-trial")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, slots), thread_name_prefix="hpoflow-trial")
         self._events: queue.Queue[Event] = queue.Queue()
         self._reporters: dict[int, Reporter] = {}
         self._cancelled: set[int] = set()

@@ -1,27 +1,40 @@
-"""The built-in trainer: a built-in model on a built-in data set, with DDP across the trial's ranks.
+"""The built-in trainer: a built-in model on a built-in data set, data-parallel across the trial's
+ranks with the spec's strategy (``hpoflow.train.strategies``) and large-batch control
+(``hpoflow.train.largebatch``).
 
 Each rank trains on its shard of the training set (``DistributedSampler``, reshuffled per epoch
-with the trial's seed); gradients are averaged by ``DistributedDataParallel``. After each epoch
-every rank evaluates the whole validation set (identical weights give identical numbers), rank 0
-reports ``val_accuracy``, ``val_loss``, ``train_loss`` and ``train_accuracy``, and every rank asks
-``should_stop()`` at the same point.
+with the trial's seed, padded so every rank takes the same number of steps). One optimizer step is
+``grad_accum_steps`` micro-batches. After each epoch the strategy makes the model to evaluate
+identical on every rank (``end_epoch``), every rank evaluates the whole validation set, rank 0
+reports ``val_accuracy``, ``val_loss``, ``train_loss``, ``train_accuracy`` and the measurements
+(``samples_per_s``, ``step_time_s``, ``comm_time_s``, ``comm_fraction``, ``bytes_per_step``, ...),
+and every rank asks ``should_stop()`` at the same point. At the end every rank writes the SHA-256
+of its final evaluated weights to ``weights_rank<r>.sha256`` in the trial directory (and the
+``state_dict`` to ``final_state_rank<r>.pt`` when ``HPOFLOW_SAVE_FINAL_STATE=1``); rank 0 reports
+``ranks_identical`` (1.0 when every rank ended with the same weights).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
+import os
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hpoflow.train.context import TrialContext
 from hpoflow.train.data import load_dataset
+from hpoflow.train.largebatch import LARS, LrSchedule
 from hpoflow.train.models import build_model
+from hpoflow.train.strategies import OptimizerLike, Strategy, StrategyEnv, make_strategy
 
-__all__ = ["NonFiniteLoss", "make_optimizer", "train_builtin"]
+__all__ = ["NonFiniteLoss", "evaluate", "make_optimizer", "train_builtin", "weights_digest"]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -54,52 +67,135 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.d
     return loss_sum / len(x), correct / len(x)
 
 
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's parameters and buffers, in ``state_dict`` order."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class EpochStats:
+    """What one epoch of training on this rank saw."""
+
+    loss_sum: float = 0.0
+    correct: int = 0
+    seen: int = 0
+    seconds: float = 0.0
+
+
+def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: OptimizerLike,
+                loader: DataLoader[tuple[torch.Tensor, ...]], schedule: LrSchedule, first_step: int
+                ) -> tuple[EpochStats, int]:
+    """One pass over this rank's shard; returns the epoch's stats and the next step number."""
+    accum = ctx.config.grad_accum_steps
+    n = len(loader)
+    stats = EpochStats()
+    step = first_step
+    group = 0
+    t0 = time.perf_counter()
+    for i, (xb, yb) in enumerate(loader):
+        pos = i % accum
+        if pos == 0:  # a new optimizer step: the last one of an epoch may have fewer micro-batches
+            group = min(accum, n - i)
+            strategy.meter.begin_step()
+            schedule.apply(opt, step)
+            opt.zero_grad(set_to_none=True)
+            strategy.before_step()
+        last = pos == group - 1
+        xb, yb = xb.to(ctx.device), yb.to(ctx.device)
+        with strategy.no_sync() if not last else contextlib.nullcontext():
+            out = net(xb)
+            loss = nn.functional.cross_entropy(out, yb)
+            (loss / group).backward()
+        stats.loss_sum += float(loss.detach()) * len(xb)
+        stats.correct += int((out.argmax(1) == yb).sum())
+        stats.seen += len(xb)
+        if last:
+            strategy.after_backward()
+            strategy.step(opt)
+            strategy.meter.end_step()
+            step += 1
+    stats.seconds = time.perf_counter() - t0
+    return stats, step
+
+
+def _ranks_identical(ctx: TrialContext, digest: str) -> bool:
+    if not ctx.distributed:
+        return True
+    digests: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(digests, digest)
+    return all(d == digests[0] for d in digests)
+
+
+def _finish(ctx: TrialContext, model: nn.Module) -> float:
+    """Record this rank's final weights (digest file, optional state_dict); 1.0 if ranks agree."""
+    digest = weights_digest(model)
+    try:
+        ctx.trial_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.trial_dir / f"weights_rank{ctx.rank}.sha256").write_text(digest + "\n")
+        if os.environ.get("HPOFLOW_SAVE_FINAL_STATE") == "1":
+            torch.save(model.state_dict(), ctx.trial_dir / f"final_state_rank{ctx.rank}.pt")
+    except OSError as exc:  # the weights are a by-product: never fail a trial over them
+        print(f"hpoflow: rank {ctx.rank} could not write its final weights: {exc}")
+    return 1.0 if _ranks_identical(ctx, digest) else 0.0
+
+
 def train_builtin(ctx: TrialContext) -> dict[str, float]:
     cfg = ctx.config
     torch.manual_seed(cfg.seed)
     data = load_dataset(cfg.dataset, cfg.val_fraction)
     model = build_model(cfg.model, data.input_shape, data.n_classes, **cfg.model_options).to(ctx.device)
-    net: nn.Module = model
-    if ctx.distributed:
-        net = DistributedDataParallel(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
-    opt = make_optimizer(cfg.optimizer, net.parameters(), cfg.lr, cfg.momentum, cfg.weight_decay)
-    train_set = TensorDataset(data.x_train, data.y_train)
-    sampler = DistributedSampler(
-        train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed, drop_last=False
-    )
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
-    metrics: dict[str, float] = {}
-    t_train = 0.0
-    samples = 0
-    for epoch in range(cfg.epochs):
-        sampler.set_epoch(epoch)
-        t0 = time.perf_counter()
-        loss_sum, correct, seen = 0.0, 0, 0
-        for xb, yb in loader:
-            xb, yb = xb.to(ctx.device), yb.to(ctx.device)
-            opt.zero_grad(set_to_none=True)
-            out = net(xb)
-            loss = nn.functional.cross_entropy(out, yb)
-            loss.backward()
-            opt.step()
-            loss_sum += float(loss) * len(xb)
-            correct += int((out.argmax(1) == yb).sum())
-            seen += len(xb)
-        t_train += time.perf_counter() - t0
-        samples += seen
-        train_loss = loss_sum / max(seen, 1)
-        if not math.isfinite(train_loss):
-            raise NonFiniteLoss(f"training loss is {train_loss} at epoch {epoch + 1} (lr={cfg.lr})")
-        val_loss, val_acc = evaluate(model, data.x_val, data.y_val, ctx.device)
-        metrics = {
-            "val_accuracy": val_acc,
-            "val_loss": val_loss,
-            "train_loss": train_loss,
-            "train_accuracy": correct / max(seen, 1),
-            "epoch": float(epoch + 1),
-            "samples_per_s": samples * ctx.world_size / t_train if t_train > 0 else 0.0,
-        }
-        ctx.report(epoch + 1, **metrics)
-        if ctx.should_stop():
-            break
-    return metrics
+    world = ctx.world_size if ctx.distributed else 1
+    env = StrategyEnv(rank=ctx.rank if ctx.distributed else 0, world_size=world, lr=cfg.lr,
+                      device=ctx.device)
+    strategy = make_strategy(cfg.strategy, cfg.strategy_options, env)
+    try:
+        net = strategy.wrap(model)
+        train_set = TensorDataset(data.x_train, data.y_train)
+        sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+            train_set, num_replicas=world, rank=env.rank, shuffle=True, seed=cfg.seed,
+            drop_last=False)
+        loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+        steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum_steps)
+        schedule = LrSchedule.from_config(cfg, world, steps_per_epoch)
+        base = make_optimizer(cfg.optimizer, model.parameters(), schedule.lr_at(0), cfg.momentum,
+                              cfg.weight_decay)
+        opt: OptimizerLike = LARS(base, cfg.lars_trust_coefficient) if cfg.lars else base
+        strategy.prepare_optimizer(opt)
+        metrics: dict[str, float] = {}
+        t_train, samples, step = 0.0, 0, 0
+        for epoch in range(cfg.epochs):
+            sampler.set_epoch(epoch)
+            stats, step = train_epoch(ctx, net, strategy, opt, loader, schedule, step)
+            t_sync = time.perf_counter()
+            strategy.end_epoch()
+            t_train += stats.seconds + time.perf_counter() - t_sync
+            samples += stats.seen
+            train_loss = stats.loss_sum / max(stats.seen, 1)
+            if not math.isfinite(train_loss):
+                raise NonFiniteLoss(f"training loss is {train_loss} at epoch {epoch + 1} "
+                                    f"(lr={schedule.target_lr:g}, strategy={cfg.strategy})")
+            val_loss, val_acc = evaluate(strategy.eval_module(), data.x_val, data.y_val, ctx.device)
+            metrics = {
+                "val_accuracy": val_acc,
+                "val_loss": val_loss,
+                "train_loss": train_loss,
+                "train_accuracy": stats.correct / max(stats.seen, 1),
+                "epoch": float(epoch + 1),
+                "samples_per_s": samples * world / t_train if t_train > 0 else 0.0,
+                "lr": schedule.lr_at(max(step - 1, 0)),
+                "global_batch": float(cfg.batch_size * world * cfg.grad_accum_steps),
+                "world_size": float(world),
+                **strategy.comm_stats(),
+            }
+            ctx.report(epoch + 1, **metrics)
+            # Epoch boundary: every rank is consistent here (a checkpoint may be saved at this point).
+            if ctx.should_stop():
+                break
+        metrics["ranks_identical"] = _finish(ctx, strategy.eval_module())
+        return metrics
+    finally:
+        strategy.close()

@@ -52,7 +52,8 @@ class RankOutcome:
     error: str | None = None
     error_type: str | None = None
     retryable: bool = False
-    first_step_s: float | None = None
+    started_at: float | None = None  # wall clock when training began (after the rendezvous)
+    run_s: float | None = None  # time in the training function
 
 
 def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[TrialContext], Any]:
@@ -92,19 +93,21 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     use_cuda = req.gpus_per_process > 0 and torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     _seed_everything(req.seed)
-    config = TrainConfig.model_validate(req.train)
-    ctx = TrialContext(
-        params=dict(req.params), config=config, trial_number=req.number, trial_dir=Path(req.trial_dir),
-        rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, device=device,
-        metric=req.metric, pruning=req.pruning, channel=channel, attempt=req.attempt,
-    )
-    t0 = time.perf_counter()
     try:
+        config = TrainConfig.model_validate(req.train)
+        ctx = TrialContext(
+            params=dict(req.params), config=config, trial_number=req.number, trial_dir=Path(req.trial_dir),
+            rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, device=device,
+            metric=req.metric, pruning=req.pruning, channel=channel, attempt=req.attempt,
+        )
         if job.world_size > 1:
             hdist.init_process_group(job.rank, job.world_size, job.master_addr, job.master_port,
                                      use_cuda, job.pg_timeout_s)
         fn = load_function(config.function, req.python_path) if config.function else train_builtin
+        started_at = time.time()
+        t0 = time.perf_counter()
         ret = fn(ctx)
+        run_s = time.perf_counter() - t0
         metrics = _final_metrics(ret, ctx)
         pruned = ctx._prune
         value = metrics.get(req.metric)
@@ -116,7 +119,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
                 )
             if not math.isfinite(value):
                 raise NonFiniteLoss(f"{req.metric} is {value}")
-        return RankOutcome("pruned" if pruned else "ok", metrics, first_step_s=time.perf_counter() - t0)
+        return RankOutcome("pruned" if pruned else "ok", metrics, started_at=started_at, run_s=run_s)
     except (Exception, SystemExit) as exc:  # a trial never raises through the engine
         tb = traceback.format_exc()
         sys.stderr.write(tb)

@@ -185,3 +185,14 @@ def test_resume_refuses_a_different_study(tmp_path: Path) -> None:
     data["space"]["x"]["high"] = 2.0
     with pytest.raises(RunDirError, match=r"space\.x\.high"):
         optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))
+
+
+def test_a_trial_the_engine_can_never_hold_is_refused_before_asking(tmp_path: Path) -> None:
+    from hpoflow.errors import EngineError
+
+    spec = make(n_trials=3)
+    study = optuna.create_study(direction="maximize")
+    driver = Driver(spec, study, ThreadEngine(lambda p, r: 1.0, slots=0), tmp_path)
+    with pytest.raises(EngineError, match="cannot run a trial"):
+        driver.run()
+    assert study.trials == []  # nothing left RUNNING in the storage

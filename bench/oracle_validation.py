@@ -1,0 +1,125 @@
+"""Validate the oracle on this machine: predicted vs measured training step time.
+
+1. Calibrate (generic probes, see ``hpoflow.oracle.calibrate``) or load ``--calibration FILE``.
+2. For each built-in model (mlp, cnn on digits-shaped input; ``--big`` adds resnet18 on 3x32x32)
+   and world size 1 and 2: run real training steps (world 2: DDP over gloo on 127.0.0.1, one
+   thread per rank), take the median step time, and compare it with the oracle's prediction.
+3. Print a table and, last, one JSON line with each case's ratio predicted / measured.
+
+Nothing here is fitted to these measurements: the calibration measures only generic workloads.
+Run: ``python bench/oracle_validation.py [--calibration FILE] [--batch-size 32] [--big]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from hpoflow.oracle import Plan, calibrate, load_cluster, model_facts, predict
+from hpoflow.oracle.calibrate import free_port, write_cluster
+from hpoflow.oracle.facts import resolve_model
+
+CASES = [("mlp", None), ("cnn", None)]
+BIG = [("resnet18", (3, 32, 32))]
+
+
+def _measure(rank: int, world: int, port: int, name: str, shape: tuple[int, ...] | None,
+             batch: int, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+    try:
+        builder, in_shape, classes, _ = resolve_model(name, shape, 10 if shape else None, {})
+        model: nn.Module = builder()
+        if world > 1:
+            model = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = torch.randn(batch, *in_shape)
+        y = torch.randint(0, classes, (batch,))
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        for _ in range(5):
+            step()
+        inner = max(1, steps // 10)
+        samples = []
+        for _ in range(10):
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                step()
+            samples.append((time.perf_counter() - t0) / inner)
+        Path(out, f"{rank}.json").write_text(json.dumps(statistics.median(samples)))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def measured_step(name: str, shape: tuple[int, ...] | None, world: int, batch: int,
+                  steps: int) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_measure, args=(world, free_port(), name, shape, batch, steps, out),
+                 nprocs=world, join=True)
+        return max(json.loads(Path(out, f"{r}.json").read_text()) for r in range(world))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibration", help="cluster YAML from `hpoflow oracle calibrate`")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per case")
+    ap.add_argument("--big", action="store_true", help="add resnet18 on 3x32x32 inputs")
+    args = ap.parse_args(argv)
+    console = Console(stderr=True)
+    if args.calibration:
+        cluster = load_cluster(args.calibration)
+    else:
+        console.print("calibrating (generic probes, 2 gloo processes on 127.0.0.1)...")
+        cluster = calibrate(2)
+        path = write_cluster(cluster, Path(tempfile.gettempdir(), "hpoflow-oracle-cal.yaml"))
+        console.print(f"calibration written to {path}")
+    table = Table(title=f"oracle validation on {cluster.name}")
+    for col in ("model", "world", "batch/rank", "predicted ms", "measured ms", "ratio",
+                "bottleneck"):
+        table.add_column(col, justify="right" if col not in ("model", "bottleneck") else "left")
+    ratios: dict[str, float] = {}
+    for name, shape in CASES + (BIG if args.big else []):
+        facts = model_facts(name, shape, 10 if shape else None)
+        steps = args.steps if facts.train_flops * args.batch_size < 5e9 else 20
+        for world in (1, 2):
+            pred = predict(facts, cluster, Plan(batch_size=args.batch_size, devices=world,
+                                                optimizer="sgd", momentum=0.9))
+            console.print(f"measuring {name} at world size {world}...")
+            meas = measured_step(name, shape, world, args.batch_size, steps)
+            ratio = pred.cost.step_s / meas
+            ratios[f"{name}@{world}"] = round(ratio, 3)
+            table.add_row(name, str(world), str(args.batch_size), f"{pred.cost.step_s * 1e3:.3f}",
+                          f"{meas * 1e3:.3f}", f"{ratio:.2f}", pred.bottleneck)
+    console.print(table)
+    ok = all(0.75 <= r <= 1.25 for r in ratios.values())
+    print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "cluster": cluster.name}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Calibrate the oracle on this machine: measure the quantities the model uses, write a spec.
+
+``processes`` worker processes (torch.multiprocessing spawn, one thread each, so one process is
+one "device") form a real gloo group on 127.0.0.1. Rank 0 measures alone, then all ranks at once
+(the ``contention``: compute slow-down when every device of the node is busy), then together:
+
+* sustained FLOP/s of a square fp32 matmul (the device's peak) and of a linear-layer and a
+  3x3-convolution training workload (the ``efficiency`` and ``conv_efficiency`` of that peak);
+* memory bandwidth (a large tensor copy);
+* overheads of tiny training steps: per step, per dispatched ATen operator (from two probe
+  networks of different depth) and per parameter tensor in ``optimizer.step``;
+* the fixed cost of a convolution layer (a 1-channel 4x4 convolution probe);
+* the communication DDP adds to a step (DDP step minus plain step of one linear layer with
+  64 B to 4 MiB of gradients), fitted to the ring model 2(p-1) alpha + 2(p-1)/p M / B with
+  least squares on relative error: alpha and B as DDP over gloo actually sees them.
+
+The probe workloads are generic (fixed sizes, not the user's model), so predictions made with the
+result are predictions, not fits. Medians of repeated timings; every process group is destroyed
+in ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from torch import nn
+
+from hpoflow.oracle.cluster import ClusterSpec
+from hpoflow.oracle.errors import OracleError
+from hpoflow.oracle.facts import count_step_ops
+
+__all__ = ["calibrate", "free_port", "timed", "write_cluster"]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bind to port 0, read it back, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, inner: int = 1) -> float:
+    """Median seconds of one call of ``fn`` over ``repeats`` timings of ``inner`` calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                opt: torch.optim.Optimizer) -> Callable[[], None]:
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _probe_compute(scale: float) -> dict[str, float]:
+    reps = max(3, int(7 * scale))
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    matmul = 2 * n**3 / timed(lambda: a @ b, reps, inner=4)
+    # linear training workload: 3 x 2 x batch x in x out FLOPs per layer and step
+    lin = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x, y = torch.randn(64, 256), torch.randint(0, 256, (64,))
+    t = timed(_train_step(lin, x, y, _sgd(lin)), reps, inner=4)
+    linear = 3 * 2 * 64 * 256 * 256 * 2 / t
+    conv = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(32 * 16 * 16, 10))
+    xc, yc = torch.randn(32, 16, 16, 16), torch.randint(0, 10, (32,))
+    t = timed(_train_step(conv, xc, yc, _sgd(conv)), reps, inner=2)
+    conv_flops = 3 * 2 * 32 * (16 * 16 * 32 * 16 * 9 + 32 * 16 * 16 * 10)
+    convolution = conv_flops / t
+    big = torch.empty(8 * 2**20)
+    dst = torch.empty_like(big)
+    bandwidth = 2 * big.numel() * 4 / timed(lambda: dst.copy_(big), reps, inner=2)
+    return {"matmul": matmul, "linear": linear, "conv": convolution, "mem_bw": bandwidth}
+
+
+def _probe_net(depth: int) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(depth)))
+
+
+def _probe_overheads(scale: float) -> dict[str, float]:
+    reps = max(5, int(15 * scale))
+    x, y = torch.randn(4, 4), torch.randint(0, 4, (4,))
+    times, ops, tensors = [], [], []
+    for depth in (1, 24):
+        net = _probe_net(depth)
+        times.append(timed(_train_step(net, x, y, _sgd(net)), reps, inner=20))
+        ops.append(count_step_ops(net, x, 4))
+        tensors.append(len(list(net.parameters())))
+    many = _probe_net(48)
+    opt = _sgd(many)
+    for p in many.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def opt_only() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    per_tensor = timed(opt_only, reps, inner=10) / len(list(many.parameters()))
+    per_op = max(0.0, (times[1] - times[0] - (tensors[1] - tensors[0]) * per_tensor)
+                 / (ops[1] - ops[0]))
+    step = max(0.0, times[0] - ops[0] * per_op - tensors[0] * per_tensor)
+    conv = _probe_conv_call(scale, per_op, per_tensor)
+    return {"per_op_s": per_op, "per_param_tensor_s": per_tensor, "step_s": step,
+            "per_conv_s": conv}
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """y = a + c x minimising the squared *relative* error; a, c clipped at 0."""
+    pts = [(1 / y**2, x, y) for x, y in zip(xs, ys, strict=True)]
+    sw, sx = sum(w for w, _, _ in pts), sum(w * x for w, x, _ in pts)
+    sxx = sum(w * x * x for w, x, _ in pts)
+    sy, sxy = sum(w * y for w, _, y in pts), sum(w * x * y for w, x, y in pts)
+    det = sw * sxx - sx * sx
+    c = max(0.0, (sw * sxy - sx * sy) / det) if det else 0.0
+    return max(0.0, (sy - c * sx) / sw), c
+
+
+def _probe_comm(scale: float, world: int) -> dict[str, float]:
+    """Time DDP steps of one bias-free n x n linear layer minus the same step without DDP, for
+    gradients of 64 B to 4 MiB, and fit the alpha-beta ring model to that exposed cost."""
+    reps = max(5, int(11 * scale))
+    sizes, costs = [], []
+    for n in (4, 64, 128, 256, 512, 1024):
+        x, y = torch.randn(4, n), torch.randint(0, n, (4,))
+        plain_net = nn.Linear(n, n, bias=False)
+        plain = timed(_train_step(plain_net, x, y, _sgd(plain_net)), reps, inner=3)
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(n, n, bias=False))
+        dist.barrier()
+        with_ddp = timed(_train_step(ddp, x, y, _sgd(ddp)), reps, inner=3)
+        sizes.append(4.0 * n * n)
+        costs.append(max(with_ddp - plain, 1e-6))
+    fixed, per_byte = _fit_line(sizes, costs)
+    hops = 2 * (world - 1)
+    bandwidth = 2 * (world - 1) / world / per_byte if per_byte > 0 else 1e12
+    return {"alpha": fixed / hops, "bandwidth": bandwidth}
+
+
+def _probe_conv_call(scale: float, per_op: float, per_tensor: float) -> float:
+    """Fixed cost of one convolution layer (forward + backward) beyond generic operators."""
+    reps = max(5, int(15 * scale))
+    x = torch.randn(4, 1, 4, 4)
+    y = torch.randint(0, 4, (4,))
+    nets = [nn.Sequential(nn.Flatten(), nn.Linear(16, 4)),
+            nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.Flatten(), nn.Linear(16, 4))]
+    t, ops, tensors = [], [], []
+    for net in nets:
+        t.append(timed(_train_step(net, x, y, _sgd(net)), reps, inner=20))
+        ops.append(count_step_ops(net, x, 4))
+        tensors.append(len(list(net.parameters())))
+    extra = (ops[1] - ops[0]) * per_op + (tensors[1] - tensors[0]) * per_tensor
+    return max(0.0, t[1] - t[0] - extra)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, scale: float) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    result: dict[str, float] = {}
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
+    try:
+        if rank == 0:  # alone: the figures of one busy device
+            result.update(_probe_compute(scale))
+            result.update(_probe_overheads(scale))
+        if world > 1:
+            dist.barrier()
+            busy = _probe_compute(scale)  # every device of the node busy at once
+            if rank == 0:
+                result["contention"] = statistics.median(
+                    max(1.0, result[k] / busy[k]) for k in ("matmul", "linear", "conv"))
+            dist.barrier()
+            result.update(_probe_comm(scale, world))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _machine_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 8e9
+
+
+def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
+    """Measure this machine with ``processes`` single-thread ranks; return its cluster spec.
+
+    ``scale`` multiplies the number of repetitions (0.2 for a quick smoke test).
+    """
+    if processes < 1:
+        raise OracleError(f"processes must be >= 1, but got {processes}; use 2 on a laptop")
+    with tempfile.TemporaryDirectory(prefix="hpoflow-calibrate-") as out:
+        try:
+            mp.spawn(_worker, args=(processes, free_port(), out, scale), nprocs=processes,
+                     join=True)
+        except mp.ProcessRaisedException as exc:
+            raise OracleError(
+                f"calibration with {processes} gloo processes on 127.0.0.1 failed: "
+                f"{str(exc).strip().splitlines()[-1]}; try --processes 1 to skip communication"
+            ) from exc
+        m = json.loads(Path(out, "rank0.json").read_text())
+    loop = {"name": "loopback gloo (measured)", "bandwidth": m.get("bandwidth", 1e9),
+            "latency": m.get("alpha", 0.0),
+            "source": "measured: DDP step minus plain step, 64 B to 4 MiB of gradients, "
+                      "alpha-beta fit" if processes > 1 else
+            "not measured (1 process); placeholder"}
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    spec = {
+        "name": f"calibrated-{socket.gethostname()}",
+        "nodes": 1,
+        "devices_per_node": processes,
+        "device": {
+            "name": "this machine, one thread per process",
+            "peak_flops": {"fp32": m["matmul"]},
+            "memory_bytes": _machine_memory() / processes,
+            "memory_bandwidth": m["mem_bw"],
+            "efficiency": min(1.0, m["linear"] / m["matmul"]),
+            "conv_efficiency": min(1.0, m["conv"] / m["matmul"]),
+            "contention": m.get("contention", 1.0),
+            "source": f"measured by hpoflow oracle calibrate on {when}: 512^3 matmul peak, "
+                      "linear and 3x3-conv training probes, 32 MiB copy",
+        },
+        "intra_node": loop,
+        "inter_node": loop,
+        # CPU ranks: gloo's thread competes with backward for the same cores, so no hiding
+        "overlap": 0.0,
+        "overheads": {"step_s": m["step_s"], "per_op_s": m["per_op_s"],
+                      "per_param_tensor_s": m["per_param_tensor_s"],
+                      "per_conv_s": m["per_conv_s"]},
+        "source": f"hpoflow oracle calibrate, {processes} process(es), {when}",
+    }
+    return ClusterSpec.model_validate(spec)
+
+
+def write_cluster(spec: ClusterSpec, path: str | Path) -> Path:
+    """Write ``spec`` as YAML that :func:`~hpoflow.oracle.cluster.load_cluster` reads back."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False), encoding="utf-8")
+    tmp.replace(target)
+    return target

@@ -1,0 +1,209 @@
+"""Cluster spec: devices, links and overheads, validated once into frozen pydantic objects.
+
+A spec comes from a preset name (``p100-cluster``, see :data:`~hpoflow.oracle.catalog.PRESETS`),
+a YAML file, or a mapping. In YAML, ``device``, ``intra_node`` and ``inter_node`` are either a
+catalogue name (``v100``, ``nvlink2``, ``ib-edr``) or a full mapping. Units: FLOP/s, bytes,
+bytes/s (per direction), seconds. Unknown keys are errors (``extra="forbid"``).
+
+Example::
+
+    name: my-cluster
+    nodes: 4
+    devices_per_node: 4
+    device: v100                 # or {name, peak_flops: {fp32: 15.7e12}, memory_bytes, ...}
+    intra_node: nvlink2
+    inter_node: {name: 100GbE, bandwidth: 12.5e9, latency: 15e-6}
+    overlap: 1.0                 # fraction of the backward pass that can hide communication
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
+from hpoflow.oracle.errors import OracleError
+
+__all__ = ["ClusterSpec", "DeviceSpec", "LinkSpec", "Overheads", "load_cluster"]
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeviceSpec(_Frozen):
+    """One accelerator (or CPU core): peak FLOP/s per precision, memory, sustained efficiency.
+
+    ``contention`` multiplies compute time when every device of a node is busy at once (CPU
+    cores sharing caches, memory bandwidth and hyper-threads; 1 for GPUs); ``reserved_bytes`` is
+    memory the framework takes before the model (CUDA context, allocator slack).
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: float = Field(gt=0)
+    memory_bandwidth: float = Field(gt=0)
+    efficiency: dict[str, float] = Field(default_factory=lambda: {"fp32": 0.5})
+    conv_efficiency: dict[str, float] | None = None
+    reserved_bytes: float = Field(default=0.0, ge=0)
+    contention: float = Field(default=1.0, ge=1.0)
+    source: str = ""
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _peaks(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k in v if k not in PRECISIONS]
+        if bad or "fp32" not in v or any(x <= 0 for x in v.values()):
+            raise ValueError(
+                f"peak_flops needs an fp32 entry, keys among {PRECISIONS} and positive values, "
+                f"but got {v}"
+            )
+        return v
+
+    @field_validator("efficiency", "conv_efficiency", mode="before")
+    @classmethod
+    def _eff(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        d = {"fp32": v} if isinstance(v, (int, float)) else v
+        if not isinstance(d, Mapping) or not all(0 < float(x) <= 1 for x in d.values()):
+            raise ValueError(f"efficiency must be a number in (0, 1] or a mapping of them, got {v}")
+        return d
+
+    def flops(self, precision: str, conv_fraction: float = 0.0) -> float:
+        """Sustained FLOP/s at ``precision`` for a workload with this share of convolution FLOPs."""
+        peak = self.peak_flops.get(precision, self.peak_flops["fp32"])
+        eff = self.efficiency.get(precision, self.efficiency.get("fp32", 0.5))
+        if self.conv_efficiency is None:
+            return peak * eff
+        ceff = self.conv_efficiency.get(precision, self.conv_efficiency.get("fp32", eff))
+        # FLOPs split between kinds; time adds, so the rates combine harmonically
+        return peak / (conv_fraction / ceff + (1 - conv_fraction) / eff)
+
+
+class LinkSpec(_Frozen):
+    """A link in the alpha-beta model: bandwidth per direction (bytes/s) and latency (s)."""
+
+    name: str
+    bandwidth: float = Field(gt=0)
+    latency: float = Field(ge=0)
+    source: str = ""
+
+
+class Overheads(_Frozen):
+    """Time not explained by FLOPs or bytes: per training step and per dispatched operator."""
+
+    step_s: float = Field(default=0.0, ge=0)
+    per_op_s: float = Field(default=0.0, ge=0)
+    per_param_tensor_s: float = Field(default=0.0, ge=0)
+    per_conv_s: float = Field(default=0.0, ge=0)
+    collective_s: float = Field(default=0.0, ge=0)
+
+
+class ClusterSpec(_Frozen):
+    """Nodes x devices per node, the device, the two link levels and the overheads."""
+
+    name: str = "cluster"
+    nodes: int = Field(ge=1)
+    devices_per_node: int = Field(ge=1)
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    overlap: float = Field(default=1.0, ge=0, le=1)
+    overheads: Overheads = Field(default_factory=Overheads)
+    source: str = ""
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v: Any) -> Any:
+        return _lookup(v, DEVICES, "device")
+
+    @field_validator("intra_node", "inter_node", mode="before")
+    @classmethod
+    def _link(cls, v: Any) -> Any:
+        return _lookup(v, LINKS, "link")
+
+    @property
+    def total_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+def _lookup(v: Any, table: Mapping[str, Mapping[str, Any]], what: str) -> Any:
+    if isinstance(v, str):
+        if v not in table:
+            raise ValueError(f"unknown {what} {v!r}; catalogue {what}s: {', '.join(table)}")
+        return dict(table[v])
+    return v
+
+
+def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
+    """1-based line of the YAML node at ``loc`` (deepest existing key), or None."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = [(k, v) for k, v in node.value if k.value == str(key)]
+            if not match:
+                break
+            line = match[0][0].start_mark.line + 1
+            node = match[0][1]
+        else:
+            break
+    return line
+
+
+def _from_mapping(data: Any, where: str, text: str | None = None) -> ClusterSpec:
+    if not isinstance(data, Mapping):
+        raise OracleError(
+            f"a cluster spec must be a YAML mapping, but {where} holds {type(data).__name__}; "
+            "see docs/oracle.md for the keys"
+        )
+    try:
+        return ClusterSpec.model_validate(dict(data))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        line = _line_of(text, err["loc"]) if text else None
+        at = f"{where} line {line}" if line else where
+        raise OracleError(
+            f"cluster spec key {key!r} in {at}: {err['msg']} (got {err.get('input')!r}); "
+            f"fix that key ({exc.error_count()} error(s) in all)"
+        ) from exc
+
+
+def load_cluster(source: str | Path | Mapping[str, Any]) -> ClusterSpec:
+    """A :class:`ClusterSpec` from a preset name, a YAML file path, or a mapping."""
+    if isinstance(source, Mapping):
+        return _from_mapping(source, "the given mapping")
+    text_source = str(source)
+    if text_source in PRESETS:
+        return _from_mapping(PRESETS[text_source], f"preset {text_source!r}")
+    path = Path(text_source)
+    if not path.is_file():
+        raise OracleError(
+            f"--cluster must be a preset name or an existing YAML file, but {text_source!r} is "
+            f"neither; presets: {', '.join(PRESETS)} (or write a YAML file, see docs/oracle.md)"
+        )
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise OracleError(
+            f"cluster file {path}{at} is not valid YAML ({problem}); fix the syntax there"
+        ) from exc
+    return _from_mapping(data, str(path), text)

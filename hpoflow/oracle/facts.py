@@ -1,0 +1,264 @@
+"""Model facts measured from the real ``nn.Module`` on the meta device (no weights, no data).
+
+Conventions (stated once, used everywhere in the oracle):
+
+* **FLOPs** count a multiply-add as 2 floating-point operations, which is what
+  ``torch.utils.flop_counter.FlopCounterMode`` reports. ``forward_macs`` is half of it and is the
+  number papers usually call "GFLOPs" (ResNet-50: 4.1 GMACs = 8.2 GFLOPs per 224x224 image).
+* **Training FLOPs** per sample are ``3 x forward_flops`` (forward, plus a backward pass that
+  computes gradients for both activations and weights, each about as costly as the forward).
+* **Activation memory** per sample is the sum of the output sizes of every leaf module (plus the
+  input) recorded with forward hooks in training mode, times the element size. This approximates
+  what autograd keeps for the backward pass: it over-counts in-place activations and outputs no
+  backward needs, and under-counts tensors made by functional code between modules (write
+  attention softmax as a module, as the built-in BERT does, to have it counted).
+* **Boundary bytes** per sample (what a pipeline stage sends to the next) is the mean leaf-module
+  output size: the oracle does not know where a real partition would cut.
+* **Operator count** is the number of ATen operators dispatched by one forward + loss + backward;
+  the oracle multiplies it by a calibrated per-operator overhead (matters for tiny models on CPU).
+* Weights, gradients and optimizer state are fp32 in every precision (mixed precision keeps fp32
+  master weights and gradients); only activations shrink to 2 bytes under fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpoflow.oracle._zoo import ZOO
+from hpoflow.oracle.errors import OracleError
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ModelFacts",
+    "model_facts",
+    "optimizer_state_bytes",
+    "resolve_model",
+]
+
+PROJECT_MODELS: dict[str, tuple[tuple[int, ...], int]] = {
+    "mlp": ((1, 8, 8), 10), "cnn": ((1, 8, 8), 10),
+}
+BUILTIN_MODELS: tuple[str, ...] = (*PROJECT_MODELS, *ZOO)
+PRECISION_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+_CONV_OPS = ("convolution",)
+_PROBE_BATCH = 2  # batch norm in training mode needs more than one value per channel
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Per-sample compute and memory facts of one model at one input shape (see module docs)."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    n_classes: int
+    precision: str
+    params: int
+    param_tensors: int
+    forward_flops: float
+    conv_flops_fraction: float
+    activation_bytes: int
+    boundary_bytes: int
+    ops_per_step: int
+    conv_layers: int
+
+    @property
+    def param_bytes(self) -> int:
+        """fp32 weights."""
+        return 4 * self.params
+
+    @property
+    def grad_bytes(self) -> int:
+        """fp32 gradients: the bytes every data-parallel step all-reduces."""
+        return 4 * self.params
+
+    @property
+    def forward_macs(self) -> float:
+        """Multiply-accumulates per sample forward: the customary "GFLOPs" figure of papers."""
+        return self.forward_flops / 2
+
+    @property
+    def train_flops(self) -> float:
+        """FLOPs per sample of one training step (forward + backward) = 3 x forward."""
+        return 3 * self.forward_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["input_shape"] = list(self.input_shape)
+        d.update(param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
+                 forward_macs=self.forward_macs, train_flops=self.train_flops)
+        return d
+
+
+def optimizer_state_bytes(params: int, optimizer: str, momentum: float = 0.0) -> int:
+    """fp32 optimizer state: SGD 0, SGD with momentum 1 x params, Adam/AdamW 2 x params."""
+    name = optimizer.lower()
+    if name == "sgd":
+        return 4 * params if momentum > 0 else 0
+    if name in ("adam", "adamw"):
+        return 8 * params
+    raise OracleError(
+        f"optimizer must be one of sgd, adam, adamw, but got {optimizer!r}; "
+        "pick one of those (its state size decides the memory per device)"
+    )
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step_ops(model: nn.Module, sample: torch.Tensor, n_classes: int) -> int:
+    """ATen operators dispatched by forward + cross-entropy + backward of ``model``."""
+    counter = _OpCounter()
+    with counter:
+        out = model(sample)
+        target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+        nn.functional.cross_entropy(out, target % n_classes).backward()
+    return counter.count
+
+
+def _import_builder(spec: str) -> Callable[..., nn.Module]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise OracleError(
+            f"a model given as 'module:function' must name an importable function, but "
+            f"{spec!r} failed ({type(exc).__name__}: {exc}); check the module is on PYTHONPATH"
+        ) from exc
+    if not callable(fn):
+        raise OracleError(f"model {spec!r} is not callable; give a function returning nn.Module")
+    return fn  # type: ignore[no-any-return,unused-ignore]
+
+
+def resolve_model(
+    name: str, input_shape: tuple[int, ...] | None, n_classes: int | None,
+    options: Mapping[str, Any],
+) -> tuple[Callable[[], nn.Module], tuple[int, ...], int, bool]:
+    """Turn a model name into (builder without arguments, input shape, classes, token input)."""
+    if name in PROJECT_MODELS:
+        from hpoflow.train.models import build_model
+
+        shape, classes = PROJECT_MODELS[name]
+        shape, classes = input_shape or shape, n_classes or classes
+        return (lambda: build_model(name, shape, classes, **options)), shape, classes, False
+    if name in ZOO:
+        entry = ZOO[name]
+        shape, classes = input_shape or entry.input_shape, n_classes or entry.n_classes
+        return (lambda: entry.builder(shape, classes, **options)), shape, classes, entry.token_input
+    if ":" in name:
+        if input_shape is None:
+            raise OracleError(
+                f"a user model ({name!r}) needs its input shape, but none was given; "
+                "pass --input-shape C,H,W (per sample, without the batch dimension)"
+            )
+        fn = _import_builder(name)
+        classes = n_classes or 10
+        sig = inspect.signature(fn).parameters
+        if "input_shape" in sig and "n_classes" in sig:
+            return (lambda: fn(input_shape=input_shape, n_classes=classes, **options)), \
+                input_shape, classes, False
+        return (lambda: fn(**options)), input_shape, classes, False
+    raise OracleError(
+        f"model must be a built-in name or 'module:function', but got {name!r}; "
+        f"built-in models: {', '.join(BUILTIN_MODELS)}"
+    )
+
+
+def model_facts(
+    name: str, input_shape: tuple[int, ...] | None = None, n_classes: int | None = None,
+    precision: str = "fp32", options: Mapping[str, Any] | None = None,
+) -> ModelFacts:
+    """Facts of a built-in model (``mlp``, ``cnn``, ``resnet18``, ``resnet50``, ``vgg16``,
+    ``bert-base``) or a user ``module:function``, measured on the meta device."""
+    if precision not in PRECISION_BYTES:
+        raise OracleError(
+            f"precision must be one of {', '.join(PRECISION_BYTES)}, but got {precision!r}"
+        )
+    opts = tuple(sorted((options or {}).items()))
+    try:
+        return _facts_cached(name, input_shape, n_classes, precision, opts)
+    except TypeError as exc:  # unhashable option values: measure without the cache
+        if "unhashable" not in str(exc):
+            raise
+        return _measure(name, input_shape, n_classes, precision, dict(options or {}))
+
+
+@lru_cache(maxsize=64)
+def _facts_cached(name: str, input_shape: tuple[int, ...] | None, n_classes: int | None,
+                  precision: str, opts: tuple[tuple[str, Any], ...]) -> ModelFacts:
+    return _measure(name, input_shape, n_classes, precision, dict(opts))
+
+
+def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | None,
+             precision: str, options: dict[str, Any]) -> ModelFacts:
+    builder, shape, classes, tokens = resolve_model(name, input_shape, n_classes, options)
+    try:
+        with torch.device("meta"):
+            model = builder()
+    except (TypeError, ValueError) as exc:
+        raise OracleError(
+            f"building model {name!r} with input shape {shape} and options {options} failed "
+            f"({type(exc).__name__}: {exc}); check the options and the input shape"
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise OracleError(f"model {name!r} must build an nn.Module, but got {type(model).__name__}")
+    model.train()
+    dtype = torch.long if tokens else torch.float32
+    sample = torch.zeros((_PROBE_BATCH, *shape), dtype=dtype, device="meta")
+
+    act_elems = [0 if tokens else sample.numel()]
+
+    def hook(_m: nn.Module, _inp: Any, out: Any) -> None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        act_elems[0] += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    flops = FlopCounterMode(display=False)
+    try:
+        with flops:
+            model(sample)
+    except RuntimeError as exc:
+        raise OracleError(
+            f"model {name!r} cannot run on input shape {shape} (per sample): {exc}; "
+            "pass the input shape the model expects"
+        ) from exc
+    finally:
+        for h in handles:
+            h.remove()
+    by_op = flops.get_flop_counts().get("Global", {})
+    total = float(sum(by_op.values()))
+    conv = float(sum(v for k, v in by_op.items() if any(c in str(k) for c in _CONV_OPS)))
+    ops = count_step_ops(model, sample, classes)
+    params = list(model.parameters())
+    return ModelFacts(
+        name=name,
+        input_shape=tuple(shape),
+        n_classes=classes,
+        precision=precision,
+        params=sum(p.numel() for p in params),
+        param_tensors=len(params),
+        forward_flops=total / _PROBE_BATCH,
+        conv_flops_fraction=conv / total if total else 0.0,
+        activation_bytes=act_elems[0] * PRECISION_BYTES[precision] // _PROBE_BATCH,
+        boundary_bytes=act_elems[0] * PRECISION_BYTES[precision] // _PROBE_BATCH
+        // max(1, len(leaves)),
+        ops_per_step=ops,
+        conv_layers=sum(isinstance(m, nn.modules.conv._ConvNd) for m in leaves),
+    )

@@ -1,0 +1,274 @@
+"""The data-parallel strategy contract, and the meter every strategy reports its communication to.
+
+A ``Strategy`` decides how the ranks of one trial combine their work. The trainer drives it, and
+every rank makes the same calls in the same order (each call may be a collective):
+
+1. ``wrap(model) -> nn.Module`` once, before the optimizer exists. It makes the ranks' models
+   identical (broadcast from rank 0 or DDP's own) and returns the module to run forward/backward on
+   (a ``DistributedDataParallel`` for ``allreduce``, the model itself otherwise).
+2. ``prepare_optimizer(optimizer)`` once, after the optimizer is built on ``model.parameters()``.
+3. For every optimizer step: ``before_step()``; then one or more micro-batches whose
+   forward/backward run inside ``no_sync()`` except the last (gradient accumulation); then
+   ``after_backward()`` (gradient exchange) and ``step(optimizer)``, which applies the update and
+   any parameter exchange. The trainer brackets the step with ``meter.begin_step()`` /
+   ``meter.end_step()``.
+4. ``end_epoch()`` after the last step of an epoch: afterwards ``eval_module()`` is identical on
+   every rank (the all-reduced model, the parameter server's, the EASGD center, the averaged local
+   models), so every rank's validation gives the same numbers.
+5. ``close()`` in ``finally``: releases what the strategy owns. Strategies create no process
+   groups of their own (they use the trial's default group, which ``runner.run_rank`` destroys).
+
+With ``world_size == 1`` (no process group) every strategy still works and communicates nothing.
+
+Ownership: the strategy owns the parameter copies it keeps (EASGD's center), the optimizer stays
+the trainer's. Not thread safe: one strategy per rank, called from the rank's main thread (DDP's
+hooks record into the meter from gloo's threads; the meter locks for that).
+
+Measurement (``CommMeter``): communication time is the union of the intervals during which an
+operation the strategy issued was in flight (DDP buckets overlap backward: overlapping intervals are
+counted once); bytes are what this rank *sent*, from the kernel's count of bytes this process wrote
+(``/proc/self/io`` ``wchar``: gloo writes its sockets with ``writev``) over each step, so collective
+algorithms are measured, not assumed. Where that counter is missing (not Linux, NCCL on GPUs) the
+strategy's own estimate of what its operations send is used and ``bytes_measured`` is 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["CommMeter", "OptimizerLike", "Strategy", "StrategyEnv", "read_bytes_sent"]
+
+_IO_PATH = "/proc/self/io"
+
+
+def read_bytes_sent() -> int | None:
+    """Bytes this process has written through ``write``/``writev`` so far (``None`` if unknown)."""
+    try:
+        with open(_IO_PATH) as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class OptimizerLike(Protocol):
+    """What strategies need from an optimizer (a ``torch.optim.Optimizer`` or the LARS wrapper)."""
+
+    param_groups: list[dict[str, Any]]
+
+    def step(self) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+@dataclass(frozen=True)
+class StrategyEnv:
+    """Where a strategy runs: this rank, the trial's world size, the base learning rate, device."""
+
+    rank: int = 0
+    world_size: int = 1
+    lr: float = 0.01
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class CommMeter:
+    """Per-step communication time and bytes sent by one rank (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+        self._estimate = 0.0
+        self._step_t0 = 0.0
+        self._bytes0: int | None = None
+        self.kernel_counter = read_bytes_sent() is not None
+        self.steps = 0
+        self.step_time = 0.0
+        self.comm_time = 0.0
+        self.bytes_sent = 0.0
+        self.extra_comm_time = 0.0
+        self.extra_bytes = 0.0
+
+    # -- recording ------------------------------------------------------------------------------
+    def add_interval(self, t0: float, t1: float, estimate_bytes: float = 0.0) -> None:
+        """An operation was in flight from ``t0`` to ``t1`` (``perf_counter``); thread safe."""
+        with self._lock:
+            self._intervals.append((t0, t1))
+            self._estimate += estimate_bytes
+
+    @contextlib.contextmanager
+    def timed(self, estimate_bytes: float = 0.0) -> Iterator[None]:
+        """Time a blocking communication block issued inside a step."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_interval(t0, time.perf_counter(), estimate_bytes)
+
+    def begin_step(self) -> None:
+        with self._lock:
+            self._intervals.clear()
+            self._estimate = 0.0
+        self._bytes0 = read_bytes_sent() if self.kernel_counter else None
+        self._step_t0 = time.perf_counter()
+
+    def end_step(self) -> float:
+        """Close the step; return its duration in seconds."""
+        t1 = time.perf_counter()
+        b1 = read_bytes_sent() if self._bytes0 is not None else None
+        with self._lock:
+            comm = _union_length(self._intervals)
+            estimate = self._estimate
+            self._intervals.clear()
+        dt = t1 - self._step_t0
+        self.steps += 1
+        self.step_time += dt
+        self.comm_time += comm
+        if b1 is not None and self._bytes0 is not None:
+            self.bytes_sent += b1 - self._bytes0
+        else:
+            self.bytes_sent += estimate
+        return dt
+
+    @contextlib.contextmanager
+    def outside_step(self, estimate_bytes: float = 0.0) -> Iterator[None]:
+        """Communication between steps (epoch-end averaging): counted apart from the steps."""
+        b0 = read_bytes_sent() if self.kernel_counter else None
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.extra_comm_time += time.perf_counter() - t0
+            b1 = read_bytes_sent() if b0 is not None else None
+            self.extra_bytes += (b1 - b0) if b1 is not None and b0 is not None else estimate_bytes
+
+    # -- results --------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {
+            "steps": float(self.steps),
+            "step_time_s": self.step_time / n,
+            "comm_time_s": self.comm_time / n,
+            "comm_fraction": self.comm_time / self.step_time if self.step_time > 0 else 0.0,
+            "bytes_per_step": self.bytes_sent / n,
+            "bytes_measured": 1.0 if self.kernel_counter else 0.0,
+            "sync_bytes": self.extra_bytes,
+            "sync_time_s": self.extra_comm_time,
+        }
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def flat_params(params: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
+
+
+def load_flat(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy ``flat`` into ``params`` (in order)."""
+    i = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[i : i + n].view_as(p))
+            i += n
+
+
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (p - 1) / p * nbytes."""
+    return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
+
+
+class Strategy(abc.ABC):
+    """One data-parallel strategy; see the module docstring for the contract."""
+
+    name: ClassVar[str] = "strategy"
+
+    def __init__(self, options: Mapping[str, Any], env: StrategyEnv) -> None:
+        self.options = dict(options)
+        self.env = env
+        self.meter = CommMeter()
+        self.model: nn.Module | None = None
+        self.params: list[nn.Parameter] = []
+
+    @property
+    def distributed(self) -> bool:
+        return self.env.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of the trainable parameters (the "M" of the volume formulas)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def _attach(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def _broadcast_params(self) -> None:
+        """Make every rank start from rank 0's parameters (not counted as step traffic)."""
+        if not self.distributed or not self.params:
+            return
+        flat = flat_params(self.params)
+        dist.broadcast(flat, src=0)
+        load_flat(self.params, flat)
+
+    # -- the contract ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Attach to ``model``, make the ranks identical, return the module to train through."""
+
+    def prepare_optimizer(self, optimizer: OptimizerLike) -> None:  # noqa: B027 - optional hook
+        """Adjust the optimizer once (e.g. MEASGD's Nesterov momentum)."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for micro-batches that only accumulate gradients (no exchange)."""
+        return contextlib.nullcontext()
+
+    def before_step(self) -> None:  # noqa: B027 - optional hook
+        """Start of an optimizer step, before its first forward pass."""
+
+    def after_backward(self) -> None:  # noqa: B027 - optional hook
+        """After the step's last backward: exchange gradients if the strategy does."""
+
+    @abc.abstractmethod
+    def step(self, optimizer: OptimizerLike) -> None:
+        """Apply the update (the optimizer's step) and any parameter exchange."""
+
+    def end_epoch(self) -> None:  # noqa: B027 - optional hook
+        """Make ``eval_module()`` identical on every rank."""
+
+    def eval_module(self) -> nn.Module:
+        """The model to evaluate (identical on every rank after ``end_epoch``)."""
+        if self.model is None:
+            raise RuntimeError(f"{self.name}: eval_module() called before wrap()")
+        return self.model
+
+    @abc.abstractmethod
+    def theoretical_bytes_per_step(self) -> float:
+        """Bytes this rank should send per step by the strategy's communication pattern."""
+
+    def comm_stats(self) -> dict[str, float]:
+        """The meter's per-step numbers plus the model size and the theoretical volume."""
+        return {**self.meter.metrics(), "model_bytes": float(self.model_bytes),
+                "theory_bytes_per_step": self.theoretical_bytes_per_step()}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the strategy holds (called in ``finally``)."""

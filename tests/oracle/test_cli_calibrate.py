@@ -1,0 +1,67 @@
+"""CLI (through our own parser and `python -m hpoflow`) and a real 2-process gloo calibration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpoflow.oracle import calibrate, load_cluster, write_cluster
+from hpoflow.oracle.cli import register
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hpoflow")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_register_json_has_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    code = _run(["oracle", "--model", "resnet50", "--batch-size", "32",
+                 "--cluster", "p100-cluster", "--devices", "8", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_s", "compute_s", "exposed_comm_s", "throughput", "time_to_train_s",
+                "memory_per_device_bytes", "bottleneck", "max_batch_per_device",
+                "max_speedup_devices", "scaling_efficiency", "facts"):
+        assert key in out
+    assert out["devices"] == 8 and out["facts"]["params"] == 25_557_032
+
+
+def test_register_user_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["oracle", "--model", "nope", "--cluster", "laptop"]) == 2
+    err = capsys.readouterr().err
+    assert "resnet50" in err and "Traceback" not in err and err.count("\n") == 1
+    assert _run(["oracle", "predict", "--model", "mlp", "--cluster", "nowhere"]) == 2
+
+
+@pytest.mark.skipif(not (ROOT / "hpoflow" / "__main__.py").exists(), reason="no __main__ yet")
+def test_python_m_hpoflow_oracle(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: 0\n")
+    for argv in (["--model", "resnet51"], ["--model", "mlp", "--cluster", str(bad)]):
+        r = subprocess.run([sys.executable, "-m", "hpoflow", "oracle", *argv], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and "error" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "hpoflow", "oracle", "--model", "cnn",
+                        "--cluster", "laptop", "--devices", "2", "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bottleneck"]
+
+
+def test_calibrate_real_gloo_two_processes(tmp_path: Path) -> None:
+    spec = calibrate(2, scale=0.2)
+    assert spec.devices_per_node == 2
+    assert spec.device.peak_flops["fp32"] > 1e8
+    assert spec.intra_node.bandwidth > 0 and spec.intra_node.latency >= 0
+    again = load_cluster(write_cluster(spec, tmp_path / "cal.yaml"))
+    assert again == spec
