@@ -165,6 +165,9 @@ def optimize(
         storage=storage, study_name=parsed.study.name, direction=parsed.study.direction,
         sampler=make_sampler(parsed.search), pruner=make_pruner(parsed.search.pruner), load_if_exists=True,
     )
+    existing = len(study.get_trials(deepcopy=False))
+    if existing:
+        study.sampler = make_sampler(parsed.search, resumed_trials=existing)
     run_info = {"study_name": parsed.study.name, "storage": label, "engine": parsed.engine,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if not (rd / "run.json").exists():

@@ -102,3 +102,16 @@ def report_epochs(ctx: TrialContext) -> dict[str, Any]:
             return {"score": value * step}
         time.sleep(0.02)
     return {"score": value * 5}
+
+
+def allreduce_loop(ctx: TrialContext) -> dict[str, float]:
+    """A DDP-like trial: collectives for ``options.seconds`` (a killed peer breaks them)."""
+    t_end = time.monotonic() + float(ctx.options.get("seconds", 1.0))
+    total = 0.0
+    while time.monotonic() < t_end:
+        t = torch.ones(1)
+        if ctx.distributed:
+            dist.all_reduce(t)
+        total += float(t)
+        time.sleep(0.02)
+    return {"score": float(ctx.params.get("x", 0.0)), "steps": total}

@@ -29,6 +29,7 @@ __all__ = ["ATTR_INTERRUPTED", "Driver", "DriverListener", "DriverSummary", "cou
 
 ATTR_INTERRUPTED = "hpoflow_interrupted"
 ATTR_GRID = "grid_index"
+ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -177,11 +178,18 @@ class Driver:
             if t.state == TrialState.COMPLETE and not t.system_attrs.get(ATTR_INTERRUPTED):
                 self._update_best(t.value)
             if t.state == TrialState.RUNNING:
-                self._interrupt(t._trial_id, t.params, t.user_attrs)
+                self._interrupt(t._trial_id, t.params, self._carry_over(t.number, t.user_attrs))
             elif t.state in _FINISHED and not t.system_attrs.get(ATTR_INTERRUPTED):
                 self._finished += 1
                 if t.state == TrialState.FAIL:
                     self._failures += 1
+
+    def _carry_over(self, number: int, user_attrs: dict[str, Any]) -> dict[str, Any]:
+        """User attrs for the rerun of an interrupted trial: its grid point, and the checkpoint
+        directory it was writing to (kept from the first trial of a chain of reruns)."""
+        attrs = {k: v for k, v in user_attrs.items() if k in (ATTR_GRID, ATTR_CHECKPOINTS)}
+        attrs.setdefault(ATTR_CHECKPOINTS, str(self.run_dir / "trials" / str(number) / "checkpoints"))
+        return attrs
 
     def _interrupt(self, trial_id: int, params: dict[str, Any], user_attrs: dict[str, Any]) -> None:
         storage = self.study._storage
@@ -231,7 +239,7 @@ class Driver:
             processes=r.processes, cpus_per_process=r.cpus_per_process,
             gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout,
             pruning=self.spec.search.pruner.type != "none", python_path=self.python_path,
-            seed=train.seed,
+            seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),
         )
         self._inflight[trial.number] = _InFlight(trial, request, params)
         if self.listener:
@@ -278,7 +286,7 @@ class Driver:
             trial.set_user_attr("error", res.error[:2000])
         self._write_result(fl.request, res)
         if res.status == "cancelled":
-            self._interrupt(trial._trial_id, fl.params, dict(trial.user_attrs))
+            self._interrupt(trial._trial_id, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
         if res.status == "complete" and res.value is not None and math.isfinite(res.value):
             self.study.tell(trial, res.value)

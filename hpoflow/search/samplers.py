@@ -17,10 +17,15 @@ from hpoflow.spec import PrunerSpec, SearchSpec
 __all__ = ["make_pruner", "make_sampler"]
 
 
-def make_sampler(search: SearchSpec) -> optuna.samplers.BaseSampler:
-    """The Optuna sampler for ``search.algorithm``, seeded, with ``sampler_options`` passed on."""
+def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers.BaseSampler:
+    """The Optuna sampler for ``search.algorithm``, seeded, with ``sampler_options`` passed on.
+
+    ``resumed_trials``: trials the study already holds. A resumed study must not replay the random
+    stream from the start (it would propose the same configurations again), so its seed becomes
+    ``seed + resumed_trials``: still reproducible, never a repeat of the first run's stream.
+    """
     opts: dict[str, Any] = dict(search.sampler_options)
-    seed = search.seed
+    seed = None if search.seed is None else search.seed + resumed_trials
     algo = search.algorithm
     factories: dict[str, Any] = {
         "grid": optuna.samplers.RandomSampler,

@@ -58,6 +58,13 @@ class TrialRequest:
     pruning: bool = False  # rank 0 waits for a decision after each report
     python_path: tuple[str, ...] = ()
     seed: int = 0
+    # Where the trial's checkpoints live. A trial rerun after a crash or a stop gets the directory
+    # of the trial it replaces, so it resumes from that trial's last checkpoint.
+    checkpoint_dir: str = ""
+
+    @property
+    def checkpoints(self) -> str:
+        return self.checkpoint_dir or f"{self.trial_dir}/checkpoints"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

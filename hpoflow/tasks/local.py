@@ -217,6 +217,9 @@ class LocalEngine(Engine):
                 return w.gpus == want
             return w.gpus is None or want is None  # unbound; or a CPU rank, which any worker can run
 
+        for w in [w for w in self._idle if w.proc.exitcode is not None]:  # died while idle (killed)
+            self._idle.remove(w)
+            self._retire(w)
         for exact in (True, False):
             for i, w in enumerate(self._idle):
                 if fits(w, exact):
@@ -286,8 +289,11 @@ class LocalEngine(Engine):
                 job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", port, threads,
                               self.pg_timeout_s)
                 w.trial, w.rank = request.number, p.rank
-                w.conn.send(("run", (job, env, p.cores, str(trial_dir / f"rank{p.rank}.log"))))
                 trial.workers.append(w)
+                try:
+                    w.conn.send(("run", (job, env, p.cores, str(trial_dir / f"rank{p.rank}.log"))))
+                except (BrokenPipeError, OSError):  # it died between the check and now: the poll
+                    pass  # loop sees its sentinel and fails the trial as a lost (retryable) rank
         self._trials[request.number] = trial
 
     def poll(self, timeout: float | None) -> list[Event]:

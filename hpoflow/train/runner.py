@@ -99,6 +99,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             params=dict(req.params), config=config, trial_number=req.number, trial_dir=Path(req.trial_dir),
             rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, device=device,
             metric=req.metric, pruning=req.pruning, channel=channel, attempt=req.attempt,
+            checkpoint_dir=Path(req.checkpoints),
         )
         if job.world_size > 1:
             hdist.init_process_group(job.rank, job.world_size, job.master_addr, job.master_port,

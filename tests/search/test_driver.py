@@ -196,3 +196,13 @@ def test_a_trial_the_engine_can_never_hold_is_refused_before_asking(tmp_path: Pa
     with pytest.raises(EngineError, match="cannot run a trial"):
         driver.run()
     assert study.trials == []  # nothing left RUNNING in the storage
+
+
+def test_a_resumed_seeded_study_does_not_repeat_its_configurations(tmp_path: Path) -> None:
+    data = copy.deepcopy(BASE)
+    data["search"]["n_trials"] = 8
+    first = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2), n_trials=4)
+    assert first.summary.n_finished == 4
+    resumed = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))
+    xs = [t.params["x"] for t in resumed.study.trials]
+    assert len(xs) == 8 and len(set(xs)) == 8
