@@ -115,3 +115,16 @@ def allreduce_loop(ctx: TrialContext) -> dict[str, float]:
         total += float(t)
         time.sleep(0.02)
     return {"score": float(ctx.params.get("x", 0.0)), "steps": total}
+
+
+def prune_probe(ctx: TrialContext) -> dict[str, float]:
+    """Reports every step; each rank records the step at which it learned it was pruned."""
+    for step in range(1, 21):
+        if ctx.distributed:
+            dist.all_reduce(torch.ones(1))  # a collective per step, as in training
+        ctx.report(step, score=float(step))
+        if ctx.should_stop():
+            (ctx.trial_dir / f"stopped{ctx.rank}.txt").write_text(str(step))
+            return {"score": float(step)}
+        time.sleep(0.01)
+    return {"score": 20.0}

@@ -156,3 +156,20 @@ def test_cuda_visible_devices_untouched_without_gpus(engine: LocalEngine, tmp_pa
     lines = (tmp_path / "0" / "env0.txt").read_text().split("\n")
     assert lines[2] == "1"  # OMP_NUM_THREADS from cpus_per_process
     assert len(eval(lines[1])) == 1  # pinned to one core
+
+
+def test_pruning_decision_reaches_every_rank_at_the_same_step(engine: LocalEngine, tmp_path: Path) -> None:
+    req = request(tmp_path, 0, "trainfns:prune_probe", metric="score", processes=2, pruning=True)
+    engine.submit(req)
+    result = None
+    asked = []
+    while result is None:
+        for ev in engine.poll(5.0):
+            if isinstance(ev, TrialResult):
+                result = ev
+            elif ev.wants_answer:
+                asked.append(ev.step)
+                engine.answer(0, ev.step == 3)
+    assert result.status == "pruned", result
+    assert asked == [1, 2, 3]  # rank 0 waited for each decision; nothing ran past the prune
+    assert [(tmp_path / "0" / f"stopped{r}.txt").read_text() for r in (0, 1)] == ["3", "3"]
