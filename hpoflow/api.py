@@ -27,7 +27,7 @@ from hpoflow.errors import RunDirError, SpecError
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.storage import open_storage, storage_label
-from hpoflow.spec import StudySpec, load_spec, search_dirs, spec_from_mapping
+from hpoflow.spec import StudySpec, load_spec, resolve_training, search_dirs, spec_from_mapping
 from hpoflow.tasks import Engine, make_engine
 
 __all__ = ["StudyResult", "load_run", "optimize", "prepare_spec"]
@@ -178,7 +178,13 @@ def optimize(
         from hpoflow.report import ProgressListener
 
         listener = ProgressListener()
-    driver = Driver(parsed, study, eng, rd, listener=listener, n_trials=n_trials, python_path=dirs)
+    precheck = None
+    if parsed.oracle.enabled and not resolve_training(parsed.training, {}).function:
+        from hpoflow.search.precheck import OraclePrecheck
+
+        precheck = OraclePrecheck(parsed.oracle.cluster)
+    driver = Driver(parsed, study, eng, rd, listener=listener, n_trials=n_trials, python_path=dirs,
+                    precheck=precheck)
     try:
         if handle_signals:
             with _stop_on_signals(driver):
@@ -186,6 +192,8 @@ def optimize(
         else:
             summary = driver.run()
     finally:
+        if precheck is not None:
+            precheck.close()
         if own_engine:
             eng.close()
         _write_outputs(study, parsed, text, rd)

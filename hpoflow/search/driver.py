@@ -21,6 +21,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpoflow.errors import EngineError
+from hpoflow.search.precheck import Verdict, summarise
 from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, resolve_training
 from hpoflow.tasks._base import Engine, TrialReport, TrialRequest, TrialResult
@@ -77,7 +78,7 @@ class Driver:
     def __init__(self, spec: StudySpec, study: optuna.Study, engine: Engine, run_dir: Path,
                  listener: DriverListener | None = None, n_trials: int | None = None,
                  python_path: tuple[str, ...] = (),
-                 precheck: Callable[[TrialRequest], str | None] | None = None) -> None:
+                 precheck: Callable[[TrialRequest], Verdict | None] | None = None) -> None:
         self.spec = spec
         self.study = study
         self.engine = engine
@@ -244,10 +245,13 @@ class Driver:
         self._inflight[trial.number] = _InFlight(trial, request, params)
         if self.listener:
             self.listener.on_trial_start(trial.number, params)
-        reason = self.precheck(request) if self.precheck else None
-        if reason is not None:
-            self._on_result(TrialResult(trial.number, "pruned", error=reason))
-            return True
+        verdict = self.precheck(request) if self.precheck else None
+        if verdict is not None:
+            if verdict.predicted:
+                trial.set_user_attr("oracle", summarise(verdict.predicted))
+            if not verdict.feasible:  # recorded as pruned, with the numbers, without taking a slot
+                self._on_result(TrialResult(trial.number, "pruned", error=f"oracle: {verdict.reason}"))
+                return True
         self.engine.submit(request)
         return True
 

@@ -22,6 +22,7 @@ __all__ = [
     "EngineName",
     "FloatParam",
     "IntParam",
+    "OracleSpec",
     "Param",
     "PrunerSpec",
     "ResourcesSpec",
@@ -343,6 +344,17 @@ class ResourcesSpec(_Strict):
     max_retries: int = Field(default=0, ge=0)
 
 
+class OracleSpec(_Strict):
+    """The parallelism oracle's check before each trial (built-in trainer only)."""
+
+    enabled: bool = True
+    cluster: str | None = Field(
+        default=None,
+        description="Preset name (laptop, p100-cluster, ...) or a cluster YAML file such as one written "
+                    "by `hpoflow oracle calibrate`; default: the laptop preset.",
+    )
+
+
 class StudySpec(_Strict):
     """A whole study. ``training`` may still hold ``${param}`` placeholders."""
 
@@ -354,3 +366,4 @@ class StudySpec(_Strict):
     engine: EngineName = "local"
     storage: str | None = None
     compss: dict[str, Any] = Field(default_factory=dict, description="Options of the compss engine.")
+    oracle: OracleSpec = Field(default_factory=OracleSpec)

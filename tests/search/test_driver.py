@@ -206,3 +206,25 @@ def test_a_resumed_seeded_study_does_not_repeat_its_configurations(tmp_path: Pat
     resumed = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))
     xs = [t.params["x"] for t in resumed.study.trials]
     assert len(xs) == 8 and len(set(xs)) == 8
+
+
+def test_oracle_rejects_a_trial_too_large_for_the_device_without_a_slot(tmp_path: Path) -> None:
+    data = {
+        "study": {"name": "big", "metric": "val_accuracy", "direction": "maximize"},
+        "space": {"hidden": {"type": "categorical", "choices": [64, 200000]}},
+        "search": {"algorithm": "grid", "max_concurrent": 1},
+        "training": {"model": "mlp", "model_options": {"hidden": "${hidden}", "depth": 3}, "epochs": 1},
+    }
+    engine = ThreadEngine(lambda p, r: 0.9, slots=1)
+    result = optimize(data, tmp_path / "run", engine=engine)
+    by_hidden = {t.params["hidden"]: t for t in result.study.trials}
+    big, small = by_hidden[200000], by_hidden[64]
+    assert big.state == TrialState.PRUNED
+    reason = big.user_attrs["error"]
+    assert "GB per device" in reason and "largest batch that fits" in reason
+    assert [r.params for r in engine.submitted] == [{"hidden": 64}]  # the big one never took a slot
+    assert small.state == TrialState.COMPLETE
+    assert small.user_attrs["oracle"]["memory_per_device_bytes"] > 0  # prediction stored with the trial
+    data["oracle"] = {"enabled": False}
+    off = optimize(data, tmp_path / "run2", engine=ThreadEngine(lambda p, r: 0.9, slots=1))
+    assert off.summary.n_complete == 2
