@@ -13,6 +13,7 @@ from hpoflow.spec._load import (
 from hpoflow.spec._models import (
     ALGORITHMS,
     CategoricalParam,
+    CheckpointSpec,
     FloatParam,
     IntParam,
     OracleSpec,
@@ -29,6 +30,7 @@ __all__ = [
     "ALGORITHMS",
     "BUILTIN_METRICS",
     "CategoricalParam",
+    "CheckpointSpec",
     "FloatParam",
     "IntParam",
     "OracleSpec",

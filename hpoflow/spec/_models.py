@@ -18,6 +18,7 @@ __all__ = [
     "ALGORITHMS",
     "PLACEHOLDER",
     "CategoricalParam",
+    "CheckpointSpec",
     "ConditionMap",
     "EngineName",
     "FloatParam",
@@ -201,6 +202,35 @@ class SearchSpec(_Strict):
         return self
 
 
+class CheckpointSpec(_Strict):
+    """``training.checkpoint``: periodic, atomic, checksummed checkpoints (docs/checkpointing.md).
+
+    ``async`` is a Python keyword: the field is ``async_`` and reads and writes the key ``async``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    every: int = Field(default=0, ge=0, description="Save every K epochs (0: never).")
+    keep: int = Field(default=2, ge=1, description="How many of the newest checkpoints to keep.")
+    async_: bool = Field(default=True, alias="async",
+                         description="Write in a background thread (the training thread only copies the state).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            valid = ["every", "keep", "async"]
+            unknown = [k for k in data if k not in valid and k != "async_"]
+            if unknown:
+                key = str(unknown[0])
+                raise PydanticCustomError(
+                    "unknown_key",
+                    "unknown key '{key}'{hint}; valid keys here: {valid}. Fix: rename or remove it",
+                    {"key": key, "hint": did_you_mean(key, valid), "valid": ", ".join(valid)},
+                )
+        return data
+
+
 class TrainConfig(_Strict):
     """What one trial trains, after every ``${param}`` has been replaced by its value.
 
@@ -237,6 +267,10 @@ class TrainConfig(_Strict):
     lars: bool = Field(default=False, description="Layer-wise adaptive rate scaling (LARS).")
     lars_trust_coefficient: float = Field(default=0.001, gt=0)
     grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+    # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec,
+        description="Periodic checkpoints a trial resumes from after a crash: every, keep, async.")
 
     @staticmethod
     def strategy_option_table() -> dict[str, dict[str, tuple[str, Any, Any]]]:

@@ -12,22 +12,33 @@ and every rank asks ``should_stop()`` at the same point. At the end every rank w
 of its final evaluated weights to ``weights_rank<r>.sha256`` in the trial directory (and the
 ``state_dict`` to ``final_state_rank<r>.pt`` when ``HPOFLOW_SAVE_FINAL_STATE=1``); rank 0 reports
 ``ranks_identical`` (1.0 when every rank ended with the same weights).
+
+Checkpoints (``training.checkpoint.every: K``): every K epochs, at the epoch boundary (after the
+report, before ``should_stop()``), every rank saves its model, optimizer, strategy state, step and
+epoch, RNG states and progress counters (``hpoflow.train.checkpoint``). At the start, a trial whose
+checkpoint directory holds a checkpoint valid on every rank restores all of it and continues with
+the next epoch: on CPU the result is bitwise the uninterrupted run's (docs/checkpointing.md). The
+metrics carry ``resumed_from_epoch`` (0: a fresh start) and ``checkpoint_s`` (time the training
+thread spent checkpointing).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from hpoflow.spec import TrainConfig
 from hpoflow.train.context import TrialContext
 from hpoflow.train.data import load_dataset
 from hpoflow.train.largebatch import LARS, LrSchedule
@@ -143,6 +154,52 @@ def _finish(ctx: TrialContext, model: nn.Module) -> float:
     return 1.0 if _ranks_identical(ctx, digest) else 0.0
 
 
+def config_fingerprint(cfg: TrainConfig) -> str:
+    """SHA-256 of what determines a trial's trajectory: the config without ``epochs`` (a resume may
+    train longer) and ``checkpoint`` (how often to save does not change the result)."""
+    data = cfg.model_dump(mode="json", exclude={"epochs", "checkpoint"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Progress:
+    """Where the training loop is: epochs done, optimizer steps done, and the throughput totals."""
+
+    epoch: int = 0
+    step: int = 0
+    t_train: float = 0.0
+    samples: int = 0
+
+
+def _checkpoint_state(progress: Progress, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      strategy: Strategy, metrics: dict[str, float], fingerprint: str) -> dict[str, Any]:
+    """Everything to resume after ``progress.epoch`` epochs (RNG states are added by the context).
+    Data order is a function of the epoch (``DistributedSampler`` seeded by the trial's seed and
+    ``set_epoch``), so at an epoch boundary the position is the epoch and batch 0."""
+    return {
+        "epoch": progress.epoch, "step": progress.step,
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "strategy": strategy.state_dict(),
+        "data": {"epoch": progress.epoch, "batch": 0},
+        "progress": {"t_train": progress.t_train, "samples": progress.samples},
+        "metrics": dict(metrics), "config": fingerprint,
+    }
+
+
+def _restore(ctx: TrialContext, saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+             strategy: Strategy, fingerprint: str) -> tuple[Progress, dict[str, float]]:
+    if saved.get("config") != fingerprint:
+        raise ValueError(
+            f"checkpoint: the checkpoint in {ctx.checkpoints.directory} (step {ctx.resumed_step}) was written "
+            "by a trial with a different training config (only epochs and checkpoint may change on a "
+            "resume). Fix: delete that directory to start over, or resume with the same config")
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    strategy.load_state_dict(saved["strategy"])
+    p = saved["progress"]
+    progress = Progress(int(saved["epoch"]), int(saved["step"]), float(p["t_train"]), int(p["samples"]))
+    return progress, {k: float(v) for k, v in saved["metrics"].items()}
+
+
 def train_builtin(ctx: TrialContext) -> dict[str, float]:
     cfg = ctx.config
     torch.manual_seed(cfg.seed)
@@ -166,14 +223,23 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
         opt: OptimizerLike = LARS(base, cfg.lars_trust_coefficient) if cfg.lars else base
         strategy.prepare_optimizer(opt)
         metrics: dict[str, float] = {}
-        t_train, samples, step = 0.0, 0, 0
-        for epoch in range(cfg.epochs):
+        every = cfg.checkpoint.every
+        fingerprint = config_fingerprint(cfg)
+        progress = Progress()
+        if every > 0:  # resume from the newest checkpoint valid on every rank (a collective)
+            saved = ctx.load_checkpoint()
+            if saved is not None:
+                progress, metrics = _restore(ctx, saved, model, base, strategy, fingerprint)
+        resumed = float(progress.epoch)
+        for epoch in range(progress.epoch, cfg.epochs):
             sampler.set_epoch(epoch)
-            stats, step = train_epoch(ctx, net, strategy, opt, loader, schedule, step)
+            stats, step = train_epoch(ctx, net, strategy, opt, loader, schedule, progress.step)
             t_sync = time.perf_counter()
             strategy.end_epoch()
-            t_train += stats.seconds + time.perf_counter() - t_sync
-            samples += stats.seen
+            progress.t_train += stats.seconds + time.perf_counter() - t_sync
+            progress.samples += stats.seen
+            progress.epoch, progress.step = epoch + 1, step
+            t_train, samples = progress.t_train, progress.samples
             train_loss = stats.loss_sum / max(stats.seen, 1)
             if not math.isfinite(train_loss):
                 raise NonFiniteLoss(f"training loss is {train_loss} at epoch {epoch + 1} "
@@ -189,13 +255,21 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                 "lr": schedule.lr_at(max(step - 1, 0)),
                 "global_batch": float(cfg.batch_size * world * cfg.grad_accum_steps),
                 "world_size": float(world),
+                "resumed_from_epoch": resumed,
                 **strategy.comm_stats(),
             }
             ctx.report(epoch + 1, **metrics)
-            # Epoch boundary: every rank is consistent here (a checkpoint may be saved at this point).
+            # Epoch boundary: every rank is consistent here.
+            if every > 0 and (epoch + 1) % every == 0:
+                ctx.save_checkpoint(_checkpoint_state(progress, model, base, strategy, metrics, fingerprint),
+                                    step=epoch + 1)
             if ctx.should_stop():
                 break
+        ctx.flush_checkpoints()
+        metrics["resumed_from_epoch"] = resumed
+        metrics["checkpoint_s"] = ctx.checkpoint_s
         metrics["ranks_identical"] = _finish(ctx, strategy.eval_module())
         return metrics
     finally:
+        ctx.flush_checkpoints()
         strategy.close()

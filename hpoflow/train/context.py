@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import torch.distributed as dist
 
 from hpoflow.spec import TrainConfig
 from hpoflow.train.channel import Channel, NullChannel
+from hpoflow.train.checkpoint import Checkpointer, capture_rng
+from hpoflow.train.checkpoint import restore_rng as restore_rng_state
 
 __all__ = ["TrialContext"]
 
@@ -39,8 +42,12 @@ class TrialContext:
     pruning: bool = False
     channel: Channel = field(default_factory=NullChannel)
     attempt: int = 0
+    checkpoint_dir: Path | None = None  # defaults to trial_dir / "checkpoints"
     reports: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     _prune: bool = False
+    resumed_step: int | None = None  # the step load_checkpoint() resumed from (None: fresh start)
+    checkpoint_s: float = 0.0  # seconds save_checkpoint() held the calling thread (snapshot + waits)
+    _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     @property
     def is_chief(self) -> bool:
@@ -73,6 +80,66 @@ class TrialContext:
             flag = bool(t.item())
         self._prune = flag
         return flag
+
+    # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
+    @property
+    def checkpoints(self) -> Checkpointer:
+        """This rank's checkpoint manager (``training.checkpoint.keep`` and ``async``)."""
+        if self._checkpointer is None:
+            ck = self.config.checkpoint
+            directory = self.checkpoint_dir or self.trial_dir / "checkpoints"
+            world = self.world_size if self.distributed else 1
+            self._checkpointer = Checkpointer(directory, self.rank if self.distributed else 0, world,
+                                              keep=ck.keep, background=ck.async_)
+        return self._checkpointer
+
+    def save_checkpoint(self, state: dict[str, Any], step: int | None = None, *, rng: bool = True) -> None:
+        """Checkpoint ``state`` (tensors, numbers, strings, containers) as ``step`` (default: the last
+        saved or resumed step + 1), with this process's RNG states unless ``rng=False``.
+
+        Every rank saves its own file (call it on every rank at the same step); the state is copied
+        before this returns, and written in the background when ``training.checkpoint.async`` is on.
+        """
+        t0 = time.perf_counter()
+        cp = self.checkpoints
+        if step is None:
+            step = 1 if cp.last_step is None else cp.last_step + 1
+        payload: dict[str, Any] = {"user": state}
+        if rng:
+            payload["rng"] = capture_rng()
+        cp.save(payload, int(step))
+        self.checkpoint_s += time.perf_counter() - t0
+
+    def load_checkpoint(self, *, restore_rng: bool = True) -> dict[str, Any] | None:
+        """The state of the newest checkpoint valid on every rank (``None``: start from scratch), and
+        the RNG states saved with it restored unless ``restore_rng=False``; sets ``resumed_step``.
+
+        Collective in a distributed trial: every rank must call it. Corrupt or partial files are
+        skipped with a warning (the previous checkpoint is used); this rank's files newer than the
+        chosen one are deleted (they belong to the crashed run).
+        """
+        cp = self.checkpoints
+        gather = None
+        if self.distributed:
+            def gather(mine: list[int]) -> list[list[int]]:
+                out: list[Any] = [None] * self.world_size
+                dist.all_gather_object(out, mine)
+                return [list(x) for x in out]
+        found = cp.latest(gather)
+        if found is None:
+            self.resumed_step = None
+            return None
+        step, payload = found
+        if restore_rng and "rng" in payload:
+            restore_rng_state(payload["rng"])
+        self.resumed_step = step
+        user: dict[str, Any] = payload["user"]
+        return user
+
+    def flush_checkpoints(self) -> None:
+        """Wait for a background checkpoint write to finish (idempotent; call before the trial ends)."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
 
     def log_path(self) -> Path:
         return self.trial_dir / f"rank{self.rank}.log"

@@ -93,6 +93,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     use_cuda = req.gpus_per_process > 0 and torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     _seed_everything(req.seed)
+    ctx: TrialContext | None = None
     try:
         config = TrainConfig.model_validate(req.train)
         ctx = TrialContext(
@@ -131,6 +132,11 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         return RankOutcome("error", {}, error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
                            retryable=retryable)
     finally:
+        if ctx is not None:
+            try:
+                ctx.flush_checkpoints()  # an async save still being written must land first
+            except Exception as exc:  # a failed write is reported, never raised from here
+                print(f"hpoflow: rank {job.rank}: last checkpoint not written: {exc}", file=sys.stderr)
         hdist.destroy()
         sys.stdout.flush()
         sys.stderr.flush()

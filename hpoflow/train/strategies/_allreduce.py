@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -94,6 +95,13 @@ class AllReduce(Strategy):
         # DDP rejects hooks whose (string, postponed) annotations are not its own types.
         timed_hook.__signature__ = _HOOK_SIGNATURE  # type: ignore[attr-defined]
         return timed_hook
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        if str(self.options.get("compression", "none")) == "powersgd":
+            warnings.warn("allreduce: PowerSGD's error feedback and warm-start matrices are not "
+                          "checkpointed; after a resume they start over (the run is not bitwise the "
+                          "uninterrupted one)", RuntimeWarning, stacklevel=2)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         return self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()

@@ -15,7 +15,13 @@ every rank makes the same calls in the same order (each call may be a collective
 4. ``end_epoch()`` after the last step of an epoch: afterwards ``eval_module()`` is identical on
    every rank (the all-reduced model, the parameter server's, the EASGD center, the averaged local
    models), so every rank's validation gives the same numbers.
-5. ``close()`` in ``finally``: releases what the strategy owns. Strategies create no process
+5. ``state_dict()`` / ``load_state_dict(state)`` at an epoch boundary (after ``end_epoch``): what
+   the strategy owns beyond the model and the optimizer (EASGD's center, step counters, the meter's
+   totals) as plain tensors and numbers, for checkpoints (``hpoflow.train.checkpoint``). The state
+   may differ between ranks (each rank checkpoints its own). ``load_state_dict`` runs after
+   ``wrap`` and ``prepare_optimizer`` and is local (no collective); it rejects another strategy's
+   state or a different configuration with ``ValueError``.
+6. ``close()`` in ``finally``: releases what the strategy owns. Strategies create no process
    groups of their own (they use the trial's default group, which ``runner.run_rank`` destroys).
 
 With ``world_size == 1`` (no process group) every strategy still works and communicates nothing.
@@ -153,6 +159,18 @@ class CommMeter:
             b1 = read_bytes_sent() if b0 is not None else None
             self.extra_bytes += (b1 - b0) if b1 is not None and b0 is not None else estimate_bytes
 
+    # -- checkpoints ----------------------------------------------------------------------------
+    _TOTALS = ("steps", "step_time", "comm_time", "bytes_sent", "extra_comm_time", "extra_bytes")
+
+    def state_dict(self) -> dict[str, float]:
+        """The running totals (so a resumed trial's per-step averages continue)."""
+        return {k: float(getattr(self, k)) for k in self._TOTALS}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        for k in self._TOTALS:
+            if k in state:
+                setattr(self, k, int(state[k]) if k == "steps" else float(state[k]))
+
     # -- results --------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         n = max(self.steps, 1)
@@ -269,6 +287,19 @@ class Strategy(abc.ABC):
         """The meter's per-step numbers plus the model size and the theoretical volume."""
         return {**self.meter.metrics(), "model_bytes": float(self.model_bytes),
                 "theory_bytes_per_step": self.theoretical_bytes_per_step()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's strategy state for a checkpoint (subclasses add theirs to this dict)."""
+        return {"name": self.name, "meter": self.meter.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``'s output (after ``wrap`` and ``prepare_optimizer``)."""
+        if state.get("name") != self.name:
+            raise ValueError(
+                f"checkpoint: the strategy state is {state.get('name')!r}'s, but this trial runs "
+                f"{self.name!r}. Fix: resume with the same training.strategy, or delete the checkpoint "
+                "directory to start over")
+        self.meter.load_state_dict(state.get("meter", {}))
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the strategy holds (called in ``finally``)."""

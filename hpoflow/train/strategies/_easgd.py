@@ -18,6 +18,8 @@ SGD step (the spec requires ``optimizer: sgd`` for it). Volume: ``2 (p - 1) / p 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,6 +95,22 @@ class EASGD(Strategy):
 
     def center_vector(self) -> torch.Tensor:
         return self.center.clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The center (identical on every rank) and the step counter (the local model is the
+        model's own state; its momentum the optimizer's)."""
+        return {**super().state_dict(), "center": self.center, "steps": self._steps, "tau": self.tau}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        center = state["center"]
+        if tuple(center.shape) != tuple(self.center.shape) or int(state["tau"]) != self.tau:
+            raise ValueError(
+                f"checkpoint: easgd state has a center of {tuple(center.shape)} values and tau={state['tau']}, "
+                f"but this trial has {tuple(self.center.shape)} and tau={self.tau}. Fix: resume with the same "
+                "model and strategy_options, or delete the checkpoint directory")
+        self.center.copy_(center)
+        self._steps = int(state["steps"])
 
     def theoretical_bytes_per_step(self) -> float:
         if not self.distributed:

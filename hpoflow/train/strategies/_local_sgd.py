@@ -7,6 +7,9 @@ evaluates the same model; that traffic is reported apart (``sync_bytes``). Volum
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch.distributed as dist
 from torch import nn
 
@@ -57,6 +60,18 @@ class LocalSGD(Strategy):
             flat /= self.env.world_size
             load_flat(self.params, flat)
         self._in_sync = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter (the averaging phase) and whether the ranks' models are averaged now."""
+        return {**super().state_dict(), "steps": self._steps, "in_sync": self._in_sync, "period": self.period}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        if int(state["period"]) != self.period:
+            raise ValueError(f"checkpoint: local_sgd state has period={state['period']}, but this trial "
+                             f"has period={self.period}. Fix: resume with the same strategy_options.period")
+        self._steps = int(state["steps"])
+        self._in_sync = bool(state["in_sync"])
 
     def theoretical_bytes_per_step(self) -> float:
         return self._volume() / self.period if self.distributed else 0.0

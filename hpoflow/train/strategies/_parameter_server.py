@@ -17,6 +17,9 @@ bottleneck the research measures. Each worker moves ``2 M`` (push + pull) when i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,6 +61,20 @@ class ParameterServer(Strategy):
                        for s in range(self.servers)]
         self._broadcast_params()
         return model
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shard layout, to check a resume against (a shard's optimizer state lives in its
+        server rank's optimizer, which that rank checkpoints)."""
+        return {**super().state_dict(), "servers": self.servers, "owner": list(self.owner)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        saved = (int(state["servers"]), [int(o) for o in state["owner"]])
+        if saved != (self.servers, self.owner):
+            raise ValueError(
+                f"checkpoint: parameter_server state has servers={saved[0]} and shard owners {saved[1]}, but "
+                f"this trial has servers={self.servers} and {self.owner}. Fix: resume with the same model, "
+                "strategy_options.servers and processes")
 
     def _shard_bytes(self, s: int) -> int:
         return sum(p.numel() * p.element_size() for p in self.shards[s])
