@@ -80,9 +80,9 @@ def _descendants(pid: int) -> set[int]:
 
 
 def test_killed_driver_resumes_at_five_moments_without_loss_or_duplicates(tmp_path: Path) -> None:
-    n_trials = 12
+    n_trials = 10
     f = tmp_path / "spec.yaml"
-    f.write_text(yaml.safe_dump(spec(n_trials, 1, 0.4, 0)))
+    f.write_text(yaml.safe_dump(spec(n_trials, 1, 0.25, 0)))
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--quiet"]
     # Kill when this many trials have a result file: before any, and at four points after.
@@ -122,3 +122,35 @@ def test_killed_driver_resumes_at_five_moments_without_loss_or_duplicates(tmp_pa
     for t in interrupted:  # every interrupted trial was rerun exactly once, with its own params
         if "x" in t.params:  # (a kill between ask() and the first suggestion leaves none to rerun)
             assert params.count(t.params["x"]) == 1
+
+
+def test_a_trial_interrupted_by_a_driver_kill_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    data = {
+        "study": {"name": "ckpt", "metric": "val_accuracy", "direction": "maximize"},
+        "space": {"lr": {"type": "categorical", "choices": [0.003]}},
+        "search": {"algorithm": "grid", "n_trials": 1},
+        "training": {"model": "mlp", "epochs": 40, "batch_size": 32, "lr": "${lr}",
+                     "checkpoint": {"every": 1, "keep": 2}},
+    }
+    f = tmp_path / "spec.yaml"
+    f.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--json"]
+    proc = subprocess.Popen(args, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    ckpts = run_dir / "trials" / "0" / "checkpoints"
+    t0 = time.monotonic()
+    while len(list(ckpts.glob("ckpt-*.pt"))) < 2 and time.monotonic() - t0 < 120:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    again = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["n_complete"] == 1
+    from hpoflow.search.storage import open_storage
+
+    study = optuna.load_study(study_name="ckpt", storage=open_storage(None, run_dir))
+    first, rerun = study.trials[0], study.trials[-1]
+    assert first.system_attrs.get(ATTR_INTERRUPTED) and rerun.state == TrialState.COMPLETE
+    assert rerun.user_attrs["checkpoint_dir"] == str(ckpts)  # it inherited the killed trial's checkpoints
+    assert rerun.user_attrs["metrics"]["resumed_from_epoch"] >= 1  # and resumed instead of starting over
