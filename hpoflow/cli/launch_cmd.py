@@ -13,19 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hpoflow.cli._args import positive_int
 from hpoflow.errors import EngineError
 
 __all__ = ["register"]
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _non_negative(text: str) -> int:
@@ -47,11 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["compss"], default="compss",
                    help="engine to launch with (compss; for the local engine use `hpoflow run`)")
     p.add_argument("--run-dir", help="run directory on a shared file system (default: runs/<study name>)")
-    p.add_argument("--nodes", type=_positive,
+    p.add_argument("--nodes", type=positive_int,
                    help="nodes of the batch job, including the COMPSs master node (implies enqueue_compss)")
-    p.add_argument("--cpus-per-node", type=_positive, help="CPU cores per node (enqueue_compss)")
+    p.add_argument("--cpus-per-node", type=positive_int, help="CPU cores per node (enqueue_compss)")
     p.add_argument("--gpus-per-node", type=_non_negative, help="GPUs per node (enqueue_compss)")
-    p.add_argument("--time", type=_positive, metavar="MIN", help="wall time of the job in minutes")
+    p.add_argument("--time", type=positive_int, metavar="MIN", help="wall time of the job in minutes")
     p.add_argument("--qos", help="quality of service of the job")
     p.add_argument("--queue", "--partition", dest="queue", help="queue / partition")
     p.add_argument("--project", "--account", dest="account", help="project / account to charge")
@@ -63,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="write resources.xml (and project.xml next to it) for this machine and use them")
     p.add_argument("--project-xml", help="COMPSs project.xml for runcompss")
     p.add_argument("--resources-xml", help="COMPSs resources.xml for runcompss")
-    p.add_argument("--n-trials", type=_positive, help="override search.n_trials")
+    p.add_argument("--n-trials", type=positive_int, help="override search.n_trials")
     p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     p.set_defaults(func=run)
 

@@ -6,17 +6,9 @@ import argparse
 import json
 import sys
 
+from hpoflow.cli._args import positive_int
+
 __all__ = ["register"]
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Run a study; on an existing run directory, resume it.")
     p.add_argument("spec", help="study spec (YAML)")
     p.add_argument("--run-dir", help="run directory (default: runs/<study name>)")
-    p.add_argument("--n-trials", type=_positive, help="override search.n_trials")
+    p.add_argument("--n-trials", type=positive_int, help="override search.n_trials")
     p.add_argument("--quiet", action="store_true", help="no progress, only the final table")
     p.add_argument("--json", action="store_true", help="print the final status as one JSON object")
     p.set_defaults(func=run)

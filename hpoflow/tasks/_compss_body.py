@@ -39,6 +39,7 @@ from hpoflow.tasks._compss_layout import (
     ordered_hosts,
     processes_per_node,
 )
+from hpoflow.tasks._proc import describe_exit, free_port, tail
 
 __all__ = ["HEARTBEAT_S", "run_trial", "stderr_tail"]
 
@@ -46,49 +47,21 @@ HEARTBEAT_S = 5.0
 _SUPERVISE_S = 0.1
 
 
-def _tail(path: Path, max_bytes: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def stderr_tail(files: TrialFiles, n_ranks: int, n_nodes: int, max_bytes: int = 2000) -> str:
     """The end of every rank's (and node launcher's) log, labelled, for a failed trial's result."""
     parts = []
     for r in range(n_ranks):
-        text = _tail(files.rank_log(r), max_bytes)
+        text = tail(files.rank_log(r), max_bytes)
         if text.strip():
             parts.append(f"--- rank {r} ---\n{text}")
     for n in range(n_nodes):
-        text = _tail(files.node_log(n), max_bytes // 2)
+        text = tail(files.node_log(n), max_bytes // 2)
         if text.strip():
             parts.append(f"--- node {n} launcher ---\n{text}")
-    text = _tail(files.dir / "launcher.log", max_bytes // 2)
+    text = tail(files.dir / "launcher.log", max_bytes // 2)
     if text.strip():
         parts.append(f"--- launcher ---\n{text}")
     return "\n".join(parts)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _signal_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @contextlib.contextmanager
@@ -163,7 +136,7 @@ def _result_from(req: TrialRequest, files: TrialFiles, *, codes: list[int | None
                            stderr_tail=tail(), timings=timings, retryable=bool(o.get("retryable")))
     missing = [r for r in range(req.processes) if r not in outcomes]
     if missing:
-        what = ", ".join(_signal_text(c) for c in codes) or "no launcher"
+        what = ", ".join(describe_exit(c) for c in codes) or "no launcher"
         return TrialResult(
             req.number, "failed",
             error=f"rank(s) {missing} ended without a result (launcher {what}): a rank was killed, "
@@ -190,12 +163,12 @@ def _plan(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], env: dict[
     cli = [python, "-m", "hpoflow.tasks._rank_cli", "node", "--job", str(files.job)]
     if req.nodes == 1:
         cpus = bound_cpus(env)
-        job.update(master_addr="127.0.0.1", master_port=_free_port("127.0.0.1") if req.processes > 1 else 0,
+        job.update(master_addr="127.0.0.1", master_port=free_port("127.0.0.1") if req.processes > 1 else 0,
                    cpus=cpus, gpus=bound_gpus(env), hosts=[])
         return [[*cli, "--node-index", "0"]], job
     hosts = ordered_hosts(env, req.nodes)
     master = str(opts.get("master_addr") or hosts[0])
-    job.update(master_addr=master, master_port=_free_port(""), cpus=None, gpus=None, hosts=hosts)
+    job.update(master_addr=master, master_port=free_port(""), cpus=None, gpus=None, hosts=hosts)
     cmds = launcher_argv(
         str(opts.get("launcher", "srun")), hosts, ppn, req, str(files.job), python=python,
         srun_args=tuple(opts.get("srun_args", ("--overlap",))), mpirun_args=tuple(opts.get("mpirun_args", ())),

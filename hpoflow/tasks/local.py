@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from typing import Any
 
 from hpoflow.errors import EngineError
 from hpoflow.tasks._base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult, TrialStatus
+from hpoflow.tasks._proc import describe_exit, free_port, tail
 
 __all__ = ["LocalEngine", "check_fits", "detect_gpus", "machine_cores", "plan_placement", "tail"]
 
@@ -84,38 +84,13 @@ def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list
     return out
 
 
-def tail(path: Path, max_bytes: int = 4000) -> str:
-    """The last ``max_bytes`` of a text file ('' if it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _free_port(recent: deque[int]) -> int:
     for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         if port not in recent:
             recent.append(port)
             return port
     raise EngineError("could not find a free TCP port on 127.0.0.1 for a trial's rendezvous")
-
-
-def _signal_name(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @dataclass
@@ -402,7 +377,7 @@ class LocalEngine(Engine):
         if t is not None and w.rank not in t.outcomes:
             t.outcomes[w.rank] = {"status": "lost"}
             if t.failure is None and t.cancel_reason is None:
-                t.failure = f"rank {w.rank} {_signal_name(code)} before it finished"
+                t.failure = f"rank {w.rank} {describe_exit(code)} before it finished"
                 t.retryable = True
                 self._kill_unfinished(t)
 
