@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -11,9 +13,26 @@ import torch.distributed as dist
 __all__ = ["destroy", "init_process_group"]
 
 
+def wait_for_master(addr: str, port: int, timeout_s: float, poll_s: float = 0.002) -> None:
+    """Block until rank 0's store accepts connections (or ``timeout_s`` passes).
+
+    A rank that reaches the store before rank 0 has opened it falls into the store client's retry
+    back-off and joins up to ~0.75 s late; polling the port every 2 ms joins within milliseconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(poll_s)
+
+
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        use_cuda: bool, timeout_s: float = 120.0) -> None:
     """Join the trial's fresh process group over TCP at ``master_addr:master_port``."""
+    if rank != 0:
+        wait_for_master(master_addr, master_port, timeout_s)
     os.environ.update(
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
         WORLD_SIZE=str(world_size),

@@ -1,0 +1,32 @@
+"""Smoke tests of the benchmark scripts: each runs with tiny arguments and ends with its JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+CASES = {
+    "driver_scale.py": (["--trials", "40", "--block", "20"],
+                        {"trials", "total_s", "ms_per_trial_first_1000", "ms_per_trial_last_1000", "growth_ratio",
+                         "curve", "waiting_scan_ms_at_end"}),
+    "utilization.py": (["--trials", "4", "--repeats", "1", "--median-s", "0.05"],
+                       {"hpoflow_busy", "batch_busy", "ideal_async_busy"}),
+    "ddp_launch.py": (["--trials", "2", "--torchrun-trials", "0"],
+                      {"hpoflow_launch_s", "torchrun_launch_s", "hpoflow_first_step_s"}),
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> None:
+    args, keys = CASES[script]
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert keys <= set(figures), f"{script} JSON line lacks {sorted(keys - set(figures))}: {figures}"
