@@ -65,7 +65,8 @@ class _Journal(JournalStorage):
         ids_by_study = getattr(replay, "_study_id_to_trial_ids", None)
         trials = getattr(replay, "_trials", None)
         lock = getattr(self, "_thread_lock", None)
-        if (states is None or tuple(states) != (TrialState.WAITING,) or ids_by_study is None
+        waiting_only = isinstance(states, tuple | list) and list(states) == [TrialState.WAITING]
+        if (not waiting_only or ids_by_study is None
                 or trials is None or lock is None):
             return super().get_all_trials(study_id, deepcopy, states)
         with lock:
