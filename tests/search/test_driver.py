@@ -228,3 +228,23 @@ def test_oracle_rejects_a_trial_too_large_for_the_device_without_a_slot(tmp_path
     data["oracle"] = {"enabled": False}
     off = optimize(data, tmp_path / "run2", engine=ThreadEngine(lambda p, r: 0.9, slots=1))
     assert off.summary.n_complete == 2
+
+
+def test_the_driver_process_imports_neither_torch_nor_pycompss(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from hpoflow.api import optimize\n"
+        "from hpoflow.tasks.threads import ThreadEngine\n"
+        f"data = json.loads({json.dumps(json.dumps(BASE))})\n"
+        "data['search']['n_trials'] = 3\n"
+        f"optimize(data, {str(tmp_path / 'run')!r}, engine=ThreadEngine(lambda p, r: p['x'], 2))\n"
+        "print(json.dumps(['torch' in sys.modules, any(m.startswith('pycompss') for m in sys.modules)]))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, False]
