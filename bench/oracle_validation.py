@@ -85,39 +85,52 @@ def measured_step(name: str, shape: tuple[int, ...] | None, world: int, batch: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calibration", help="cluster YAML from `hpoflow oracle calibrate`")
+    ap.add_argument("--calibration", help="cluster YAML from `hpoflow oracle calibrate` (then one round)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=100, help="timed steps per case")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of (calibrate, measure every case); the figure is each case's median ratio. "
+                         "This machine's speed drifts over seconds to minutes (shared cores), so a calibration "
+                         "and a measurement taken minutes apart can disagree by 2x; interleaving them and "
+                         "taking medians compares like with like")
     ap.add_argument("--big", action="store_true", help="add resnet18 on 3x32x32 inputs")
     args = ap.parse_args(argv)
     console = Console(stderr=True)
-    if args.calibration:
-        cluster = load_cluster(args.calibration)
-    else:
-        console.print("calibrating (generic probes, 2 gloo processes on 127.0.0.1)...")
-        cluster = calibrate(2)
-        path = write_cluster(cluster, Path(tempfile.gettempdir(), "hpoflow-oracle-cal.yaml"))
-        console.print(f"calibration written to {path}")
-    table = Table(title=f"oracle validation on {cluster.name}")
-    for col in ("model", "world", "batch/rank", "predicted ms", "measured ms", "ratio",
-                "bottleneck"):
-        table.add_column(col, justify="right" if col not in ("model", "bottleneck") else "left")
+    rounds = 1 if args.calibration else max(1, args.rounds)
+    per_case: dict[str, list[tuple[float, float, str]]] = {}
+    cluster_name = ""
+    for r in range(rounds):
+        if args.calibration:
+            cluster = load_cluster(args.calibration)
+        else:
+            console.print(f"round {r + 1}/{rounds}: calibrating (generic probes, 2 gloo processes on 127.0.0.1)...")
+            cluster = calibrate(2)
+            path = write_cluster(cluster, Path(tempfile.gettempdir(), "hpoflow-oracle-cal.yaml"))
+            console.print(f"calibration written to {path}")
+        cluster_name = cluster.name
+        for name, shape in CASES + (BIG if args.big else []):
+            facts = model_facts(name, shape, 10 if shape else None)
+            steps = args.steps if facts.train_flops * args.batch_size < 5e9 else 20
+            for world in (1, 2):
+                pred = predict(facts, cluster, Plan(batch_size=args.batch_size, devices=world,
+                                                    optimizer="sgd", momentum=0.9))
+                console.print(f"  measuring {name} at world size {world}...")
+                meas = measured_step(name, shape, world, args.batch_size, steps)
+                per_case.setdefault(f"{name}@{world}", []).append((pred.cost.step_s, meas, pred.bottleneck))
+    table = Table(title=f"oracle validation on {cluster_name} (median of {rounds} round(s))")
+    for col in ("case", "batch/rank", "predicted ms", "measured ms", "ratio", "ratios per round", "bottleneck"):
+        table.add_column(col, justify="left" if col in ("case", "bottleneck", "ratios per round") else "right")
     ratios: dict[str, float] = {}
-    for name, shape in CASES + (BIG if args.big else []):
-        facts = model_facts(name, shape, 10 if shape else None)
-        steps = args.steps if facts.train_flops * args.batch_size < 5e9 else 20
-        for world in (1, 2):
-            pred = predict(facts, cluster, Plan(batch_size=args.batch_size, devices=world,
-                                                optimizer="sgd", momentum=0.9))
-            console.print(f"measuring {name} at world size {world}...")
-            meas = measured_step(name, shape, world, args.batch_size, steps)
-            ratio = pred.cost.step_s / meas
-            ratios[f"{name}@{world}"] = round(ratio, 3)
-            table.add_row(name, str(world), str(args.batch_size), f"{pred.cost.step_s * 1e3:.3f}",
-                          f"{meas * 1e3:.3f}", f"{ratio:.2f}", pred.bottleneck)
+    for case, rows in per_case.items():
+        each = [p / m for p, m, _ in rows]
+        ratio = statistics.median(each)
+        ratios[case] = round(ratio, 3)
+        table.add_row(case, str(args.batch_size), f"{statistics.median(p for p, _, _ in rows) * 1e3:.3f}",
+                      f"{statistics.median(m for _, m, _ in rows) * 1e3:.3f}", f"{ratio:.2f}",
+                      " ".join(f"{x:.2f}" for x in each), rows[-1][2])
     console.print(table)
     ok = all(0.75 <= r <= 1.25 for r in ratios.values())
-    print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "cluster": cluster.name}))
+    print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "cluster": cluster_name, "rounds": rounds}))
     return 0
 
 
