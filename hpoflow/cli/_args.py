@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
-__all__ = ["positive_int"]
+__all__ = ["int_at_least", "non_negative_int", "positive_int"]
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+        return v
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)

@@ -13,20 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpoflow.cli._args import positive_int
+from hpoflow.cli._args import non_negative_int, positive_int
 from hpoflow.errors import EngineError
 
 __all__ = ["register"]
-
-
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=positive_int,
                    help="nodes of the batch job, including the COMPSs master node (implies enqueue_compss)")
     p.add_argument("--cpus-per-node", type=positive_int, help="CPU cores per node (enqueue_compss)")
-    p.add_argument("--gpus-per-node", type=_non_negative, help="GPUs per node (enqueue_compss)")
+    p.add_argument("--gpus-per-node", type=non_negative_int, help="GPUs per node (enqueue_compss)")
     p.add_argument("--time", type=positive_int, metavar="MIN", help="wall time of the job in minutes")
     p.add_argument("--qos", help="quality of service of the job")
     p.add_argument("--queue", "--partition", dest="queue", help="queue / partition")
