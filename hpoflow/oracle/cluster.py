@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,10 @@ class DeviceSpec(_Frozen):
     memory_bandwidth: float = Field(gt=0)
     efficiency: dict[str, float] = Field(default_factory=lambda: {"fp32": 0.5})
     conv_efficiency: dict[str, float] | None = None
+    #: fp32 efficiency by layer kind ("conv", "linear") as a table of (training FLOPs of one
+    #: layer call, forward + backward, -> efficiency), sorted by FLOPs; interpolated in log-log
+    #: space and clamped at the ends. Absent (the default): one efficiency per kind, as before.
+    efficiency_table: dict[str, list[tuple[float, float]]] | None = None
     reserved_bytes: float = Field(default=0.0, ge=0)
     contention: float = Field(default=1.0, ge=1.0)
     source: str = ""
@@ -75,6 +81,44 @@ class DeviceSpec(_Frozen):
         if not isinstance(d, Mapping) or not all(0 < float(x) <= 1 for x in d.values()):
             raise ValueError(f"efficiency must be a number in (0, 1] or a mapping of them, got {v}")
         return d
+
+    @field_validator("efficiency_table")
+    @classmethod
+    def _table(cls, v: dict[str, list[tuple[float, float]]] | None) -> Any:
+        if v is None:
+            return v
+        for kind, rows in v.items():
+            works = [w for w, _ in rows]
+            if kind not in ("conv", "linear") or not rows or works != sorted(works) \
+                    or any(w <= 0 or not 0 < e <= 1 for w, e in rows):
+                raise ValueError(
+                    f"efficiency_table maps 'conv'/'linear' to non-empty [FLOPs, efficiency] rows "
+                    f"sorted by FLOPs > 0 with efficiency in (0, 1], but {kind!r} has {rows}"
+                )
+        return v
+
+    def kind_efficiency(self, precision: str) -> tuple[float, float]:
+        """(efficiency, convolution efficiency) at ``precision`` without a table."""
+        eff = self.efficiency.get(precision, self.efficiency.get("fp32", 0.5))
+        if self.conv_efficiency is None:
+            return eff, eff
+        return eff, self.conv_efficiency.get(precision, self.conv_efficiency.get("fp32", eff))
+
+    def layer_efficiency(self, kind: str, work: float, precision: str = "fp32") -> float | None:
+        """Efficiency of one ``kind`` layer call of ``work`` training FLOPs from the table
+        (log-log interpolation, clamped at the ends), or None without a table for it."""
+        rows = (self.efficiency_table or {}).get(kind)
+        if not rows or precision != "fp32" or work <= 0:
+            return None
+        if work <= rows[0][0]:
+            return rows[0][1]
+        if work >= rows[-1][0]:
+            return rows[-1][1]
+        for (w0, e0), (w1, e1) in itertools.pairwise(rows):
+            if w0 <= work <= w1:
+                t = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0)) if w1 > w0 else 0.0
+                return math.exp(math.log(e0) + t * (math.log(e1) - math.log(e0)))
+        return rows[-1][1]  # pragma: no cover - rows are sorted
 
     def flops(self, precision: str, conv_fraction: float = 0.0) -> float:
         """Sustained FLOP/s at ``precision`` for a workload with this share of convolution FLOPs."""

@@ -70,6 +70,10 @@ class ModelFacts:
     boundary_bytes: int
     ops_per_step: int
     conv_layers: int
+    #: (kind, forward FLOPs per sample of one call, calls per forward) of every leaf
+    #: ``nn.Linear`` ("linear") and convolution ("conv") module, in module order; lets a
+    #: size-dependent efficiency table price each layer by its own work per call
+    layers: tuple[tuple[str, float, int], ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -94,6 +98,7 @@ class ModelFacts:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["input_shape"] = list(self.input_shape)
+        d["layers"] = [list(layer) for layer in self.layers]
         d.update(param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
                  forward_macs=self.forward_macs, train_flops=self.train_flops)
         return d
@@ -223,12 +228,15 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
     sample = torch.zeros((_PROBE_BATCH, *shape), dtype=dtype, device="meta")
 
     act_elems = [0 if tokens else sample.numel()]
+    calls: dict[int, int] = {}
 
-    def hook(_m: nn.Module, _inp: Any, out: Any) -> None:
+    def hook(m: nn.Module, _inp: Any, out: Any) -> None:
+        calls[id(m)] = calls.get(id(m), 0) + 1
         outs = out if isinstance(out, (tuple, list)) else (out,)
         act_elems[0] += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
 
-    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    named_leaves = [(n, m) for n, m in model.named_modules() if not any(True for _ in m.children())]
+    leaves = [m for _, m in named_leaves]
     handles = [m.register_forward_hook(hook) for m in leaves]
     flops = FlopCounterMode(display=False)
     try:
@@ -242,7 +250,17 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
     finally:
         for h in handles:
             h.remove()
-    by_op = flops.get_flop_counts().get("Global", {})
+    counts = flops.get_flop_counts()
+    by_op = counts.get("Global", {})
+    root = type(model).__name__
+    layers = []
+    for fqn, m in named_leaves:
+        kind = "conv" if isinstance(m, nn.modules.conv._ConvNd) else \
+            "linear" if isinstance(m, nn.Linear) else None
+        n_calls = calls.get(id(m), 0)
+        layer_flops = float(sum(counts.get(f"{root}.{fqn}" if fqn else root, {}).values()))
+        if kind and n_calls and layer_flops > 0:
+            layers.append((kind, layer_flops / n_calls / _PROBE_BATCH, n_calls))
     total = float(sum(by_op.values()))
     conv = float(sum(v for k, v in by_op.items() if any(c in str(k) for c in _CONV_OPS)))
     ops = count_step_ops(model, sample, classes)
@@ -261,4 +279,5 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
         // max(1, len(leaves)),
         ops_per_step=ops,
         conv_layers=sum(isinstance(m, nn.modules.conv._ConvNd) for m in leaves),
+        layers=tuple(layers),
     )

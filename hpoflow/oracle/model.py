@@ -6,7 +6,10 @@ One training step on each device (``b`` samples per device, ``p`` devices):
   (F forward FLOPs per sample, R sustained FLOP/s, a activation bytes per sample, W memory
   bandwidth, T = :data:`ACTIVATION_TRAFFIC` passes over the activations; overheads = per step +
   per dispatched operator x operators + per parameter tensor x tensors + per
-  convolution layer x layers)
+  convolution layer x layers). With a device ``efficiency_table`` (fp32), each linear and conv
+  layer's FLOP time is its training FLOPs over peak x the table's efficiency at its FLOPs per call
+  (log-log interpolation); conv layers priced so pay no separate per-layer cost (the table's
+  efficiencies include it). Without a table, exactly the formula above.
 * comm      = strategy's alpha-beta cost (:mod:`hpoflow.oracle._comm`)
 * exposed   = max(0, comm - overlap x backward), backward = 2/3 of the FLOP and memory time
 * step      = compute + exposed; throughput = p b / step; epoch = N / (p b) x step
@@ -140,10 +143,11 @@ def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int,
     the strategy is ``pipeline``)."""
     dev, ov = cluster.device, cluster.overheads
     k = plan.stages if plan.strategy == "pipeline" else 1
-    flops_s = facts.train_flops * batch / dev.flops(plan.precision, facts.conv_flops_fraction)
+    call_batch = batch / (plan.micro_batches or 4 * k) if plan.strategy == "pipeline" else batch
+    flops_s = _flops_time(facts, cluster, plan.precision, batch, call_batch)
     traffic_s = ACTIVATION_TRAFFIC * facts.activation_bytes * batch / dev.memory_bandwidth
     overhead = ov.step_s + ov.per_op_s * facts.ops_per_step + \
-        ov.per_param_tensor_s * facts.param_tensors + ov.per_conv_s * facts.conv_layers
+        ov.per_param_tensor_s * facts.param_tensors + ov.per_conv_s * _unpriced_convs(facts, cluster, plan.precision)
     m_bytes = float(facts.grad_bytes)
     buckets = max(1, math.ceil(m_bytes / DDP_BUCKET_BYTES))
     bw, alpha = _comm.slowest_link(cluster, p)
@@ -186,6 +190,40 @@ def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int,
         comm_bandwidth_s=c_bw + pipe_bw, comm_latency_s=c_lat + pipe_lat,
         exposed_comm_s=exposed_bw + exposed_lat, step_s=compute + exposed_bw + exposed_lat,
     )
+
+
+def _unpriced_convs(facts: ModelFacts, cluster: ClusterSpec, precision: str) -> int:
+    """Convolution layers that pay ``per_conv_s``: all of them, unless the device's conv
+    efficiency table prices them (its efficiencies include a call's fixed cost)."""
+    if facts.layers and cluster.device.layer_efficiency("conv", 1.0, precision) is not None:
+        return 0
+    return facts.conv_layers
+
+
+def _flops_time(facts: ModelFacts, cluster: ClusterSpec, precision: str, batch: float,
+                call_batch: float) -> float:
+    """Seconds of FLOPs for ``batch`` samples: per layer from the device's efficiency table
+    (by the layer's training FLOPs per call at ``call_batch`` samples) where it has one, the rest
+    at the per-kind efficiency; without a table exactly ``train FLOPs / sustained FLOP/s``."""
+    dev = cluster.device
+    if not dev.efficiency_table or not facts.layers:
+        return facts.train_flops * batch / dev.flops(precision, facts.conv_flops_fraction)
+    peak = dev.peak_flops.get(precision, dev.peak_flops["fp32"])
+    eff, ceff = dev.kind_efficiency(precision)
+    conv_rest = facts.forward_flops * facts.conv_flops_fraction
+    other_rest = facts.forward_flops - conv_rest
+    seconds = 0.0
+    for kind, fwd, calls in facts.layers:
+        e = dev.layer_efficiency(kind, 3 * fwd * call_batch, precision)
+        if e is None:
+            continue
+        seconds += 3 * fwd * calls * batch / (peak * e)
+        if kind == "conv":
+            conv_rest -= fwd * calls
+        else:
+            other_rest -= fwd * calls
+    rest = max(0.0, conv_rest) / ceff + max(0.0, other_rest) / eff
+    return seconds + 3 * batch * rest / peak
 
 
 def _memory(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, batch: float) -> float:

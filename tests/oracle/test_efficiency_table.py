@@ -1,0 +1,105 @@
+"""Size-dependent efficiency tables: interpolation, per-layer facts, backward compatibility."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpoflow.oracle import Plan, load_cluster, model_facts, predict
+from hpoflow.oracle.catalog import PRESETS
+from hpoflow.oracle.errors import OracleError
+from hpoflow.oracle.model import step_cost
+
+TABLE = {"conv": [(1e5, 0.01), (1e7, 0.1), (1e9, 0.5)], "linear": [(1e4, 0.02), (1e8, 0.8)]}
+
+
+def _cluster(table: object = None, **device: object):  # type: ignore[no-untyped-def]
+    data = {**PRESETS["p100-cluster"]}
+    dev = {**data["device"], **device} if isinstance(data["device"], dict) else \
+        load_cluster(data).device.model_dump() | device
+    if table is not None:
+        dev["efficiency_table"] = table
+    return load_cluster({**data, "device": dev})
+
+
+def test_log_space_interpolation_and_clamping() -> None:
+    dev = _cluster(TABLE).device
+    assert dev.layer_efficiency("conv", 1e5) == pytest.approx(0.01)
+    assert dev.layer_efficiency("conv", 1e6) == pytest.approx(math.sqrt(0.01 * 0.1))  # log-log midpoint
+    assert dev.layer_efficiency("conv", 1e8) == pytest.approx(math.sqrt(0.1 * 0.5))
+    assert dev.layer_efficiency("conv", 10.0) == pytest.approx(0.01)  # clamped below
+    assert dev.layer_efficiency("conv", 1e12) == pytest.approx(0.5)  # clamped above
+    assert dev.layer_efficiency("linear", 1e6) == pytest.approx(math.sqrt(0.02 * 0.8))
+    assert dev.layer_efficiency("conv", 1e6, "fp16") is None  # tables are fp32 only
+    assert _cluster().device.layer_efficiency("conv", 1e6) is None
+
+
+def test_bad_tables_are_rejected() -> None:
+    for bad in ({"conv": [(1e7, 0.1), (1e5, 0.01)]}, {"conv": [(1e5, 1.5)]}, {"gemm": [(1.0, 0.5)]},
+                {"conv": []}):
+        with pytest.raises(OracleError, match="efficiency_table"):
+            _cluster(bad)
+
+
+def test_facts_record_per_layer_flops() -> None:
+    f = model_facts("cnn")
+    assert [k for k, _, _ in f.layers] == ["conv", "conv", "linear", "linear"]
+    assert sum(fl * n for _, fl, n in f.layers) == pytest.approx(f.forward_flops)
+    conv = sum(fl * n for k, fl, n in f.layers if k == "conv")
+    assert conv / f.forward_flops == pytest.approx(f.conv_flops_fraction)
+    assert f.to_dict()["layers"][0][0] == "conv"
+
+
+def test_layer_pricing_matches_hand_computation() -> None:
+    f = model_facts("cnn")
+    c = _cluster(TABLE, efficiency={"fp32": 0.3}, conv_efficiency={"fp32": 0.4})
+    b = 32
+    cost = step_cost(f, c, Plan(batch_size=b, devices=1).validate(c), 1, b)
+    peak = c.device.peak_flops["fp32"]
+    want = sum(3 * fl * n * b / (peak * c.device.layer_efficiency(k, 3 * fl * b))  # type: ignore[operator]
+               for k, fl, n in f.layers)
+    assert cost.flops_s == pytest.approx(want)
+    # a conv table's efficiencies include the per-call fixed cost: per_conv_s is not added again
+    with_conv = load_cluster({**c.model_dump(), "overheads": {"per_conv_s": 1.0}})
+    assert step_cost(f, with_conv, Plan(batch_size=b, devices=1).validate(c), 1, b).overhead_s < 1.0
+    lin_only = c.model_dump()
+    lin_only["device"]["efficiency_table"] = {"linear": TABLE["linear"]}
+    lin_only["overheads"] = {"per_conv_s": 1.0}
+    assert step_cost(f, load_cluster(lin_only), Plan(batch_size=b, devices=1).validate(c), 1, b).overhead_s >= 2.0
+
+
+def test_smaller_layers_run_further_below_peak() -> None:
+    c = _cluster(TABLE)
+    f = model_facts("cnn")
+    t8, t64 = (step_cost(f, c, Plan(batch_size=b, devices=1).validate(c), 1, b).flops_s / b for b in (8, 64))
+    assert t8 > t64  # per sample, small batches (less work per call) are slower
+
+
+def test_without_table_behaves_exactly_as_before(tmp_path: Path) -> None:
+    f = model_facts("cnn")
+    plan = Plan(batch_size=32, devices=2)
+    for name in PRESETS:
+        c = load_cluster(name)
+        assert c.device.efficiency_table is None
+        new = predict(f, c, plan)
+        old_style = predict(replace(f, layers=()), c, plan)  # facts without per-layer records
+        assert new.to_dict() == old_style.to_dict()
+        dev, ov = c.device, c.overheads
+        flops_s = f.train_flops * 32 / dev.flops("fp32", f.conv_flops_fraction)
+        assert new.cost.flops_s == pytest.approx(flops_s, rel=1e-12)
+        assert new.cost.overhead_s >= ov.per_conv_s * f.conv_layers
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(PRESETS["p100-cluster"])))
+    assert load_cluster(path).device.efficiency_table is None
+
+
+def test_table_round_trips_through_yaml(tmp_path: Path) -> None:
+    from hpoflow.oracle.calibrate import write_cluster
+
+    c = _cluster(TABLE)
+    back = load_cluster(write_cluster(c, tmp_path / "t.yaml"))
+    assert back.device.layer_efficiency("conv", 1e6) == pytest.approx(c.device.layer_efficiency("conv", 1e6))
