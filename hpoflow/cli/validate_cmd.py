@@ -23,8 +23,7 @@ def run(args: argparse.Namespace) -> int:
         from hpoflow.tasks.local import check_fits, detect_gpus, machine_cores
 
         r = spec.resources
-        probe = TrialRequest(-1, {}, {}, spec.study.metric, spec.study.direction, "", r.processes,
-                             r.cpus_per_process, r.gpus_per_process)
+        probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
         check_fits(probe, len(machine_cores()), len(detect_gpus()))
     n = spec.search.n_trials
     print(f"{args.spec}: valid — study {spec.study.name!r}, {len(spec.space)} parameters, "

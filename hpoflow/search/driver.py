@@ -115,7 +115,8 @@ class Driver:
         if self.listener:
             self.listener.on_start(self.n_trials, self._finished)
         deadline = t_start + self.spec.search.timeout if self.spec.search.timeout else None
-        probe = self._probe_request()
+        r = self.spec.resources
+        probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
         capacity = self.engine.capacity(probe)
         if capacity < 1:  # refuse before asking the study for a trial that could never run
             raise EngineError(
@@ -166,11 +167,6 @@ class Driver:
         return summary
 
     # -- internals ------------------------------------------------------------------------------
-    def _probe_request(self) -> TrialRequest:
-        r = self.spec.resources
-        return TrialRequest(-1, {}, {}, self.spec.study.metric, self.spec.study.direction, "",
-                            r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
-
     def _reconcile(self) -> None:
         """Resume: trials left RUNNING by a crashed driver are marked interrupted and rerun."""
         for t in self.study.get_trials(deepcopy=False):
@@ -292,23 +288,20 @@ class Driver:
         if res.status == "cancelled":
             self._interrupt(trial._trial_id, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
+        summary = self.summary
         if res.status == "complete" and res.value is not None and math.isfinite(res.value):
             self.study.tell(trial, res.value)
             self._update_best(res.value)
+            summary.n_complete += 1
         elif res.status == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
+            summary.n_pruned += 1
         else:
             self.study.tell(trial, state=TrialState.FAIL)
             self._failures += 1
-        self._finished += 1
-        summary = self.summary
-        summary.results.append(res)
-        if res.status == "complete":
-            summary.n_complete += 1
-        elif res.status == "pruned":
-            summary.n_pruned += 1
-        else:
             summary.n_failed += 1
+        self._finished += 1
+        summary.results.append(res)
         if self.listener:
             self.listener.on_trial_end(res, fl.params, self._best)
 

@@ -6,7 +6,6 @@ samplers see the real, conditional space.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,11 +68,3 @@ def grid_points(space: Mapping[str, Param]) -> list[dict[str, Any]]:
                 nxt.append(point)
         points = nxt
     return points
-
-
-def grid_size(space: Mapping[str, Param]) -> int:
-    return len(grid_points(space))
-
-
-def _product_size(space: Mapping[str, Param]) -> int:  # pragma: no cover - debugging aid
-    return len(list(itertools.product(*(_grid_values(p) for p in space.values()))))

@@ -66,6 +66,11 @@ class TrialRequest:
     def checkpoints(self) -> str:
         return self.checkpoint_dir or f"{self.trial_dir}/checkpoints"
 
+    @classmethod
+    def shape(cls, processes: int, cpus_per_process: int, gpus_per_process: int, nodes: int = 1) -> TrialRequest:
+        """A request that only describes a trial's resource shape (for capacity and fit checks)."""
+        return cls(-1, {}, {}, "", "", "", processes, cpus_per_process, gpus_per_process, nodes)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,8 +140,3 @@ class TrialContext:
         if self._checkpointer is not None:
             self._checkpointer.close()
 
-    def log_path(self) -> Path:
-        return self.trial_dir / f"rank{self.rank}.log"
-
-    def env(self, name: str, default: str = "") -> str:  # pragma: no cover - convenience
-        return os.environ.get(name, default)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 __all__ = ["MODELS", "build_model"]
@@ -69,13 +68,3 @@ def build_model(name: str, input_shape: tuple[int, ...], n_classes: int, **optio
         ) from None
     model = builder(input_shape, n_classes, **options)
     return model
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of trainable parameters."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def _self_check() -> None:  # pragma: no cover - manual smoke check
-    m = build_model("cnn", (1, 8, 8), 10)
-    print(m(torch.zeros(2, 1, 8, 8)).shape, count_parameters(m))
