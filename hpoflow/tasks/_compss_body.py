@@ -262,5 +262,9 @@ def _run(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], t0: float, 
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
+    if cancelled is None and failure is None and files.stop_requested() \
+            and any(p.returncode not in (0, None) for p in procs):
+        # the ranks' own STOP watcher ended them before this loop saw the file
+        cancelled = "cancelled (STOP file)"
     return _result_from(req, files, codes=[p.returncode for p in procs], failure=failure,
                         retryable=retryable, cancelled=cancelled, **common)
