@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import os
 import socket
 import time
@@ -49,7 +50,21 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     )
 
 
-def destroy() -> None:
-    """Destroy the process group if one exists (safe to call always, e.g. in ``finally``)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def destroy(leave_timeout_s: float = 10.0) -> None:
+    """Destroy the process group if one exists (safe to call always, e.g. in ``finally``).
+
+    First the garbage of the trial (DDP reducers in reference cycles still holding the group) is
+    collected, and on gloo the ranks leave together (a monitored barrier, at most
+    ``leave_timeout_s``; a dead or stuck peer makes it fail, which is ignored): a rank tearing
+    its gloo pairs down while a peer is still using them aborts the process now and then
+    ("terminate called without an active exception", about 1 in 60 DDP runs on 2 CPU ranks).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        try:
+            dist.monitored_barrier(timeout=_dt.timedelta(seconds=leave_timeout_s))
+        except Exception:  # a peer that is gone is not this rank's error
+            pass
+    dist.destroy_process_group()
