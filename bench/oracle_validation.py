@@ -1,10 +1,13 @@
 """Validate the oracle on this machine: predicted vs measured training step time.
 
 1. Calibrate (generic probes, see ``hpoflow.oracle.calibrate``) or load ``--calibration FILE``.
-2. For each built-in model (mlp, cnn on digits-shaped input; ``--big`` adds resnet18 on 3x32x32)
+2. Rounds of (measure, calibrate): each round is predicted from the calibrations just before and
+   just after its measurements (geometric mean), so a drift of the shared machine's speed
+   cancels to first order; the figure is each case's median ratio over the rounds.
+3. For each built-in model (mlp, cnn on digits-shaped input; ``--big`` adds resnet18 on 3x32x32)
    and world size 1 and 2: run real training steps (world 2: DDP over gloo on 127.0.0.1, one
    thread per rank), take the median step time, and compare it with the oracle's prediction.
-3. Print a table and, last, one JSON line with each case's ratio predicted / measured.
+4. Print a table and, last, one JSON line with each case's ratio predicted / measured.
 
 Nothing here is fitted to these measurements: the calibration measures only generic workloads.
 Run: ``python bench/oracle_validation.py [--calibration FILE] [--batch-size 32] [--big]``
@@ -28,12 +31,14 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from hpoflow.oracle import Plan, calibrate, load_cluster, model_facts, predict
+from hpoflow.oracle import ClusterSpec, Plan, calibrate, load_cluster, model_facts, predict
 from hpoflow.oracle.calibrate import free_port, write_cluster
 from hpoflow.oracle.facts import resolve_model
+from hpoflow.train.dist import destroy
 
-CASES = [("mlp", None), ("cnn", None)]
-BIG = [("resnet18", (3, 32, 32))]
+Case = tuple[str, tuple[int, ...] | None]
+CASES: list[Case] = [("mlp", None), ("cnn", None)]
+BIG: list[Case] = [("resnet18", (3, 32, 32))]
 
 
 def _measure(rank: int, world: int, port: int, name: str, shape: tuple[int, ...] | None,
@@ -71,8 +76,7 @@ def _measure(rank: int, world: int, port: int, name: str, shape: tuple[int, ...]
             samples.append((time.perf_counter() - t0) / inner)
         Path(out, f"{rank}.json").write_text(json.dumps(statistics.median(samples)))
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        destroy()  # the ranks leave together (see hpoflow.train.dist.destroy)
 
 
 def measured_step(name: str, shape: tuple[int, ...] | None, world: int, batch: int,
@@ -83,13 +87,43 @@ def measured_step(name: str, shape: tuple[int, ...] | None, world: int, batch: i
         return max(json.loads(Path(out, f"{r}.json").read_text()) for r in range(world))
 
 
+def _cpu_ticks() -> list[int]:
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return []
+
+
+def _steal_fraction(a: list[int], b: list[int]) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests meanwhile (/proc/stat steal)."""
+    if len(a) < 8 or len(b) < 8:
+        return None
+    delta = [y - x for x, y in zip(a, b, strict=True)]
+    return round(delta[7] / sum(delta), 4) if sum(delta) else None
+
+
+def _measure_all(cases: list[Case], args: argparse.Namespace,
+                 console: Console) -> dict[str, float]:
+    out = {}
+    for name, shape in cases:
+        facts = model_facts(name, shape, 10 if shape else None)
+        steps = args.steps if facts.train_flops * args.batch_size < 5e9 else 20
+        for world in (1, 2):
+            console.print(f"  measuring {name} at world size {world}...")
+            out[f"{name}@{world}"] = measured_step(name, shape, world, args.batch_size, steps)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", help="cluster YAML from `hpoflow oracle calibrate` (then one round)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=100, help="timed steps per case")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of (calibrate, measure every case); the figure is each case's median ratio. "
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of (measure every case, calibrate), after a first calibration; each round is "
+                         "predicted from the calibrations before and after it and the figure is each case's "
+                         "median ratio. "
                          "This machine's speed drifts over seconds to minutes (shared cores), so a calibration "
                          "and a measurement taken minutes apart can disagree by 2x; interleaving them and "
                          "taking medians compares like with like")
@@ -99,38 +133,53 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.calibration else max(1, args.rounds)
     per_case: dict[str, list[tuple[float, float, str]]] = {}
     cluster_name = ""
-    for r in range(rounds):
+    cases = CASES + (BIG if args.big else [])
+    steal0 = _cpu_ticks()
+
+    def calibration(r: int) -> ClusterSpec:
         if args.calibration:
-            cluster = load_cluster(args.calibration)
-        else:
-            console.print(f"round {r + 1}/{rounds}: calibrating (generic probes, 2 gloo processes on 127.0.0.1)...")
-            cluster = calibrate(2)
-            path = write_cluster(cluster, Path(tempfile.gettempdir(), "hpoflow-oracle-cal.yaml"))
-            console.print(f"calibration written to {path}")
-        cluster_name = cluster.name
-        for name, shape in CASES + (BIG if args.big else []):
+            return load_cluster(args.calibration)
+        console.print(f"calibration {r + 1}/{rounds + 1} (generic probes, 2 gloo processes on 127.0.0.1)...")
+        cluster = calibrate(2)
+        path = write_cluster(cluster, Path(tempfile.gettempdir(), "hpoflow-oracle-cal.yaml"))
+        console.print(f"calibration written to {path}")
+        return cluster
+
+    # calibrations bracket the measurements (C0 M1 C1 M2 C2 ...) and each round's prediction is
+    # the geometric mean of the predictions from the calibration before and after it: a drift of
+    # the machine's speed during a round then cancels to first order
+    before = calibration(0)
+    for r in range(rounds):
+        measured = _measure_all(cases, args, console)
+        after = before if args.calibration else calibration(r + 1)
+        cluster_name = after.name
+        for name, shape in cases:
             facts = model_facts(name, shape, 10 if shape else None)
-            steps = args.steps if facts.train_flops * args.batch_size < 5e9 else 20
             for world in (1, 2):
-                pred = predict(facts, cluster, Plan(batch_size=args.batch_size, devices=world,
-                                                    optimizer="sgd", momentum=0.9))
-                console.print(f"  measuring {name} at world size {world}...")
-                meas = measured_step(name, shape, world, args.batch_size, steps)
-                per_case.setdefault(f"{name}@{world}", []).append((pred.cost.step_s, meas, pred.bottleneck))
+                plan = Plan(batch_size=args.batch_size, devices=world, optimizer="sgd", momentum=0.9)
+                p0, p1 = predict(facts, before, plan), predict(facts, after, plan)
+                pred = (p0.cost.step_s * p1.cost.step_s) ** 0.5
+                per_case.setdefault(f"{name}@{world}", []).append((pred, measured[f"{name}@{world}"],
+                                                                   p1.bottleneck))
+        before = after
+    steal = _steal_fraction(steal0, _cpu_ticks())
     table = Table(title=f"oracle validation on {cluster_name} (median of {rounds} round(s))")
     for col in ("case", "batch/rank", "predicted ms", "measured ms", "ratio", "ratios per round", "bottleneck"):
         table.add_column(col, justify="left" if col in ("case", "bottleneck", "ratios per round") else "right")
     ratios: dict[str, float] = {}
+    per_round: dict[str, list[float]] = {}
     for case, rows in per_case.items():
         each = [p / m for p, m, _ in rows]
         ratio = statistics.median(each)
         ratios[case] = round(ratio, 3)
+        per_round[case] = [round(x, 3) for x in each]
         table.add_row(case, str(args.batch_size), f"{statistics.median(p for p, _, _ in rows) * 1e3:.3f}",
                       f"{statistics.median(m for _, m, _ in rows) * 1e3:.3f}", f"{ratio:.2f}",
                       " ".join(f"{x:.2f}" for x in each), rows[-1][2])
     console.print(table)
     ok = all(0.75 <= r <= 1.25 for r in ratios.values())
-    print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "cluster": cluster_name, "rounds": rounds}))
+    print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "cluster": cluster_name, "rounds": rounds,
+                      "per_round": per_round, "cpu_steal_fraction": steal}))
     return 0
 
 

@@ -1,8 +1,8 @@
 """Calibrate the oracle on this machine: measure the quantities the model uses, write a spec.
 
 ``processes`` worker processes (torch.multiprocessing spawn, one thread each, so one process is
-one "device") form a real gloo group on 127.0.0.1. Rank 0 measures alone, then all ranks at once
-(the ``contention``: compute slow-down when every device of the node is busy), then together:
+one "device") form a real gloo group on 127.0.0.1. Rank 0 measures alone, then all ranks
+together:
 
 * sustained FLOP/s of a square fp32 matmul (the device's peak) and of a linear-layer and a
   3x3-convolution training workload (the ``efficiency`` and ``conv_efficiency`` of that peak);
@@ -14,13 +14,19 @@ one "device") form a real gloo group on 127.0.0.1. Rank 0 measures alone, then a
   on a fixed grid of sizes (about 6e4 to 8e8 training FLOPs per call), each timed alone,
   minus its operator overheads, as a fraction of the matmul peak (a convolution's fixed cost
   stays in its efficiency);
+* a cost per element of memory-bound layers (:data:`LAYER_KINDS`: ReLU, GELU, pooling,
+  normalisation, dropout) on :data:`ELEMENT_GRID` sizes, forward + backward;
+* the cost per parameter of ``optimizer.step`` for SGD, SGD with momentum and Adam;
+* the ``contention``: compute slow-down when every rank of the node is busy (alone and
+  together alternated);
 * the communication DDP adds to a step (DDP step minus plain step of one linear layer with
   64 B to 4 MiB of gradients), fitted to the ring model 2(p-1) alpha + 2(p-1)/p M / B with
-  least squares on relative error: alpha and B as DDP over gloo actually sees them.
+  least squares on relative error: alpha and B as DDP over gloo actually sees them;
+* the ``sync_wait`` table: how much longer that cost gets after a longer backward pass.
 
 The probe workloads are generic (fixed sizes, not the user's model), so predictions made with the
-result are predictions, not fits. Medians of repeated timings; every process group is destroyed
-in ``finally``.
+result are predictions, not fits. Medians of repeated timings, paired where two timings are
+subtracted; every process group is destroyed in ``finally`` (the ranks leave together).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import _OpCounter, count_step_ops
+from hpoflow.train.dist import destroy
 
 __all__ = ["calibrate", "free_port", "timed", "write_cluster"]
 
@@ -154,12 +161,20 @@ def _probe_comm(scale: float, world: int) -> dict[str, float]:
     for n in (4, 64, 128, 256, 512, 1024):
         x, y = torch.randn(4, n), torch.randint(0, n, (4,))
         plain_net = nn.Linear(n, n, bias=False)
-        plain = timed(_train_step(plain_net, x, y, _sgd(plain_net)), reps, inner=3)
+        plain_step = _train_step(plain_net, x, y, _sgd(plain_net))
         ddp = nn.parallel.DistributedDataParallel(nn.Linear(n, n, bias=False))
-        dist.barrier()
-        with_ddp = timed(_train_step(ddp, x, y, _sgd(ddp)), reps, inner=3)
+        ddp_step = _train_step(ddp, x, y, _sgd(ddp))
+        # plain and DDP timings alternate, so a drift of the machine's speed hits both; the
+        # figure is the median of the paired differences
+        diffs = []
+        for r in range(reps):
+            dist.barrier()
+            plain = timed(plain_step, 1, warmup=2 if r == 0 else 0, inner=3)
+            dist.barrier()
+            with_ddp = timed(ddp_step, 1, warmup=2 if r == 0 else 0, inner=3)
+            diffs.append(with_ddp - plain)
         sizes.append(4.0 * n * n)
-        costs.append(max(with_ddp - plain, 1e-6))
+        costs.append(max(statistics.median(diffs), 1e-6))
     fixed, per_byte = _fit_line(sizes, costs)
     hops = 2 * (world - 1)
     bandwidth = 2 * (world - 1) / world / per_byte if per_byte > 0 else 1e12
@@ -243,6 +258,152 @@ def probe_linear_table(scale: float, peak: float, per_op: float) -> list[tuple[f
                   for b, i, o in LINEAR_GRID)
 
 
+# generic memory-bound layers, each timed forward + backward on (batch, channels, side, side)
+# inputs of ELEMENT_GRID (1e3 ... 1e6 elements per call); keys are lower-case class names, as in
+# ModelFacts.other_layers
+LAYER_KINDS: dict[str, Callable[[int, int], nn.Module]] = {
+    "relu": lambda c, s: nn.ReLU(),
+    "gelu": lambda c, s: nn.GELU(),
+    "maxpool2d": lambda c, s: nn.MaxPool2d(2),
+    "avgpool2d": lambda c, s: nn.AvgPool2d(2),
+    "batchnorm2d": lambda c, s: nn.BatchNorm2d(c),
+    "layernorm": lambda c, s: nn.LayerNorm(s),
+    "dropout": lambda c, s: nn.Dropout(0.1),
+}
+ELEMENT_GRID = ((4, 4, 8), (8, 8, 16), (16, 16, 24), (32, 32, 32))
+_MIN_ELEMENT_S = 1e-13
+
+
+def _probe_layer_costs(scale: float, per_op: float) -> dict[str, list[tuple[float, float]]]:
+    """Seconds per input element of each :data:`LAYER_KINDS` layer (forward + backward, input
+    needing its gradient, minus operator overheads) on each :data:`ELEMENT_GRID` size."""
+    reps = max(3, int(7 * scale))
+    out: dict[str, list[tuple[float, float]]] = {}
+    for kind, make in LAYER_KINDS.items():
+        rows = []
+        for b, c, side in ELEMENT_GRID:
+            layer = make(c, side).train()
+            x = torch.randn(b, c, side, side, requires_grad=True)
+            grad = torch.randn_like(layer(x).detach())
+
+            def step(layer: nn.Module = layer, x: torch.Tensor = x, grad: torch.Tensor = grad) -> None:
+                x.grad = None
+                for p in layer.parameters():
+                    p.grad = None
+                layer(x).backward(grad)
+            counter = _OpCounter()
+            with counter:
+                step()
+            rest = _auto_timed(step, reps) - counter.count * per_op
+            rows.append((float(x.numel()), max(_MIN_ELEMENT_S, rest / x.numel())))
+        out[kind] = sorted(rows)
+    return out
+
+
+def _probe_optimizer(scale: float, per_tensor: float) -> dict[str, float]:
+    """Seconds per parameter of ``optimizer.step`` for SGD, SGD with momentum and Adam, on four
+    parameter tensors of 2^18 elements (minus the per-tensor overhead)."""
+    reps = max(3, int(7 * scale))
+    out = {}
+    makers: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+        "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    }
+    for key, make in makers.items():
+        params: list[torch.Tensor] = [nn.Parameter(torch.randn(1 << 18)) for _ in range(4)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = make(params)
+        t = _auto_timed(opt.step, reps)
+        out[key] = max(0.0, (t - 4 * per_tensor) / (4 << 18))
+    return out
+
+
+def _contention_workloads() -> list[Callable[[], Any]]:
+    """Generic compute of about a millisecond each: a 256^3 matmul, a linear and a 3x3-conv
+    training step."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    lin = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    conv = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(16 * 8 * 8, 10))
+    return [lambda: a @ b,
+            _train_step(lin, torch.randn(32, 256), torch.randint(0, 256, (32,)), _sgd(lin)),
+            _train_step(conv, torch.randn(16, 8, 16, 16), torch.randint(0, 10, (16,)), _sgd(conv))]
+
+
+def _probe_contention(scale: float, rank: int) -> float:
+    """Compute slow-down when every rank of the node computes at once: rank 0 times each
+    workload alone (the others wait in a barrier), then every rank times it together, in
+    alternation, so a drift of the machine's speed hits both sides; the median of the
+    busy / alone ratios (at least 1)."""
+    rounds = max(3, int(5 * scale))
+    ratios = []
+    for _ in range(rounds):
+        for work in _contention_workloads():
+            dist.barrier()
+            alone = _auto_timed(work, 5) if rank == 0 else 0.0
+            dist.barrier()
+            busy = _auto_timed(work, 5)
+            if rank == 0:
+                ratios.append(busy / alone)
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
+
+
+class _GradThenCompute(nn.Module):
+    """One bias-free n x n linear layer, then ``k`` parameter-free (64 x n) @ (n x n) + tanh
+    layers: the compute of a step grows with k while its gradients stay n x n floats, and (as
+    in a real network, whose first layer's gradient comes last) the gradients are complete only
+    at the end of the backward pass, so DDP's all-reduce cannot start before it."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.k, self.fixed = k, torch.randn(n, n) / n**0.5  # a plain tensor: DDP never syncs it
+        self.fc = nn.Linear(n, n, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        for _ in range(self.k):
+            x = torch.tanh(x @ self.fixed)
+        return x
+
+
+def _probe_sync_wait(scale: float, world: int) -> list[tuple[float, float]]:
+    """How much longer DDP's gradient all-reduce takes after a longer backward pass.
+
+    :class:`_GradThenCompute` with 256 KiB of gradients and k = 0, 2, 8, 32 compute layers
+    (about 0.3 to 15 ms of compute): the DDP step minus the plain step is the exposed cost of
+    DDP; beyond its value at k = 0 (what the communication probe measured) it is the wait. Each
+    repetition times every k back to back (plain, then DDP), so a drift of the machine's speed
+    hits them alike; the table holds, per k, (median plain step time, median of the paired
+    extra costs, at least 0). Empty on a group of one.
+    """
+    if world < 2:
+        return []
+    reps = max(5, int(20 * scale))
+    n = 256
+    x, y = torch.randn(64, n), torch.randint(0, n, (64,))
+    steps = []
+    for k in (0, 2, 8, 32):
+        plain_net = _GradThenCompute(k, n)
+        ddp = nn.parallel.DistributedDataParallel(_GradThenCompute(k, n))
+        steps.append((_train_step(plain_net, x, y, _sgd(plain_net)), _train_step(ddp, x, y, _sgd(ddp))))
+    plains: list[list[float]] = [[] for _ in steps]
+    extras: list[list[float]] = [[] for _ in steps]
+    for r in range(reps):
+        costs = []
+        for i, (plain_step, ddp_step) in enumerate(steps):
+            dist.barrier()
+            t = timed(plain_step, 1, warmup=2 if r == 0 else 0, inner=2)
+            dist.barrier()
+            costs.append(timed(ddp_step, 1, warmup=2 if r == 0 else 0, inner=2) - t)
+            plains[i].append(t)
+        for i, c in enumerate(costs):
+            extras[i].append(c - costs[0])
+    rows = sorted((statistics.median(t), max(0.0, statistics.median(e))) for t, e in zip(plains, extras, strict=True))
+    return rows
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, scale: float) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -255,19 +416,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str, scale: float) -> Non
             result.update(_probe_compute(scale))
             result.update(_probe_overheads(scale))
             tables = _probe_tables(scale, result["matmul"], result["per_op_s"])
-            Path(out_dir, "tables.json").write_text(json.dumps(tables))
+            layer_cost = _probe_layer_costs(scale, result["per_op_s"])
+            optimizer = _probe_optimizer(scale, result["per_param_tensor_s"])
+            Path(out_dir, "tables.json").write_text(json.dumps(
+                {"efficiency": tables, "layer_cost": layer_cost, "optimizer": optimizer}))
         if world > 1:
-            dist.barrier()
-            busy = _probe_compute(scale)  # every device of the node busy at once
-            if rank == 0:
-                result["contention"] = statistics.median(
-                    max(1.0, result[k] / busy[k]) for k in ("matmul", "linear", "conv"))
+            result["contention"] = _probe_contention(scale, rank)
             dist.barrier()
             result.update(_probe_comm(scale, world))
+            result["sync_wait"] = _probe_sync_wait(scale, world)  # type: ignore[assignment]
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
-        if world > 1:
-            dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        destroy()  # collects the probes' DDP reducers, then the ranks leave together
 
 
 def _machine_memory() -> float:
@@ -312,7 +472,8 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
             "memory_bandwidth": m["mem_bw"],
             "efficiency": min(1.0, m["linear"] / m["matmul"]),
             "conv_efficiency": min(1.0, m["conv"] / m["matmul"]),
-            "efficiency_table": {k: [tuple(r) for r in v] for k, v in tables.items()},
+            "efficiency_table": {k: [tuple(r) for r in v] for k, v in tables["efficiency"].items()},
+            "layer_cost": {k: [tuple(r) for r in v] for k, v in tables["layer_cost"].items()},
             "contention": m.get("contention", 1.0),
             "source": f"measured by hpoflow oracle calibrate on {when}: 512^3 matmul peak, "
                       "linear and 3x3-conv training probes, 32 MiB copy, "
@@ -324,7 +485,9 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
         "overlap": 0.0,
         "overheads": {"step_s": m["step_s"], "per_op_s": m["per_op_s"],
                       "per_param_tensor_s": m["per_param_tensor_s"],
-                      "per_conv_s": m["per_conv_s"]},
+                      "per_conv_s": m["per_conv_s"],
+                      "optimizer_per_param_s": tables["optimizer"],
+                      "sync_wait": [tuple(r) for r in m.get("sync_wait", [])]},
         "source": f"hpoflow oracle calibrate, {processes} process(es), {when}",
     }
     return ClusterSpec.model_validate(spec)

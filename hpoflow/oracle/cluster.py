@@ -33,6 +33,7 @@ from hpoflow.oracle.errors import OracleError
 __all__ = ["ClusterSpec", "DeviceSpec", "LinkSpec", "Overheads", "load_cluster"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+OPTIMIZER_KEYS = ("sgd", "momentum", "adam")
 
 
 class _Frozen(BaseModel):
@@ -57,6 +58,12 @@ class DeviceSpec(_Frozen):
     #: layer call, forward + backward, -> efficiency), sorted by FLOPs; interpolated in log-log
     #: space and clamped at the ends. Absent (the default): one efficiency per kind, as before.
     efficiency_table: dict[str, list[tuple[float, float]]] | None = None
+    #: fp32 cost of memory-bound layers by kind (lower-case module class name: ``relu``,
+    #: ``maxpool2d``, ``batchnorm2d``, ...) as a table of (input elements of one call -> seconds per
+    #: input element, forward + backward, beyond operator dispatch), sorted by elements;
+    #: interpolated in log-log space and clamped at the ends. Layers of other kinds (and every
+    #: layer without a table) are priced by their activation traffic over ``memory_bandwidth``.
+    layer_cost: dict[str, list[tuple[float, float]]] | None = None
     reserved_bytes: float = Field(default=0.0, ge=0)
     contention: float = Field(default=1.0, ge=1.0)
     source: str = ""
@@ -97,6 +104,20 @@ class DeviceSpec(_Frozen):
                 )
         return v
 
+    @field_validator("layer_cost")
+    @classmethod
+    def _layer_cost(cls, v: dict[str, list[tuple[float, float]]] | None) -> Any:
+        if v is None:
+            return v
+        for kind, rows in v.items():
+            elems = [n for n, _ in rows]
+            if not kind or not rows or elems != sorted(elems) or any(n <= 0 or c <= 0 for n, c in rows):
+                raise ValueError(
+                    f"layer_cost maps a layer kind to non-empty [elements, seconds per element] rows "
+                    f"sorted by elements, all > 0, but {kind!r} has {rows}"
+                )
+        return v
+
     def kind_efficiency(self, precision: str) -> tuple[float, float]:
         """(efficiency, convolution efficiency) at ``precision`` without a table."""
         eff = self.efficiency.get(precision, self.efficiency.get("fp32", 0.5))
@@ -110,15 +131,15 @@ class DeviceSpec(_Frozen):
         rows = (self.efficiency_table or {}).get(kind)
         if not rows or precision != "fp32" or work <= 0:
             return None
-        if work <= rows[0][0]:
-            return rows[0][1]
-        if work >= rows[-1][0]:
-            return rows[-1][1]
-        for (w0, e0), (w1, e1) in itertools.pairwise(rows):
-            if w0 <= work <= w1:
-                t = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0)) if w1 > w0 else 0.0
-                return math.exp(math.log(e0) + t * (math.log(e1) - math.log(e0)))
-        return rows[-1][1]  # pragma: no cover - rows are sorted
+        return _loglog(rows, work)
+
+    def element_cost(self, kind: str, elements: float, precision: str = "fp32") -> float | None:
+        """Seconds per input element of one ``kind`` layer call over ``elements`` input
+        elements, from ``layer_cost`` (log-log interpolation, clamped), or None without a row."""
+        rows = (self.layer_cost or {}).get(kind)
+        if not rows or precision != "fp32" or elements <= 0:
+            return None
+        return _loglog(rows, elements)
 
     def flops(self, precision: str, conv_fraction: float = 0.0) -> float:
         """Sustained FLOP/s at ``precision`` for a workload with this share of convolution FLOPs."""
@@ -131,6 +152,20 @@ class DeviceSpec(_Frozen):
         return peak / (conv_fraction / ceff + (1 - conv_fraction) / eff)
 
 
+def _loglog(rows: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation of sorted positive ``rows`` in log-log space at ``x``,
+    clamped to the first and last row."""
+    if x <= rows[0][0]:
+        return rows[0][1]
+    if x >= rows[-1][0]:
+        return rows[-1][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(rows):
+        if x0 <= x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 0.0
+            return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+    return rows[-1][1]  # pragma: no cover - rows are sorted
+
+
 class LinkSpec(_Frozen):
     """A link in the alpha-beta model: bandwidth per direction (bytes/s) and latency (s)."""
 
@@ -141,13 +176,64 @@ class LinkSpec(_Frozen):
 
 
 class Overheads(_Frozen):
-    """Time not explained by FLOPs or bytes: per training step and per dispatched operator."""
+    """Time not explained by FLOPs or bytes: per training step, per dispatched operator, per
+    parameter tensor and element of the optimizer step, and the wait for the slowest device.
+
+    ``optimizer_per_param_s`` maps ``sgd`` (no momentum), ``momentum`` (SGD with momentum) and
+    ``adam`` (Adam/AdamW) to seconds per parameter of ``optimizer.step``. ``sync_wait`` is a table
+    of (compute seconds of a step, seconds a synchronous step on 2 devices adds beyond the
+    communication model), sorted by compute and interpolated linearly (clamped at the ends): the
+    all-reduce at the end of a longer backward pass waits longer for the slower rank and for the
+    communication threads to get the cores back. For p devices the model scales it by the
+    expected maximum of p standard normal draws over that of 2.
+    """
 
     step_s: float = Field(default=0.0, ge=0)
     per_op_s: float = Field(default=0.0, ge=0)
     per_param_tensor_s: float = Field(default=0.0, ge=0)
     per_conv_s: float = Field(default=0.0, ge=0)
     collective_s: float = Field(default=0.0, ge=0)
+    optimizer_per_param_s: dict[str, float] = Field(default_factory=dict)
+    sync_wait: list[tuple[float, float]] = Field(default_factory=list)
+
+    @field_validator("optimizer_per_param_s")
+    @classmethod
+    def _per_param(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(k not in OPTIMIZER_KEYS for k in v) or any(x < 0 for x in v.values()):
+            raise ValueError(
+                f"optimizer_per_param_s maps {', '.join(OPTIMIZER_KEYS)} to seconds >= 0, but got {v}"
+            )
+        return v
+
+    @field_validator("sync_wait")
+    @classmethod
+    def _sync_wait(cls, v: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        xs = [x for x, _ in v]
+        if xs != sorted(xs) or any(x < 0 or w < 0 for x, w in v):
+            raise ValueError(
+                f"sync_wait is a list of [compute seconds, wait seconds] rows sorted by compute, "
+                f"all >= 0, but got {v}"
+            )
+        return v
+
+    def sync_wait_at(self, compute_s: float) -> float:
+        """Seconds a 2-device synchronous step with ``compute_s`` of compute waits (0 without a
+        table; linear interpolation, clamped at the ends)."""
+        rows = self.sync_wait
+        if not rows:
+            return 0.0
+        if compute_s <= rows[0][0]:
+            return rows[0][1]
+        for (x0, w0), (x1, w1) in itertools.pairwise(rows):
+            if compute_s <= x1:
+                return w0 + (w1 - w0) * (compute_s - x0) / (x1 - x0) if x1 > x0 else w1
+        return rows[-1][1]
+
+    def optimizer_cost(self, optimizer: str, momentum: float) -> float:
+        """Seconds per parameter of one ``optimizer.step`` (0 when not calibrated)."""
+        name = optimizer.lower()
+        key = "adam" if name in ("adam", "adamw") else "momentum" if momentum > 0 else "sgd"
+        return self.optimizer_per_param_s.get(key, 0.0)
 
 
 class ClusterSpec(_Frozen):

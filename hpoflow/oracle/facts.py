@@ -74,6 +74,11 @@ class ModelFacts:
     #: ``nn.Linear`` ("linear") and convolution ("conv") module, in module order; lets a
     #: size-dependent efficiency table price each layer by its own work per call
     layers: tuple[tuple[str, float, int], ...] = ()
+    #: (kind, input elements per sample of one call, output elements per sample of one call,
+    #: calls per forward) of every other leaf module, in module order; kind is the lower-case
+    #: class name (``relu``, ``maxpool2d``, ``batchnorm2d``, ...). Lets a device ``layer_cost``
+    #: table price memory-bound layers by the elements they touch
+    other_layers: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -99,6 +104,7 @@ class ModelFacts:
         d = asdict(self)
         d["input_shape"] = list(self.input_shape)
         d["layers"] = [list(layer) for layer in self.layers]
+        d["other_layers"] = [list(layer) for layer in self.other_layers]
         d.update(param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
                  forward_macs=self.forward_macs, train_flops=self.train_flops)
         return d
@@ -229,11 +235,16 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
 
     act_elems = [0 if tokens else sample.numel()]
     calls: dict[int, int] = {}
+    io_elems: dict[int, tuple[int, int]] = {}
 
-    def hook(m: nn.Module, _inp: Any, out: Any) -> None:
+    def hook(m: nn.Module, inp: Any, out: Any) -> None:
         calls[id(m)] = calls.get(id(m), 0) + 1
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        act_elems[0] += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+        n_out = sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+        n_in = sum(t.numel() for t in inp if isinstance(t, torch.Tensor))
+        act_elems[0] += n_out
+        seen_in, seen_out = io_elems.get(id(m), (0, 0))
+        io_elems[id(m)] = (seen_in + n_in, seen_out + n_out)
 
     named_leaves = [(n, m) for n, m in model.named_modules() if not any(True for _ in m.children())]
     leaves = [m for _, m in named_leaves]
@@ -253,7 +264,7 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
     counts = flops.get_flop_counts()
     by_op = counts.get("Global", {})
     root = type(model).__name__
-    layers = []
+    layers, other = [], []
     for fqn, m in named_leaves:
         kind = "conv" if isinstance(m, nn.modules.conv._ConvNd) else \
             "linear" if isinstance(m, nn.Linear) else None
@@ -261,6 +272,10 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
         layer_flops = float(sum(counts.get(f"{root}.{fqn}" if fqn else root, {}).values()))
         if kind and n_calls and layer_flops > 0:
             layers.append((kind, layer_flops / n_calls / _PROBE_BATCH, n_calls))
+        elif kind is None and n_calls:
+            n_in, n_out = io_elems[id(m)]
+            other.append((type(m).__name__.lower(), n_in // n_calls // _PROBE_BATCH,
+                          n_out // n_calls // _PROBE_BATCH, n_calls))
     total = float(sum(by_op.values()))
     conv = float(sum(v for k, v in by_op.items() if any(c in str(k) for c in _CONV_OPS)))
     ops = count_step_ops(model, sample, classes)
@@ -280,4 +295,5 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
         ops_per_step=ops,
         conv_layers=sum(isinstance(m, nn.modules.conv._ConvNd) for m in leaves),
         layers=tuple(layers),
+        other_layers=tuple(other),
     )

@@ -6,13 +6,20 @@ One training step on each device (``b`` samples per device, ``p`` devices):
   (F forward FLOPs per sample, R sustained FLOP/s, a activation bytes per sample, W memory
   bandwidth, T = :data:`ACTIVATION_TRAFFIC` passes over the activations; overheads = per step +
   per dispatched operator x operators + per parameter tensor x tensors + per
-  convolution layer x layers). With a device ``efficiency_table`` (fp32), each linear and conv
-  layer's FLOP time is its training FLOPs over peak x the table's efficiency at its FLOPs per call
-  (log-log interpolation); conv layers priced so pay no separate per-layer cost (the table's
-  efficiencies include it). Without a table, exactly the formula above.
+  convolution layer x layers + optimizer cost per parameter x parameters). With a device
+  ``efficiency_table`` (fp32), each linear and conv layer's FLOP time is its training FLOPs over
+  peak x the table's efficiency at its FLOPs per call (log-log interpolation); conv layers priced
+  so pay no separate per-layer cost (the table's efficiencies include it). With a device
+  ``layer_cost`` table (fp32), each memory-bound layer of a kind in the table (ReLU, pooling,
+  normalisation, ...) costs its input elements x the table's seconds per element at its elements
+  per call, and its output leaves the activation traffic term. Without tables, exactly the
+  formula above.
 * comm      = strategy's alpha-beta cost (:mod:`hpoflow.oracle._comm`)
 * exposed   = max(0, comm - overlap x backward), backward = 2/3 of the FLOP and memory time
-* step      = compute + exposed; throughput = p b / step; epoch = N / (p b) x step
+* wait      = sync_wait(compute) x E[max of p normals] / E[max of 2 normals]  (p > 1; divided by
+  sqrt(period) for EASGD): the wait of a synchronous step measured on 2 devices, interpolated
+  at this step's compute time
+* step      = compute + exposed + wait; throughput = p b / step; epoch = N / (p b) x step
 * memory    = (weights + grads + optimizer state) / k + a b / k + reserved   (k pipeline stages)
 
 Speed-up is weak scaling (per-device batch fixed): throughput(p) / throughput(1). The maximum
@@ -24,18 +31,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from hpoflow.oracle import _comm
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.facts import ModelFacts, optimizer_state_bytes
+from hpoflow.oracle.facts import PRECISION_BYTES, ModelFacts, optimizer_state_bytes
 
 __all__ = ["ACTIVATION_TRAFFIC", "STRATEGIES", "Plan", "Prediction", "StepCost", "predict",
            "step_cost"]
 
 STRATEGIES = ("ring", "tree", "ps", "easgd", "pipeline")
 ACTIVATION_TRAFFIC = 4  # forward write + read, backward gradient write + read
+#: layers whose output is a view of their input: no time and no traffic when a device has a
+#: ``layer_cost`` table (without one, every leaf output counts as traffic, as before)
+VIEW_KINDS = ("flatten", "unflatten", "identity")
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-reduce per bucket
 _SEARCH_LIMIT = 1 << 17
 
@@ -95,6 +106,7 @@ class StepCost:
     comm_latency_s: float
     exposed_comm_s: float
     step_s: float
+    sync_wait_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -145,9 +157,12 @@ def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int,
     k = plan.stages if plan.strategy == "pipeline" else 1
     call_batch = batch / (plan.micro_batches or 4 * k) if plan.strategy == "pipeline" else batch
     flops_s = _flops_time(facts, cluster, plan.precision, batch, call_batch)
-    traffic_s = ACTIVATION_TRAFFIC * facts.activation_bytes * batch / dev.memory_bandwidth
+    layer_s, priced_bytes = _layer_time(facts, cluster, plan.precision, batch, call_batch)
+    traffic_s = layer_s + ACTIVATION_TRAFFIC * max(0.0, facts.activation_bytes - priced_bytes) * batch \
+        / dev.memory_bandwidth
     overhead = ov.step_s + ov.per_op_s * facts.ops_per_step + \
-        ov.per_param_tensor_s * facts.param_tensors + ov.per_conv_s * _unpriced_convs(facts, cluster, plan.precision)
+        ov.per_param_tensor_s * facts.param_tensors + ov.per_conv_s * _unpriced_convs(facts, cluster, plan.precision) \
+        + ov.optimizer_cost(plan.optimizer, plan.momentum) * facts.params / k
     m_bytes = float(facts.grad_bytes)
     buckets = max(1, math.ceil(m_bytes / DDP_BUCKET_BYTES))
     bw, alpha = _comm.slowest_link(cluster, p)
@@ -185,11 +200,51 @@ def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int,
     share = exposed / total if total > 0 else 0.0
     exposed_bw, exposed_lat = c_bw * share + pipe_bw, c_lat * share + pipe_lat
     compute = flops_s + traffic_s + overhead
+    wait = 0.0
+    if p > 1 and ov.sync_wait:
+        wait = ov.sync_wait_at(compute) * expected_max_normal(p) / expected_max_normal(2)
+        if plan.strategy == "easgd":  # one wait per period; a sum of tau steps spreads sqrt(tau)
+            wait /= math.sqrt(plan.period)
     return StepCost(
         compute_s=compute, flops_s=flops_s, memory_traffic_s=traffic_s, overhead_s=overhead,
         comm_bandwidth_s=c_bw + pipe_bw, comm_latency_s=c_lat + pipe_lat,
-        exposed_comm_s=exposed_bw + exposed_lat, step_s=compute + exposed_bw + exposed_lat,
+        exposed_comm_s=exposed_bw + exposed_lat, step_s=compute + exposed_bw + exposed_lat + wait,
+        sync_wait_s=wait,
     )
+
+
+@lru_cache(maxsize=256)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normal draws] (0 for n = 1, 1/sqrt(pi) for n = 2), by
+    integrating x n phi(x) Phi(x)^(n-1) on a fine grid."""
+    if n <= 1:
+        return 0.0
+    step, total = 5e-3, 0.0
+    for i in range(-1800, 1801):
+        x = i * step
+        phi = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * n * phi * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
+    return total * step
+
+
+def _layer_time(facts: ModelFacts, cluster: ClusterSpec, precision: str, batch: float,
+                call_batch: float) -> tuple[float, float]:
+    """(seconds of the memory-bound layers the device's ``layer_cost`` table prices, their
+    output bytes per sample, which leave the activation traffic term)."""
+    dev = cluster.device
+    if not dev.layer_cost:
+        return 0.0, 0.0
+    seconds = priced = 0.0
+    for kind, n_in, n_out, calls in facts.other_layers:
+        if kind in VIEW_KINDS:  # a view moves no data
+            priced += n_out * calls * PRECISION_BYTES[facts.precision]
+            continue
+        cost = dev.element_cost(kind, n_in * call_batch, precision)
+        if cost is None:
+            continue
+        seconds += cost * n_in * calls * batch
+        priced += n_out * calls * PRECISION_BYTES[facts.precision]
+    return seconds, priced
 
 
 def _unpriced_convs(facts: ModelFacts, cluster: ClusterSpec, precision: str) -> int:
@@ -252,7 +307,7 @@ def _bottleneck(cost: StepCost, fits: bool) -> str:
         return "memory"
     share = cost.exposed_comm_s / cost.comm_s if cost.comm_s > 0 else 0.0
     parts = {"compute": cost.compute_s, "communication": cost.comm_bandwidth_s * share,
-             "latency": cost.comm_latency_s * share}
+             "latency": cost.comm_latency_s * share + cost.sync_wait_s}
     return max(parts, key=lambda name: parts[name])
 
 

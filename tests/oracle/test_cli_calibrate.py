@@ -63,5 +63,13 @@ def test_calibrate_real_gloo_two_processes(tmp_path: Path) -> None:
     assert spec.devices_per_node == 2
     assert spec.device.peak_flops["fp32"] > 1e8
     assert spec.intra_node.bandwidth > 0 and spec.intra_node.latency >= 0
+    # the generic memory-bound layer, optimizer and skew probes all landed in the spec
+    from hpoflow.oracle.calibrate import ELEMENT_GRID, LAYER_KINDS
+    assert set(spec.device.layer_cost or {}) == set(LAYER_KINDS)
+    assert all(len(rows) == len(ELEMENT_GRID) for rows in (spec.device.layer_cost or {}).values())
+    opt = spec.overheads.optimizer_per_param_s
+    assert set(opt) == {"sgd", "momentum", "adam"} and opt["adam"] > 0
+    waits = spec.overheads.sync_wait
+    assert len(waits) == 4 and all(w >= 0 for _, w in waits) and min(w for _, w in waits) == 0.0
     again = load_cluster(write_cluster(spec, tmp_path / "cal.yaml"))
     assert again == spec
