@@ -70,9 +70,15 @@ def _issues_from_validation(
         loc = (*prefix, *err["loc"])
         kind = err["type"]
         msg = err["msg"]
+        ctx = err.get("ctx") or {}
         if kind == "unknown_key":
-            ctx = err.get("ctx") or {}
             loc = (*loc, ctx.get("key", "?"))
+        at = ctx.get("at")
+        if isinstance(at, str) and at:
+            # a model-level check naming the key below it (strategy_options.easgd.tau): point the
+            # path and line there, and say the path once
+            loc = (*loc, *at.split("."))
+            msg = msg.removeprefix(at).lstrip(": ")
         path, line = _line_for(loc, lines)
         if kind == "missing":
             fix = _MISSING_FIX.get(tuple(loc), f"add {loc[-1]}:")

@@ -311,7 +311,7 @@ class TrainConfig(_Strict):
                         "strategy_options",
                         "strategy_options.{name} must be a mapping of {name}'s options, but got "
                         "{value}. Fix: put {name}'s options under strategy_options.{name}",
-                        {"name": name, "value": sub})
+                        {"name": name, "value": sub, "at": f"strategy_options.{name}"})
             chosen = dict(raw.get(self.strategy, {}))
             others = {n: dict(s) for n, s in raw.items() if n != self.strategy}
         else:
@@ -326,7 +326,7 @@ class TrainConfig(_Strict):
                         "{prefix}.{key}: unknown option of strategy '{name}'{hint}; valid "
                         "options of {name}: {valid}. Fix: rename or remove it",
                         {"prefix": prefix, "key": key, "name": name, "valid": ", ".join(schema),
-                         "hint": did_you_mean(key, list(schema))})
+                         "hint": did_you_mean(key, list(schema)), "at": f"{prefix}.{key}"})
                 kind, default, rule = schema[key]
                 if value is None and default is None:
                     continue  # "unset" (how a normalised config round-trips)
@@ -336,7 +336,7 @@ class TrainConfig(_Strict):
                         "bad_strategy_option",
                         "{prefix}.{key} {problem}, but got {value} (strategy '{name}')",
                         {"prefix": prefix, "key": key, "problem": problem, "value": value,
-                         "name": name})
+                         "name": name, "at": f"{prefix}.{key}"})
         if self.strategy == "easgd" and None not in (chosen.get("alpha"), chosen.get("rho")):
             raise PydanticCustomError(
                 "bad_strategy_option",

@@ -56,16 +56,21 @@ def test_unknown_option_names_yaml_path_line_and_valid_options(tmp_path: Path) -
     with pytest.raises(SpecError) as exc:
         load_spec(path)
     text = str(exc.value)
-    assert f"{path}:5: training:" in text
-    assert "strategy_options.easgd.alhpa: unknown option of strategy 'easgd'" in text
+    # the path and line of the offending key itself, said once
+    assert f"{path}:9: training.strategy_options.easgd.alhpa: unknown option of strategy 'easgd'" in text
+    assert text.count("alhpa") == 1
     assert "did you mean 'alpha'?" in text
     assert "valid options of easgd: alpha, rho, tau, momentum, momentum_coefficient" in text
 
 
 def test_bad_value_states_rule_and_value(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match=r"strategy_options.local_sgd.period must be a whole number "
+    with pytest.raises(SpecError, match=r"strategy_options.local_sgd.period: must be a whole number "
                                         r">= 1, but got 0"):
         load_spec(_write(tmp_path, "    local_sgd: {period: 0}"))
+    path = _write(tmp_path, "    local_sgd:\n      period: 0")  # block style: the line of period
+    with pytest.raises(SpecError) as exc:
+        load_spec(path)
+    assert f"{path}:10: training.strategy_options.local_sgd.period: must be a whole number" in str(exc.value)
 
 
 def test_unknown_strategy_lists_the_valid_ones(tmp_path: Path) -> None:
