@@ -143,6 +143,7 @@ def _print_table(p: dict[str, Any], f: dict[str, Any]) -> None:
         ("compute per step", _fmt_time(p["compute_s"])),
         ("communication per step", _fmt_time(p["comm_s"])),
         ("exposed communication", _fmt_time(p["exposed_comm_s"])),
+        *([("wait for the slowest device", _fmt_time(p["sync_wait_s"]))] if p.get("sync_wait_s") else []),
         ("step time", _fmt_time(p["step_s"])),
         ("throughput", f"{p['throughput']:.1f} samples/s"),
         ("epoch", _fmt_time(p["epoch_s"])),

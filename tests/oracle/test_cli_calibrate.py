@@ -30,7 +30,7 @@ def test_register_json_has_keys(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     for key in ("step_s", "compute_s", "exposed_comm_s", "throughput", "time_to_train_s",
                 "memory_per_device_bytes", "bottleneck", "max_batch_per_device",
-                "max_speedup_devices", "scaling_efficiency", "facts"):
+                "max_speedup_devices", "scaling_efficiency", "sync_wait_s", "facts"):
         assert key in out
     assert out["devices"] == 8 and out["facts"]["params"] == 25_557_032
 
