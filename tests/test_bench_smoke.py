@@ -30,3 +30,16 @@ def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert keys <= set(figures), f"{script} JSON line lacks {sorted(keys - set(figures))}: {figures}"
+
+
+def test_oracle_validation_with_a_given_calibration(tmp_path: Path) -> None:
+    from hpoflow.oracle import calibrate, write_cluster
+
+    cal = write_cluster(calibrate(2, scale=0.2), tmp_path / "cal.yaml")
+    proc = subprocess.run([sys.executable, str(BENCH / "oracle_validation.py"), "--calibration", str(cal),
+                           "--steps", "10"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(figures["ratios"]) == {"mlp@1", "mlp@2", "cnn@1", "cnn@2"}
+    assert all(r > 0 for r in figures["ratios"].values()) and figures["rounds"] == 1
+    assert set(figures["per_round"]) == set(figures["ratios"])
