@@ -94,6 +94,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     _seed_everything(req.seed)
     ctx: TrialContext | None = None
+    finished = False  # every rank that ends without an exception leaves the group with its peers
     try:
         config = TrainConfig.model_validate(req.train)
         ctx = TrialContext(
@@ -121,6 +122,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
                 )
             if not math.isfinite(value):
                 raise NonFiniteLoss(f"{req.metric} is {value}")
+        finished = True
         return RankOutcome("pruned" if pruned else "ok", metrics, started_at=started_at, run_s=run_s)
     except (Exception, SystemExit) as exc:  # a trial never raises through the engine
         tb = traceback.format_exc()
@@ -137,6 +139,6 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
                 ctx.flush_checkpoints()  # an async save still being written must land first
             except Exception as exc:  # a failed write is reported, never raised from here
                 print(f"hpoflow: rank {job.rank}: last checkpoint not written: {exc}", file=sys.stderr)
-        hdist.destroy()
+        hdist.destroy(leave_together=finished)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -37,7 +37,7 @@ def _rank(rank: int, port: int, peer_vanishes: bool, out: mp.Queue) -> None:
     if peer_vanishes:
         time.sleep(0.5)  # let the peer exit first
     t0 = time.perf_counter()
-    destroy(leave_timeout_s=5.0)
+    destroy(leave_timeout_s=5.0, leave_together=not peer_vanishes)
     out.put((rank, time.perf_counter() - t0, dist.is_initialized()))
 
 
@@ -70,8 +70,8 @@ def test_ranks_leave_together_and_the_group_is_gone() -> None:
     assert all(seconds < 5.0 for seconds, _ in results.values())
 
 
-def test_a_vanished_peer_does_not_hold_the_survivor_beyond_the_timeout() -> None:
+def test_an_error_path_leaves_at_once_when_the_peer_is_gone() -> None:
     results = _run(peer_vanishes=True)
     seconds, still = results[0]
     assert not still
-    assert seconds < 5.0 + 5.0  # the monitored barrier gives up; destroy never hangs
+    assert seconds < 2.0  # no barrier on an error path: a dead peer would hold it for its timeout
