@@ -153,6 +153,17 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return max(0.0, (sy - c * sx) / sw), c
 
 
+def _paired_ddp_cost(plain_step: Callable[[], None], ddp_step: Callable[[], None], first: bool,
+                     inner: int) -> tuple[float, float]:
+    """(plain step seconds, DDP step minus plain step) timed back to back, each after a barrier
+    (with warm-up steps when ``first``)."""
+    warmup = 2 if first else 0
+    dist.barrier()
+    plain = timed(plain_step, 1, warmup=warmup, inner=inner)
+    dist.barrier()
+    return plain, timed(ddp_step, 1, warmup=warmup, inner=inner) - plain
+
+
 def _probe_comm(scale: float, world: int) -> dict[str, float]:
     """Time DDP steps of one bias-free n x n linear layer minus the same step without DDP, for
     gradients of 64 B to 4 MiB, and fit the alpha-beta ring model to that exposed cost."""
@@ -166,13 +177,7 @@ def _probe_comm(scale: float, world: int) -> dict[str, float]:
         ddp_step = _train_step(ddp, x, y, _sgd(ddp))
         # plain and DDP timings alternate, so a drift of the machine's speed hits both; the
         # figure is the median of the paired differences
-        diffs = []
-        for r in range(reps):
-            dist.barrier()
-            plain = timed(plain_step, 1, warmup=2 if r == 0 else 0, inner=3)
-            dist.barrier()
-            with_ddp = timed(ddp_step, 1, warmup=2 if r == 0 else 0, inner=3)
-            diffs.append(with_ddp - plain)
+        diffs = [_paired_ddp_cost(plain_step, ddp_step, r == 0, 3)[1] for r in range(reps)]
         sizes.append(4.0 * n * n)
         costs.append(max(statistics.median(diffs), 1e-6))
     fixed, per_byte = _fit_line(sizes, costs)
@@ -212,17 +217,11 @@ def _auto_timed(fn: Callable[[], Any], repeats: int, target_s: float = 2e-3) -> 
     return timed(fn, repeats, warmup=1, inner=max(1, min(200, int(target_s / max(once, 1e-7)))))
 
 
-def _layer_efficiency(layer: nn.Module, x: torch.Tensor, reps: int, peak: float,
-                      fixed_s: float, per_op: float) -> tuple[float, float]:
-    """(training FLOPs of one call, efficiency) of ``layer`` on ``x`` (input needing its
-    gradient, as for an inner layer): forward + backward timed alone, minus operator overheads
-    and ``fixed_s``, as a fraction of ``peak``."""
+def _call_time(layer: nn.Module, x: torch.Tensor, reps: int, per_op: float) -> float:
+    """Seconds of one forward + backward call of ``layer`` on ``x`` (input needing its gradient,
+    as for an inner layer), timed alone, minus its operator dispatch overheads."""
     x = x.requires_grad_(True)
-    flops = FlopCounterMode(display=False)
-    with flops:
-        out = layer(x)
-    work = 3.0 * flops.get_total_flops()
-    grad = torch.randn_like(out.detach())
+    grad = torch.randn_like(layer(x).detach())
     params = list(layer.parameters())
 
     def step() -> None:
@@ -233,8 +232,18 @@ def _layer_efficiency(layer: nn.Module, x: torch.Tensor, reps: int, peak: float,
     counter = _OpCounter()
     with counter:
         step()
-    t = _auto_timed(step, reps)
-    rest = t - counter.count * per_op - fixed_s
+    return _auto_timed(step, reps) - counter.count * per_op
+
+
+def _layer_efficiency(layer: nn.Module, x: torch.Tensor, reps: int, peak: float,
+                      fixed_s: float, per_op: float) -> tuple[float, float]:
+    """(training FLOPs of one call, efficiency) of ``layer`` on ``x``: :func:`_call_time` minus
+    ``fixed_s``, as a fraction of ``peak``."""
+    flops = FlopCounterMode(display=False)
+    with flops:
+        layer(x)
+    work = 3.0 * flops.get_total_flops()
+    rest = _call_time(layer, x, reps, per_op) - fixed_s
     eff = work / (peak * rest) if rest > 0 else 1.0
     return work, min(1.0, max(_MIN_EFF, eff))
 
@@ -282,19 +291,8 @@ def _probe_layer_costs(scale: float, per_op: float) -> dict[str, list[tuple[floa
     for kind, make in LAYER_KINDS.items():
         rows = []
         for b, c, side in ELEMENT_GRID:
-            layer = make(c, side).train()
-            x = torch.randn(b, c, side, side, requires_grad=True)
-            grad = torch.randn_like(layer(x).detach())
-
-            def step(layer: nn.Module = layer, x: torch.Tensor = x, grad: torch.Tensor = grad) -> None:
-                x.grad = None
-                for p in layer.parameters():
-                    p.grad = None
-                layer(x).backward(grad)
-            counter = _OpCounter()
-            with counter:
-                step()
-            rest = _auto_timed(step, reps) - counter.count * per_op
+            x = torch.randn(b, c, side, side)
+            rest = _call_time(make(c, side).train(), x, reps, per_op)
             rows.append((float(x.numel()), max(_MIN_ELEMENT_S, rest / x.numel())))
         out[kind] = sorted(rows)
     return out
@@ -393,15 +391,12 @@ def _probe_sync_wait(scale: float, world: int) -> list[tuple[float, float]]:
     for r in range(reps):
         costs = []
         for i, (plain_step, ddp_step) in enumerate(steps):
-            dist.barrier()
-            t = timed(plain_step, 1, warmup=2 if r == 0 else 0, inner=2)
-            dist.barrier()
-            costs.append(timed(ddp_step, 1, warmup=2 if r == 0 else 0, inner=2) - t)
+            t, cost = _paired_ddp_cost(plain_step, ddp_step, r == 0, 2)
+            costs.append(cost)
             plains[i].append(t)
         for i, c in enumerate(costs):
             extras[i].append(c - costs[0])
-    rows = sorted((statistics.median(t), max(0.0, statistics.median(e))) for t, e in zip(plains, extras, strict=True))
-    return rows
+    return sorted((statistics.median(t), max(0.0, statistics.median(e))) for t, e in zip(plains, extras, strict=True))
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, scale: float) -> None:

@@ -131,7 +131,7 @@ class DeviceSpec(_Frozen):
         rows = (self.efficiency_table or {}).get(kind)
         if not rows or precision != "fp32" or work <= 0:
             return None
-        return _loglog(rows, work)
+        return _interpolate(rows, work, log=True)
 
     def element_cost(self, kind: str, elements: float, precision: str = "fp32") -> float | None:
         """Seconds per input element of one ``kind`` layer call over ``elements`` input
@@ -139,7 +139,7 @@ class DeviceSpec(_Frozen):
         rows = (self.layer_cost or {}).get(kind)
         if not rows or precision != "fp32" or elements <= 0:
             return None
-        return _loglog(rows, elements)
+        return _interpolate(rows, elements, log=True)
 
     def flops(self, precision: str, conv_fraction: float = 0.0) -> float:
         """Sustained FLOP/s at ``precision`` for a workload with this share of convolution FLOPs."""
@@ -152,17 +152,19 @@ class DeviceSpec(_Frozen):
         return peak / (conv_fraction / ceff + (1 - conv_fraction) / eff)
 
 
-def _loglog(rows: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear interpolation of sorted positive ``rows`` in log-log space at ``x``,
-    clamped to the first and last row."""
+def _interpolate(rows: list[tuple[float, float]], x: float, log: bool) -> float:
+    """Piecewise-linear interpolation of ``rows`` (sorted by their first value) at ``x``, in
+    log-log space when ``log`` (every value > 0), clamped to the first and last row."""
     if x <= rows[0][0]:
         return rows[0][1]
     if x >= rows[-1][0]:
         return rows[-1][1]
+    f = math.log if log else float
     for (x0, y0), (x1, y1) in itertools.pairwise(rows):
         if x0 <= x <= x1:
-            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 0.0
-            return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+            t = (f(x) - f(x0)) / (f(x1) - f(x0)) if x1 > x0 else 0.0
+            y = f(y0) + t * (f(y1) - f(y0))
+            return math.exp(y) if log else y
     return rows[-1][1]  # pragma: no cover - rows are sorted
 
 
@@ -219,15 +221,7 @@ class Overheads(_Frozen):
     def sync_wait_at(self, compute_s: float) -> float:
         """Seconds a 2-device synchronous step with ``compute_s`` of compute waits (0 without a
         table; linear interpolation, clamped at the ends)."""
-        rows = self.sync_wait
-        if not rows:
-            return 0.0
-        if compute_s <= rows[0][0]:
-            return rows[0][1]
-        for (x0, w0), (x1, w1) in itertools.pairwise(rows):
-            if compute_s <= x1:
-                return w0 + (w1 - w0) * (compute_s - x0) / (x1 - x0) if x1 > x0 else w1
-        return rows[-1][1]
+        return _interpolate(self.sync_wait, compute_s, log=False) if self.sync_wait else 0.0
 
     def optimizer_cost(self, optimizer: str, momentum: float) -> float:
         """Seconds per parameter of one ``optimizer.step`` (0 when not calibrated)."""

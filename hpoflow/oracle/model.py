@@ -236,10 +236,8 @@ def _layer_time(facts: ModelFacts, cluster: ClusterSpec, precision: str, batch: 
         return 0.0, 0.0
     seconds = priced = 0.0
     for kind, n_in, n_out, calls in facts.other_layers:
-        if kind in VIEW_KINDS:  # a view moves no data
-            priced += n_out * calls * PRECISION_BYTES[facts.precision]
-            continue
-        cost = dev.element_cost(kind, n_in * call_batch, precision)
+        # a view moves no data; other kinds cost what the table says, if it lists them
+        cost = 0.0 if kind in VIEW_KINDS else dev.element_cost(kind, n_in * call_batch, precision)
         if cost is None:
             continue
         seconds += cost * n_in * calls * batch
