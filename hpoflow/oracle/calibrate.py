@@ -52,16 +52,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import _OpCounter, count_step_ops
+from hpoflow.tasks._proc import free_port
 from hpoflow.train.dist import destroy
 
 __all__ = ["calibrate", "free_port", "timed", "write_cluster"]
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind to port 0, read it back, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, inner: int = 1) -> float:

@@ -6,20 +6,14 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpoflow.tasks._proc import free_port
 from hpoflow.train.dist import destroy
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, peer_vanishes: bool, out: mp.Queue) -> None:
@@ -44,7 +38,7 @@ def _rank(rank: int, port: int, peer_vanishes: bool, out: mp.Queue) -> None:
 def _run(peer_vanishes: bool) -> dict[int, tuple[float, bool]]:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, peer_vanishes, out)) for r in range(2)]
     for p in procs:
         p.start()

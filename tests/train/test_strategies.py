@@ -13,7 +13,6 @@ import hashlib
 import math
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpoflow.spec import TrainConfig
+from hpoflow.tasks._proc import free_port
 from hpoflow.train.strategies import (
     Strategy,
     StrategyEnv,
@@ -55,12 +55,6 @@ VOLUME = {  # name -> (strategy, options, steps)
     "easgd": ("easgd", {"tau": 2}, 4),
     "local_sgd": ("local_sgd", {"period": 2}, 4),
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _small_model() -> nn.Module:
@@ -144,7 +138,7 @@ def _session_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 def session() -> list[dict[str, Any]]:
     ctx = mp.get_context("forkserver")
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_session_rank, args=(r, WORLD, port, tmp)) for r in range(WORLD)]
         for p in procs:
             p.start()
