@@ -30,9 +30,9 @@ TARGET_S = 0.5
 
 def run_hpoflow(n: int) -> tuple[list[float], list[float]]:
     """``n`` 2-rank trials on one warm engine; per trial (launch_s, submit -> first step)."""
+    from hpoflow.engines.local import LocalEngine
     from hpoflow.spec import TrainConfig
-    from hpoflow.tasks._base import TrialRequest, TrialResult
-    from hpoflow.tasks.local import LocalEngine
+    from hpoflow.trial import TrialRequest, TrialResult
 
     engine = LocalEngine(cores=_two_cores())
     engine._warm.join()  # forkserver start and worker forks are one-time costs, not per trial
@@ -59,7 +59,7 @@ def run_hpoflow(n: int) -> tuple[list[float], list[float]]:
 
 
 def _two_cores() -> list[int]:
-    from hpoflow.tasks.local import machine_cores
+    from hpoflow.engines.machine import machine_cores
 
     cores = machine_cores()
     if len(cores) < 2:

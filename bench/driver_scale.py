@@ -21,7 +21,7 @@ from typing import Any
 
 from _common import emit, median
 
-from hpoflow.tasks._base import TrialResult
+from hpoflow.trial import TrialResult
 
 
 def _noop(params: dict[str, Any], reporter: Any) -> float:
@@ -85,7 +85,7 @@ def waiting_scan_ms(study: Any, repeats: int = 21) -> float:
 
 def run(n: int, slots: int, seed: int) -> _Run:
     from hpoflow.api import optimize
-    from hpoflow.tasks.threads import ThreadEngine
+    from hpoflow.engines.threads import ThreadEngine
 
     spec = {
         "study": {"name": "driver-scale", "metric": "val_loss", "direction": "minimize"},

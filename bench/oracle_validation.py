@@ -32,9 +32,10 @@ from rich.table import Table
 from torch import nn
 
 from hpoflow.oracle import ClusterSpec, Plan, calibrate, load_cluster, model_facts, predict
-from hpoflow.oracle.calibrate import free_port, write_cluster
+from hpoflow.oracle.calibrate import write_cluster
 from hpoflow.oracle.facts import resolve_model
 from hpoflow.train.dist import destroy
+from hpoflow.train.rendezvous import free_port
 
 Case = tuple[str, tuple[int, ...] | None]
 CASES: list[Case] = [("mlp", None), ("cnn", None)]

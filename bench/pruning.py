@@ -22,7 +22,7 @@ def run(example: str, seed: int) -> tuple[float, float, int]:
     import yaml
 
     from hpoflow.api import optimize
-    from hpoflow.tasks.local import LocalEngine
+    from hpoflow.engines.local import LocalEngine
 
     spec = yaml.safe_load((ROOT / "examples" / example).read_text())
     spec["search"]["seed"] = seed

@@ -17,9 +17,10 @@ import tempfile
 import time
 from typing import Any
 
+from hpoflow.engines.local import LocalEngine
+from hpoflow.engines.machine import machine_cores
 from hpoflow.spec import TrainConfig
-from hpoflow.tasks._base import TrialRequest, TrialResult
-from hpoflow.tasks.local import LocalEngine, machine_cores
+from hpoflow.trial import TrialRequest, TrialResult
 
 MODELS: dict[str, dict[str, Any]] = {
     "cnn": {"model": "cnn", "model_options": {}, "epochs": 5, "lr": 0.05, "batch_size": 32},

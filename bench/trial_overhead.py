@@ -30,7 +30,7 @@ def overhead_ms(wall: float, n: int, slots: int) -> float:
 
 def run_hpoflow(n: int, slots: int) -> tuple[float, float]:
     from hpoflow.api import optimize
-    from hpoflow.tasks.local import LocalEngine
+    from hpoflow.engines.local import LocalEngine
 
     engine = LocalEngine()
     engine._warm.join()  # the forkserver's one-time start is reported separately

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from _common import BENCH, emit, median
 
-from hpoflow.tasks._base import TrialResult
+from hpoflow.trial import TrialResult
 
 TARGET = 0.97
 
@@ -98,7 +98,7 @@ def run_hpoflow(engine: Any, durations: list[float], slots: int) -> tuple[float,
 def run_batches(engine: Any, durations: list[float], slots: int) -> tuple[float, float]:
     """(busy, makespan) of synchronous batches of ``slots`` trials through the same engine."""
     from hpoflow.spec import TrainConfig
-    from hpoflow.tasks._base import TrialRequest
+    from hpoflow.trial import TrialRequest
 
     train = TrainConfig(function="bench_objectives:sleep_indexed",
                         options={"durations": durations}).model_dump(mode="json")
@@ -132,7 +132,8 @@ def main() -> None:
     ap.add_argument("--median-s", type=float, default=0.5, help="median trial duration")
     a = ap.parse_args()
 
-    from hpoflow.tasks.local import LocalEngine, machine_cores
+    from hpoflow.engines.local import LocalEngine
+    from hpoflow.engines.machine import machine_cores
 
     cores = machine_cores()
     if len(cores) < a.slots:

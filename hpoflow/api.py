@@ -23,12 +23,12 @@ from typing import Any
 import optuna
 import yaml
 
+from hpoflow.engines import Engine, make_engine
 from hpoflow.errors import RunDirError, SpecError
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.storage import open_storage, storage_label
 from hpoflow.spec import StudySpec, load_spec, resolve_training, search_dirs, spec_from_mapping
-from hpoflow.tasks import Engine, make_engine
 
 __all__ = ["StudyResult", "load_run", "optimize", "prepare_spec"]
 
@@ -180,7 +180,7 @@ def optimize(
         listener = ProgressListener()
     precheck = None
     if parsed.oracle.enabled and not resolve_training(parsed.training, {}).function:
-        from hpoflow.search.precheck import OraclePrecheck
+        from hpoflow.oracle.precheck import OraclePrecheck
 
         precheck = OraclePrecheck(parsed.oracle.cluster)
     driver = Driver(parsed, study, eng, rd, listener=listener, n_trials=n_trials, python_path=dirs,

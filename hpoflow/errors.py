@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
-__all__ = ["EngineError", "HpoflowError", "Issue", "RunDirError", "SpecError"]
+__all__ = ["EngineError", "HpoflowError", "Issue", "RunDirError", "SpecError", "did_you_mean"]
 
 
 class HpoflowError(Exception):
@@ -44,3 +45,9 @@ class EngineError(HpoflowError):
 
 class RunDirError(HpoflowError):
     """A run directory cannot be used (another spec's run, not a run directory, locked)."""
+
+
+def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,8 +20,9 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.table import Table
 
+from hpoflow.fileio import write_atomic
 from hpoflow.search.driver import ATTR_INTERRUPTED, DriverSummary
-from hpoflow.tasks._base import TrialResult
+from hpoflow.trial import TrialResult
 
 __all__ = [
     "ProgressListener",
@@ -47,15 +47,6 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
     return pick(done, key=lambda t: (t.value, -t.number) if pick is max else (t.value, t.number))
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def write_trials_csv(study: optuna.Study, path: Path) -> None:
     trials = _counted(study)
     params = sorted({k for t in trials for k in t.params})
@@ -70,7 +61,7 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
         w.writerow([t.number, t.state.name, "" if t.value is None else t.value,
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     dur, t.user_attrs.get("error", "")])
-    _atomic_write(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Path) -> None:
@@ -92,7 +83,7 @@ def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Pat
         "metrics": best.user_attrs.get("metrics", {}),
         "rerun_spec": rerun,
     }
-    _atomic_write(path, yaml.safe_dump(doc, sort_keys=False))
+    write_atomic(path, yaml.safe_dump(doc, sort_keys=False))
 
 
 def status_dict(study: optuna.Study, storage_label: str) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from conftest import ROOT
 from optuna.trial import TrialState
 
 from hpoflow.api import optimize
+from hpoflow.engines.local import LocalEngine
 from hpoflow.search.driver import ATTR_INTERRUPTED
-from hpoflow.tasks.local import LocalEngine
 
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 

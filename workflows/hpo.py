@@ -29,8 +29,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     from hpoflow.api import optimize, prepare_spec
+    from hpoflow.engines.compss import CompssEngine, pycompss_available, runtime_active
     from hpoflow.errors import HpoflowError
-    from hpoflow.tasks.compss import CompssEngine, pycompss_available, runtime_active
 
     try:
         spec, _ = prepare_spec(args.spec)

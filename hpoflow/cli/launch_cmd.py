@@ -1,7 +1,7 @@
 """``hpoflow launch SPEC --engine compss [...] [--dry-run]``: run a study under COMPSs.
 
 On one machine it runs ``runcompss``; on a batch system (``--nodes`` given, or a SLURM login node
-detected) ``enqueue_compss``. The command is built by ``hpoflow.tasks.compss_launch`` from typed
+detected) ``enqueue_compss``. The command is built by ``hpoflow.engines.compss.launch`` from typed
 options, printed with ``--dry-run``, otherwise executed as an argv list (never through a shell).
 """
 
@@ -50,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpoflow.engines.compss.launch import LaunchOptions, build_command, default_workflow, describe, slurm_detected
     from hpoflow.spec import load_spec
-    from hpoflow.tasks.compss_launch import LaunchOptions, build_command, default_workflow, describe, slurm_detected
 
     spec, _ = load_spec(args.spec)
     batch = args.nodes is not None or (not args.local and slurm_detected())
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     project_xml, resources_xml = args.project_xml, args.resources_xml
     repo = str(workflow.parent.parent)
     if args.generate_resources:
-        from hpoflow.tasks.compss_xml import detect_node, write_config
+        from hpoflow.engines.compss.runtime_xml import detect_node, write_config
 
         rpath, ppath = write_config(Path(args.generate_resources).resolve(),
                                     [detect_node(pythonpath=(repo, os.getcwd()))])

@@ -76,8 +76,8 @@ def _run(ns: argparse.Namespace) -> int:
 def run(args: ScalingArgs) -> int:
     from rich.console import Console
 
+    from hpoflow.scaling import ScalingPoint, run_scaling
     from hpoflow.spec import load_spec
-    from hpoflow.train.scaling import ScalingPoint, run_scaling
 
     spec, _ = load_spec(args.spec)
     err = Console(stderr=True)

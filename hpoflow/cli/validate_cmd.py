@@ -19,8 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     spec, _ = load_spec(args.spec)
     if spec.engine == "local":
-        from hpoflow.tasks._base import TrialRequest
-        from hpoflow.tasks.local import check_fits, detect_gpus, machine_cores
+        from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
+        from hpoflow.trial import TrialRequest
 
         r = spec.resources
         probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)

@@ -11,13 +11,17 @@ See docs/oracle.md for the equations and what the model leaves out.
 
 from __future__ import annotations
 
-from hpoflow.oracle.calibrate import calibrate, write_cluster
-from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
-from hpoflow.oracle.cluster import ClusterSpec, DeviceSpec, LinkSpec, Overheads, load_cluster
-from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.facts import BUILTIN_MODELS, ModelFacts, model_facts, optimizer_state_bytes
-from hpoflow.oracle.model import STRATEGIES, Plan, Prediction, StepCost, predict
-from hpoflow.oracle.trial import Verdict, check_trial
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpoflow.oracle.calibrate import calibrate, write_cluster
+    from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
+    from hpoflow.oracle.cluster import ClusterSpec, DeviceSpec, LinkSpec, Overheads, load_cluster
+    from hpoflow.oracle.errors import OracleError
+    from hpoflow.oracle.facts import BUILTIN_MODELS, ModelFacts, model_facts, optimizer_state_bytes
+    from hpoflow.oracle.model import STRATEGIES, Plan, Prediction, StepCost, predict
+    from hpoflow.oracle.trial import check_trial
+    from hpoflow.trial import Verdict
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -43,3 +47,41 @@ __all__ = [
     "predict",
     "write_cluster",
 ]
+
+# Names load on first use (PEP 562): importing ``hpoflow.oracle.precheck`` or ``hpoflow.oracle.cli``
+# must not pull in torch through ``calibrate``/``facts``.
+_WHERE = {
+    'BUILTIN_MODELS': 'hpoflow.oracle.facts',
+    'ClusterSpec': 'hpoflow.oracle.cluster',
+    'DEVICES': 'hpoflow.oracle.catalog',
+    'DeviceSpec': 'hpoflow.oracle.cluster',
+    'LINKS': 'hpoflow.oracle.catalog',
+    'LinkSpec': 'hpoflow.oracle.cluster',
+    'ModelFacts': 'hpoflow.oracle.facts',
+    'OracleError': 'hpoflow.oracle.errors',
+    'Overheads': 'hpoflow.oracle.cluster',
+    'PRESETS': 'hpoflow.oracle.catalog',
+    'Plan': 'hpoflow.oracle.model',
+    'Prediction': 'hpoflow.oracle.model',
+    'STRATEGIES': 'hpoflow.oracle.model',
+    'StepCost': 'hpoflow.oracle.model',
+    'Verdict': 'hpoflow.trial',
+    'calibrate': 'hpoflow.oracle.calibrate',
+    'check_trial': 'hpoflow.oracle.trial',
+    'load_cluster': 'hpoflow.oracle.cluster',
+    'model_facts': 'hpoflow.oracle.facts',
+    'optimizer_state_bytes': 'hpoflow.oracle.facts',
+    'predict': 'hpoflow.oracle.model',
+    'write_cluster': 'hpoflow.oracle.calibrate',
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpoflow.oracle' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

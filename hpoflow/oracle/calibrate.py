@@ -51,11 +51,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.facts import _OpCounter, count_step_ops
-from hpoflow.tasks._proc import free_port
+from hpoflow.oracle.facts import OpCounter, count_step_ops
 from hpoflow.train.dist import destroy
+from hpoflow.train.rendezvous import free_port
 
-__all__ = ["calibrate", "free_port", "timed", "write_cluster"]
+__all__ = ["calibrate", "timed", "write_cluster"]
 
 
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, inner: int = 1) -> float:
@@ -223,7 +223,7 @@ def _call_time(layer: nn.Module, x: torch.Tensor, reps: int, per_op: float) -> f
         for p in params:
             p.grad = None
         layer(x).backward(grad)
-    counter = _OpCounter()
+    counter = OpCounter()
     with counter:
         step()
     return _auto_timed(step, reps) - counter.count * per_op

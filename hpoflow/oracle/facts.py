@@ -123,7 +123,7 @@ def optimizer_state_bytes(params: int, optimizer: str, momentum: float = 0.0) ->
     )
 
 
-class _OpCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
@@ -135,7 +135,7 @@ class _OpCounter(TorchDispatchMode):
 
 def count_step_ops(model: nn.Module, sample: torch.Tensor, n_classes: int) -> int:
     """ATen operators dispatched by forward + cross-entropy + backward of ``model``."""
-    counter = _OpCounter()
+    counter = OpCounter()
     with counter:
         out = model(sample)
         target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from hpoflow.oracle.catalog import PRESETS
@@ -11,6 +10,7 @@ from hpoflow.oracle.cluster import ClusterSpec, load_cluster
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import model_facts
 from hpoflow.oracle.model import Plan, predict
+from hpoflow.trial import Verdict
 
 __all__ = ["DATASETS", "Verdict", "check_trial"]
 
@@ -20,20 +20,6 @@ DATASETS: dict[str, tuple[tuple[int, ...], int, int]] = {
     "mnist": ((1, 28, 28), 10, 60000),
 }
 _GB = 1e9
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Whether a trial can run; ``reason`` says why not with the numbers; ``predicted`` holds
-    the oracle's prediction (``Prediction.to_dict()``) or is empty when the oracle could not
-    judge the trial."""
-
-    feasible: bool
-    reason: str
-    predicted: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"feasible": self.feasible, "reason": self.reason, "predicted": self.predicted}
 
 
 def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,

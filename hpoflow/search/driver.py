@@ -20,11 +20,11 @@ from typing import Any, Protocol
 import optuna
 from optuna.trial import TrialState
 
+from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
-from hpoflow.search.precheck import Verdict, summarise
 from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, resolve_training
-from hpoflow.tasks._base import Engine, TrialReport, TrialRequest, TrialResult
+from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
 
 __all__ = ["ATTR_INTERRUPTED", "Driver", "DriverListener", "DriverSummary", "count_finished"]
 
@@ -244,7 +244,7 @@ class Driver:
         verdict = self.precheck(request) if self.precheck else None
         if verdict is not None:
             if verdict.predicted:
-                trial.set_user_attr("oracle", summarise(verdict.predicted))
+                trial.set_user_attr("oracle", verdict.summary())
             if not verdict.feasible:  # recorded as pruned, with the numbers, without taking a slot
                 self._on_result(TrialResult(trial.number, "pruned", error=f"oracle: {verdict.reason}"))
                 return True

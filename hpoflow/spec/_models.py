@@ -7,12 +7,13 @@ trial holds) and ``engine``/``storage`` (where trials run and where the study li
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from hpoflow.errors import did_you_mean
 
 __all__ = [
     "ALGORITHMS",
@@ -31,7 +32,6 @@ __all__ = [
     "StudySection",
     "StudySpec",
     "TrainConfig",
-    "did_you_mean",
 ]
 
 ALGORITHMS = ("grid", "random", "tpe", "gp", "cmaes")
@@ -39,12 +39,6 @@ PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 PLACEHOLDER = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 Scalar = bool | int | float | str | None
 EngineName = Literal["local", "compss"]
-
-
-def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
-    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class _Strict(BaseModel):

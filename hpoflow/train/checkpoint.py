@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpoflow.fileio import write_atomic
+
 __all__ = [
     "MAGIC",
     "CheckpointError",
@@ -59,7 +61,6 @@ __all__ = [
     "read_checkpoint",
     "restore_rng",
     "snapshot",
-    "write_atomic",
     "write_checkpoint",
 ]
 
@@ -132,39 +133,6 @@ def decode(data: bytes | memoryview, source: str = "<bytes>") -> Any:
         why = next((ln for ln in lines if "Unsupported" in ln or "WeightsUnpickler" in ln), lines[0] if lines else "")
         raise UnsafeCheckpoint(f"{source}: refused by torch.load(weights_only=True) (it would run pickled "
                                f"code): {why[:300]}") from exc
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some filesystems cannot open a directory: nothing more to do
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, *chunks: bytes | memoryview) -> None:
-    """Write ``chunks`` to ``path`` atomically: temp file in the same directory, fsync, rename, fsync dir."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            for chunk in chunks:
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def write_checkpoint(path: Path, obj: Any) -> int:
@@ -424,7 +392,7 @@ class Checkpointer:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return
-        suffix = f"-r{self.rank}.pt.tmp-"
+        mine = f"-r{self.rank}.pt."  # write_atomic's temp files: .<name>.<random>.tmp
         for name in names:
-            if name.startswith(".ckpt-") and suffix in name:
+            if name.startswith(".ckpt-") and mine in name and name.endswith(".tmp"):
                 (self.directory / name).unlink(missing_ok=True)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from hpoflow.spec import TrainConfig
-from hpoflow.train.channel import Channel, NullChannel
 from hpoflow.train.checkpoint import Checkpointer, capture_rng
 from hpoflow.train.checkpoint import restore_rng as restore_rng_state
+from hpoflow.train.transport import Channel, NullChannel
 
 __all__ = ["TrialContext"]
 

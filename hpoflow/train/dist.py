@@ -5,28 +5,13 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import os
-import socket
-import time
 
 import torch
 import torch.distributed as dist
 
+from hpoflow.train.rendezvous import wait_for_master
+
 __all__ = ["destroy", "init_process_group"]
-
-
-def wait_for_master(addr: str, port: int, timeout_s: float, poll_s: float = 0.002) -> None:
-    """Block until rank 0's store accepts connections (or ``timeout_s`` passes).
-
-    A rank that reaches the store before rank 0 has opened it falls into the store client's retry
-    back-off and joins up to ~0.75 s late; polling the port every 2 ms joins within milliseconds.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((addr, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(poll_s)
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,

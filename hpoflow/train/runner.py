@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from hpoflow.spec import TrainConfig
-from hpoflow.tasks._base import TrialRequest
 from hpoflow.train import dist as hdist
 from hpoflow.train.builtin import NonFiniteLoss, train_builtin
-from hpoflow.train.channel import Channel, NullChannel
 from hpoflow.train.context import TrialContext
+from hpoflow.train.transport import Channel, NullChannel
+from hpoflow.trial import TrialRequest
 
 __all__ = ["RankJob", "RankOutcome", "load_function", "run_rank"]
 

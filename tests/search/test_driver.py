@@ -12,11 +12,11 @@ import pytest
 from optuna.trial import TrialState
 
 from hpoflow.api import optimize
+from hpoflow.engines.threads import Reporter, ThreadEngine
 from hpoflow.search.driver import ATTR_INTERRUPTED, Driver, count_finished
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.space import grid_points
 from hpoflow.spec import spec_from_mapping
-from hpoflow.tasks.threads import Reporter, ThreadEngine
 
 BASE: dict[str, Any] = {
     "study": {"name": "drv", "metric": "score", "direction": "maximize"},
@@ -238,7 +238,7 @@ def test_the_driver_process_imports_neither_torch_nor_pycompss(tmp_path: Path) -
     code = (
         "import json, sys\n"
         "from hpoflow.api import optimize\n"
-        "from hpoflow.tasks.threads import ThreadEngine\n"
+        "from hpoflow.engines.threads import ThreadEngine\n"
         f"data = json.loads({json.dumps(json.dumps(BASE))})\n"
         "data['search']['n_trials'] = 3\n"
         f"optimize(data, {str(tmp_path / 'run')!r}, engine=ThreadEngine(lambda p, r: p['x'], 2))\n"

@@ -24,9 +24,9 @@ import pytest
 import torch
 from conftest import ROOT, descendants
 
+from hpoflow.engines import TrialRequest, TrialResult
+from hpoflow.engines.local import LocalEngine
 from hpoflow.spec import TrainConfig
-from hpoflow.tasks import TrialRequest, TrialResult
-from hpoflow.tasks.local import LocalEngine
 from hpoflow.train.checkpoint import (
     MAGIC,
     Checkpointer,
@@ -133,7 +133,7 @@ def test_crash_between_temp_write_and_rename_leaves_the_previous_checkpoint(tmp_
     assert proc.returncode == 7, proc.stderr
     names = _files(tmp_path)
     assert checkpoint_name(1, 0) in names and checkpoint_name(2, 0) not in names
-    assert any(n.startswith(f".{checkpoint_name(2, 0)}.tmp-") for n in names)  # the orphaned temp file
+    assert any(n.startswith(f".{checkpoint_name(2, 0)}.") and n.endswith(".tmp") for n in names)  # orphaned temp
     found = Checkpointer(tmp_path).latest()
     assert found is not None and found[0] == 1 and torch.equal(found[1]["w"], torch.ones(4))
     assert _files(tmp_path) == [checkpoint_name(1, 0)]  # the temp file was cleaned up

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpoflow.tasks._proc import free_port
 from hpoflow.train.dist import destroy
+from hpoflow.train.rendezvous import free_port
 
 
 def _rank(rank: int, port: int, peer_vanishes: bool, out: mp.Queue) -> None:

@@ -10,8 +10,8 @@ import pytest
 
 from hpoflow.cli.main import main
 from hpoflow.errors import EngineError, SpecError
+from hpoflow.scaling import fixed_params, run_scaling
 from hpoflow.spec import spec_from_mapping
-from hpoflow.train.scaling import fixed_params, run_scaling
 
 SPEC: dict[str, Any] = {
     "study": {"name": "sc", "metric": "val_accuracy", "direction": "maximize"},

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpoflow.spec import TrainConfig
-from hpoflow.tasks._proc import free_port
+from hpoflow.train.rendezvous import free_port
 from hpoflow.train.strategies import (
     Strategy,
     StrategyEnv,
@@ -295,8 +295,8 @@ TRIAL_STRATEGIES = {
 
 @pytest.fixture(scope="module")
 def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from hpoflow.tasks._base import TrialRequest, TrialResult
-    from hpoflow.tasks.local import LocalEngine
+    from hpoflow.engines.local import LocalEngine
+    from hpoflow.trial import TrialRequest, TrialResult
 
     root = tmp_path_factory.mktemp("strategy_trials")
     out: dict[str, Any] = {}

@@ -1,0 +1,79 @@
+"""The engine contract: how trials run, separate from what runs next (the driver and the search).
+
+An engine takes ``TrialRequest``s and hands back, in whatever order they happen, ``TrialReport``s
+(an intermediate metric from a running trial) and ``TrialResult``s (a trial has ended). The driver
+is the only caller and calls from one thread; engines need not be thread safe.
+
+Contract, for every engine:
+- ``submit(request)`` starts the trial or raises ``EngineError`` if it can never fit; it returns
+  quickly (it never waits for the trial).
+- ``poll(timeout)`` waits up to ``timeout`` seconds (``None``: until something happens) and returns
+  every event that has happened since the last call, in the order they happened; ``[]`` on timeout.
+  Each submitted trial produces exactly one ``TrialResult``, after all of its ``TrialReport``s.
+- A trial never raises through the engine: failures (exceptions in user code, a rank that died or
+  hung, a timeout) come back as a ``TrialResult`` with status ``failed`` and the error and stderr tail.
+- ``answer(number, prune)`` replies to a report that asked for a pruning decision.
+- ``cancel(number, reason)`` stops a running trial; its result arrives later with status
+  ``cancelled`` (or whatever it had already finished with).
+- ``close()`` cancels what is running, reaps every process, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, TrialStatus
+
+__all__ = [
+    "Engine",
+    "Event",
+    "Placement",
+    "TrialReport",
+    "TrialRequest",
+    "TrialResult",
+    "TrialStatus",
+]
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank of a trial runs on this machine: cores and GPU ids it may use."""
+
+    rank: int
+    cores: tuple[int, ...]
+    gpus: tuple[int, ...] = ()
+
+
+class Engine(abc.ABC):
+    """Runs trials. See the module docstring for the contract every implementation keeps."""
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    def capacity(self, request: TrialRequest) -> int:
+        """How many trials shaped like ``request`` can run at once (0: it can never fit)."""
+
+    @abc.abstractmethod
+    def submit(self, request: TrialRequest) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self, timeout: float | None) -> list[Event]: ...
+
+    @abc.abstractmethod
+    def answer(self, number: int, prune: bool) -> None: ...
+
+    @abc.abstractmethod
+    def cancel(self, number: int, reason: str) -> None: ...
+
+    @abc.abstractmethod
+    def running(self) -> list[int]:
+        """Numbers of the trials submitted whose result has not been returned by ``poll`` yet."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,14 @@
+"""The compss engine: one PyCOMPSs task per trial, placed by the COMPSs runtime on nodes and GPUs.
+
+The only package of hpoflow that imports pycompss, and only when a task is submitted under the
+runtime: importing it needs no pycompss (``workflows/hpo.py`` falls back to a sequential mode).
+See docs/cluster.md.
+"""
+
+from __future__ import annotations
+
+from hpoflow.engines.compss._api import pycompss_available, runtime_active
+from hpoflow.engines.compss.engine import CompssEngine, shape_env
+from hpoflow.engines.compss.options import CompssOptions
+
+__all__ = ["CompssEngine", "CompssOptions", "pycompss_available", "runtime_active", "shape_env"]

@@ -1,0 +1,272 @@
+"""The body of a compss trial task: start the ranks as child processes, supervise, reap, report.
+
+``run_trial(request_json, options_json)`` is what every COMPSs task variant calls (and what the
+sequential fallback calls directly). It never raises: every failure becomes a ``TrialResult``
+dict, also written atomically to ``<trial_dir>/attempt-<k>/result.json`` so the engine sees
+results in completion order. It imports neither pycompss nor torch: training happens only in the
+rank processes, fresh interpreters started from here, so no CUDA/NCCL state reaches the
+persistent COMPSs worker that runs this function.
+
+Single node: one node launcher (``_rank_cli node``) as a child in its own process group, on the
+cores/GPUs COMPSs bound to the task. Multi node: one node launcher per node through ``srun``
+(default), ``mpirun`` or ``ssh``; rank 0 and the rendezvous are on the executing node. Whatever
+happens, the launchers' process groups are killed and reaped in ``finally``, and a ``STOP`` file
+makes every rank on every node kill itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hpoflow.engines.base import TrialRequest, TrialResult, TrialStatus
+from hpoflow.engines.compss.layout import (
+    bound_cpus,
+    bound_gpus,
+    default_pythonpath,
+    launcher_argv,
+    ordered_hosts,
+    processes_per_node,
+)
+from hpoflow.engines.proc import describe_exit, tail
+from hpoflow.fileio import read_json, write_json_atomic
+from hpoflow.train.rendezvous import free_port
+from hpoflow.train.transport import ReportReader, TrialFiles
+
+__all__ = ["HEARTBEAT_S", "run_trial", "stderr_tail"]
+
+HEARTBEAT_S = 5.0
+_SUPERVISE_S = 0.1
+
+
+def stderr_tail(files: TrialFiles, n_ranks: int, n_nodes: int, max_bytes: int = 2000) -> str:
+    """The end of every rank's (and node launcher's) log, labelled, for a failed trial's result."""
+    parts = []
+    for r in range(n_ranks):
+        text = tail(files.rank_log(r), max_bytes)
+        if text.strip():
+            parts.append(f"--- rank {r} ---\n{text}")
+    for n in range(n_nodes):
+        text = tail(files.node_log(n), max_bytes // 2)
+        if text.strip():
+            parts.append(f"--- node {n} launcher ---\n{text}")
+    text = tail(files.dir / "launcher.log", max_bytes // 2)
+    if text.strip():
+        parts.append(f"--- launcher ---\n{text}")
+    return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def _heartbeat(files: TrialFiles) -> Iterator[None]:
+    """Touch ``heartbeat`` every few seconds while the task runs (the engine's sign of life)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            try:
+                files.heartbeat.write_text(f"{time.time()} {socket.gethostname()} {os.getpid()}\n")
+            except OSError:
+                pass
+            stop.wait(HEARTBEAT_S)
+
+    t = threading.Thread(target=beat, name="hpoflow-heartbeat", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(1.0)
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except OSError:
+            pass
+
+
+def _first_report_time(files: TrialFiles) -> float | None:
+    for item in ReportReader(files.reports).read_new():
+        if "step" in item and "time" in item:
+            return float(item["time"])
+    return None
+
+
+def _outcomes(files: TrialFiles, world: int) -> dict[int, dict[str, Any]]:
+    out = {}
+    for r in range(world):
+        data = read_json(files.outcome(r))
+        if isinstance(data, dict):
+            out[r] = data
+    return out
+
+
+def _result_from(req: TrialRequest, files: TrialFiles, *, codes: list[int | None], failure: str | None,
+                 retryable: bool, cancelled: str | None, t0: float, t0_wall: float) -> TrialResult:
+    timings = {"duration_s": time.monotonic() - t0}
+    first = _first_report_time(files)
+    if first is not None:
+        timings["to_first_report_s"] = max(0.0, first - t0_wall)
+    outcomes = _outcomes(files, req.processes)
+
+    def tail() -> str:
+        return stderr_tail(files, req.processes, req.nodes)
+
+    if cancelled is not None:
+        return TrialResult(req.number, "cancelled", error=cancelled, stderr_tail=tail(), timings=timings)
+    if failure is not None:
+        return TrialResult(req.number, "failed", error=failure, stderr_tail=tail(), timings=timings,
+                           retryable=retryable)
+    errors = {r: o for r, o in outcomes.items() if o.get("status") == "error"}
+    if errors:
+        # the root cause: a user error (not retryable) beats "a peer went away" in other ranks
+        r, o = min(errors.items(), key=lambda kv: (bool(kv[1].get("retryable")), kv[0]))
+        return TrialResult(req.number, "failed", error=f"rank {r} on {o.get('host', '?')}: {o.get('error')}",
+                           stderr_tail=tail(), timings=timings, retryable=bool(o.get("retryable")))
+    missing = [r for r in range(req.processes) if r not in outcomes]
+    if missing:
+        what = ", ".join(describe_exit(c) for c in codes) or "no launcher"
+        return TrialResult(
+            req.number, "failed",
+            error=f"rank(s) {missing} ended without a result (launcher {what}): a rank was killed, "
+                  "ran out of memory or lost its node",
+            stderr_tail=tail(), timings=timings, retryable=True)
+    chief = outcomes[0]
+    metrics = {k: float(v) for k, v in (chief.get("metrics") or {}).items()}
+    status: TrialStatus = "pruned" if chief.get("status") == "pruned" else "complete"
+    return TrialResult(req.number, status, value=metrics.get(req.metric), metrics=metrics, timings=timings)
+
+
+def _plan(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], env: dict[str, str]
+          ) -> tuple[list[list[str]], dict[str, Any]]:
+    """The launcher commands and the job description the rank processes read."""
+    ppn = processes_per_node(req)
+    job: dict[str, Any] = {
+        "request": json.loads(req.to_json()), "ppn": ppn, "world_size": req.processes,
+        "pg_timeout_s": float(opts.get("pg_timeout_s", 120.0)),
+        "answer_timeout_s": float(opts.get("answer_timeout_s", 600.0)),
+        "env": dict(opts.get("env") or {}), "socket_ifname": opts.get("socket_ifname", "auto"),
+        "deadline": time.time() + req.timeout + 30.0 if req.timeout else None,
+    }
+    python = str(opts.get("python") or sys.executable)
+    cli = [python, "-m", "hpoflow.engines.compss._rank_cli", "node", "--job", str(files.job)]
+    if req.nodes == 1:
+        cpus = bound_cpus(env)
+        job.update(master_addr="127.0.0.1", master_port=free_port("127.0.0.1") if req.processes > 1 else 0,
+                   cpus=cpus, gpus=bound_gpus(env), hosts=[])
+        return [[*cli, "--node-index", "0"]], job
+    hosts = ordered_hosts(env, req.nodes)
+    master = str(opts.get("master_addr") or hosts[0])
+    job.update(master_addr=master, master_port=free_port(""), cpus=None, gpus=None, hosts=hosts)
+    cmds = launcher_argv(
+        str(opts.get("launcher", "srun")), hosts, ppn, req, str(files.job), python=python,
+        srun_args=tuple(opts.get("srun_args", ("--overlap",))), mpirun_args=tuple(opts.get("mpirun_args", ())),
+        ssh_args=tuple(opts.get("ssh_args", ("-o", "BatchMode=yes"))), pythonpath=default_pythonpath(),
+    )
+    return cmds, job
+
+
+def run_trial(request_json: str, options_json: str = "{}") -> dict[str, Any]:
+    """Run one attempt of one trial to its end; return (and write) its ``TrialResult`` as a dict."""
+    t0, t0_wall = time.monotonic(), time.time()
+    try:
+        req = TrialRequest.from_json(request_json)
+        opts = json.loads(options_json)
+    except Exception as exc:  # a task never raises
+        return {"number": -1, "status": "failed", "error": f"bad task arguments: {exc!r}"}
+    files = TrialFiles(Path(req.trial_dir), req.attempt)
+    try:
+        files.dir.mkdir(parents=True, exist_ok=True)
+        with _heartbeat(files):
+            result = _run(req, files, opts, t0, t0_wall)
+    except BaseException as exc:  # even SIGUSR2/KeyboardInterrupt: report, don't raise
+        result = TrialResult(req.number, "failed", error=f"the trial task failed: {type(exc).__name__}: {exc}",
+                             stderr_tail=stderr_tail(files, req.processes, req.nodes),
+                             timings={"duration_s": time.monotonic() - t0}, retryable=True)
+    data = result.to_dict()
+    data["host"] = socket.gethostname()
+    try:
+        write_json_atomic(files.result, data)
+    except OSError as exc:
+        data["error"] = f"{data.get('error') or ''} (and writing {files.result} failed: {exc})".strip()
+    return data
+
+
+def _run(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], t0: float, t0_wall: float
+         ) -> TrialResult:
+    for r in range(req.processes):
+        with contextlib.suppress(FileNotFoundError):
+            files.outcome(r).unlink()
+    common = {"t0": t0, "t0_wall": t0_wall}
+    if files.stop_requested():
+        return _result_from(req, files, codes=[], failure=None, retryable=False,
+                            cancelled="cancelled before it started", **common)
+    try:
+        cmds, job = _plan(req, files, opts, dict(os.environ))
+    except ValueError as exc:
+        return _result_from(req, files, codes=[], failure=str(exc), retryable=False, cancelled=None, **common)
+    write_json_atomic(files.job, job)
+    kill_grace = float(opts.get("kill_grace_s", 5.0))
+    deadline = t0 + req.timeout if req.timeout else None
+    procs: list[subprocess.Popen[bytes]] = []
+    failure: str | None = None
+    retryable = False
+    cancelled: str | None = None
+    try:
+        with open(files.dir / "launcher.log", "ab") as log:
+            for argv in cmds:
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
+        while any(p.poll() is None for p in procs):
+            if files.stop_requested():
+                cancelled = "cancelled (STOP file)"
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                failure = f"timed out after {req.timeout:g} s (resources.timeout)"
+                retryable = True
+                break
+            if any(p.returncode not in (None, 0) for p in procs):
+                # one node's launcher failed: the others would wait in a collective until timeout
+                time.sleep(kill_grace)
+                break
+            time.sleep(_SUPERVISE_S)
+    finally:
+        if any(p.poll() is None for p in procs):
+            if req.nodes > 1:
+                with contextlib.suppress(OSError):
+                    files.stop.write_text("stop\n")  # remote nodes' watchers kill their ranks
+                for p in procs:
+                    _kill_group(p, signal.SIGTERM)
+                end = time.monotonic() + kill_grace
+                while time.monotonic() < end and any(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+            for p in procs:
+                _kill_group(p, signal.SIGKILL)
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(p, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(30)
+        # anything left in a launcher's group (a rank that escaped its parent) dies too
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+    if cancelled is None and failure is None and files.stop_requested() \
+            and any(p.returncode not in (0, None) for p in procs):
+        # the ranks' own STOP watcher ended them before this loop saw the file
+        cancelled = "cancelled (STOP file)"
+    return _result_from(req, files, codes=[p.returncode for p in procs], failure=failure,
+                        retryable=retryable, cancelled=cancelled, **common)

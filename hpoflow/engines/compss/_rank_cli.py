@@ -1,0 +1,278 @@
+"""Processes of one compss trial, each a fresh interpreter (no CUDA/NCCL state reaches a COMPSs worker).
+
+``python -m hpoflow.engines.compss._rank_cli node --job JOB`` — one per node, the *node launcher*: becomes
+the leader of a new process group, starts this node's ``processes_per_node`` ranks in it
+(``RANK = node_index * ppn + local_rank``) on its share of the node's cores and GPUs, and waits for
+them; if a rank fails, it kills the others (they would hang in a collective).
+``python -m hpoflow.engines.compss._rank_cli rank --job JOB --rank R ...`` — one rank: ``run_rank`` with a
+``FileChannel`` on rank 0; its outcome goes to ``outcome-<rank>.json``.
+
+Both start a watcher thread that kills the whole process group (launcher, ranks and their children)
+as soon as the attempt's ``STOP`` file appears: a cancelled COMPSs task's children survive the task,
+and ranks started by srun/ssh on other nodes are not the task's children at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hpoflow.engines.compss.layout import (
+    bound_cpus,
+    bound_gpus,
+    choose_ifname,
+    node_index_from_env,
+    resolve_node_index,
+    split_for_ranks,
+)
+from hpoflow.fileio import read_json, write_json_atomic
+from hpoflow.train.transport import TrialFiles
+
+__all__ = ["main"]
+
+_WATCH_S = 0.2
+_PEER_GRACE_S = 3.0
+
+
+def _log(msg: str) -> None:
+    print(f"hpoflow[{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (the node launcher) dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _kill_own_group() -> None:
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def start_stop_watcher(files: TrialFiles, deadline: float | None = None) -> threading.Thread:
+    """A daemon thread that kills this process group when ``files.stop`` exists (or at ``deadline``)."""
+
+    def watch() -> None:
+        while True:
+            if files.stop_requested():
+                _log(f"{files.stop} appeared: killing process group {os.getpgrp()}")
+                _kill_own_group()
+            if deadline is not None and time.time() > deadline:
+                _log("the trial's deadline passed: killing process group")
+                _kill_own_group()
+            time.sleep(_WATCH_S)
+
+    t = threading.Thread(target=watch, name="hpoflow-stop-watcher", daemon=True)
+    t.start()
+    return t
+
+
+def _load_job(path: str) -> dict[str, Any]:
+    data = read_json(Path(path))
+    if not isinstance(data, dict):
+        raise SystemExit(f"hpoflow: job file {path} is missing or not valid JSON")
+    return data
+
+
+def _request(job: dict[str, Any]) -> Any:
+    from hpoflow.engines.base import TrialRequest
+
+    return TrialRequest.from_json(json.dumps(job["request"]))
+
+
+# -- node launcher ------------------------------------------------------------------------------
+def _node_index(args: argparse.Namespace) -> int:
+    if args.node_index is not None:
+        return int(args.node_index)
+    if args.index_from == "mpi":
+        idx = node_index_from_env(os.environ)
+        if idx is None:
+            raise SystemExit("hpoflow: --index-from mpi but no OMPI_COMM_WORLD_RANK/PMIX_RANK/PMI_RANK")
+        return idx
+    hosts = [h for h in (args.hosts or "").split(",") if h]
+    if not hosts:
+        return 0
+    return resolve_node_index(hosts, os.environ)
+
+
+def _rank_env(job: dict[str, Any], rank: int, local_rank: int, ppn: int, cores: tuple[int, ...],
+              gpus: tuple[int, ...], use_gpu_env: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("COMPSS_BINDED_CPUS", "COMPSS_BINDED_GPUS"):
+        env.pop(name, None)  # the rank's own share is below; these described the whole task
+    threads = str(max(1, len(cores)))
+    env.update({str(k): str(v) for k, v in (job.get("env") or {}).items()})
+    env.update({
+        "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "HPOFLOW_RANK": str(rank),
+        "HPOFLOW_TRIAL": str(job["request"]["number"]), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(ppn), "RANK": str(rank), "WORLD_SIZE": str(job["world_size"]),
+        "MASTER_ADDR": str(job["master_addr"]), "MASTER_PORT": str(job["master_port"]),
+    })
+    if use_gpu_env:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return env
+
+
+def _node(args: argparse.Namespace) -> int:
+    if os.getpgrp() != os.getpid():
+        try:
+            os.setsid()
+        except OSError:
+            os.setpgid(0, 0)
+    job = _load_job(args.job)
+    req = job["request"]
+    files = TrialFiles(Path(req["trial_dir"]), int(req.get("attempt", 0)))
+    start_stop_watcher(files, job.get("deadline"))
+    try:
+        node_index = _node_index(args)
+    except ValueError as exc:
+        _log(str(exc))
+        return 3
+    log_fd = os.open(files.node_log(node_index), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    ppn = int(job["ppn"])
+    cpus = job.get("cpus") or bound_cpus(os.environ)
+    if not cpus:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    gpus = job.get("gpus")
+    if gpus is None:
+        gpus = bound_gpus(os.environ)
+        if not gpus and int(req["gpus_per_process"]) > 0:
+            from hpoflow.engines.machine import detect_gpus
+
+            gpus = detect_gpus()
+    core_shares = split_for_ranks(cpus, ppn, int(req["cpus_per_process"]))
+    gpu_shares = split_for_ranks(gpus, ppn, int(req["gpus_per_process"]))
+    if job.get("socket_ifname") == "auto" and int(job["world_size"]) > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = choose_ifname(str(job["master_addr"]))
+        if ifname:
+            job.setdefault("env", {})["GLOO_SOCKET_IFNAME"] = ifname
+    _log(f"node {node_index} on {os.uname().nodename}: ranks "
+         f"{node_index * ppn}..{node_index * ppn + ppn - 1}, cores {cpus}, gpus {gpus}, rendezvous "
+         f"{job['master_addr']}:{job['master_port']}, gloo interface "
+         f"{(job.get('env') or {}).get('GLOO_SOCKET_IFNAME') or os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
+    procs: list[tuple[int, subprocess.Popen[bytes]]] = []
+    try:
+        for lr in range(ppn):
+            rank = node_index * ppn + lr
+            cores, gshare = core_shares[lr], gpu_shares[lr]
+            argv = [sys.executable, "-m", "hpoflow.engines.compss._rank_cli", "rank", "--job", args.job,
+                    "--rank", str(rank), "--local-rank", str(lr),
+                    "--cores", ",".join(str(c) for c in cores)]
+            env = _rank_env(job, rank, lr, ppn, cores, gshare, bool(gpus) or int(req["gpus_per_process"]) > 0)
+            with open(files.rank_log(rank), "ab") as log:
+                procs.append((rank, subprocess.Popen(argv, env=env, stdout=log, stderr=log,
+                                                     stdin=subprocess.DEVNULL)))
+        return _wait_ranks(procs)
+    finally:
+        for _, p in procs:  # never leave a rank behind
+            if p.poll() is None:
+                _kill_tree(p.pid)
+        for _, p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        import psutil
+
+        parent = psutil.Process(pid)
+        for child in parent.children(recursive=True):
+            child.kill()
+        parent.kill()
+    except Exception:  # already gone, or psutil missing: kill the rank alone
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _wait_ranks(procs: Sequence[tuple[int, subprocess.Popen[bytes]]]) -> int:
+    code = 0
+    failed_at: float | None = None
+    while True:
+        alive = [(r, p) for r, p in procs if p.poll() is None]
+        for r, p in procs:
+            rc = p.returncode
+            if rc not in (None, 0) and code == 0:
+                code = rc if rc > 0 else 128 - rc
+                failed_at = time.monotonic()
+                _log(f"rank {r} exited with code {rc}; stopping the other ranks of this node")
+        if not alive:
+            return code
+        if failed_at is not None and time.monotonic() - failed_at > _PEER_GRACE_S:
+            for r, p in alive:
+                _log(f"killing rank {r}")
+                _kill_tree(p.pid)
+        time.sleep(0.05)
+
+
+# -- one rank -----------------------------------------------------------------------------------
+def _rank(args: argparse.Namespace) -> int:
+    _die_with_parent()
+    job = _load_job(args.job)
+    req = job["request"]
+    files = TrialFiles(Path(req["trial_dir"]), int(req.get("attempt", 0)))
+    start_stop_watcher(files)
+    cores = [int(c) for c in args.cores.split(",") if c.strip().isdigit()]
+    if cores and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError as exc:
+            _log(f"could not pin rank {args.rank} to cores {cores}: {exc}")
+    from hpoflow.train.runner import RankJob, run_rank
+    from hpoflow.train.transport import Channel, FileChannel, NullChannel
+
+    request = _request(job)
+    rj = RankJob(request, args.rank, int(job["world_size"]), args.local_rank, str(job["master_addr"]),
+                 int(job["master_port"]), max(1, len(cores)), float(job.get("pg_timeout_s", 120.0)))
+    channel: Channel = (FileChannel(files, float(job.get("answer_timeout_s", 600.0))) if args.rank == 0
+                        else NullChannel())
+    outcome = run_rank(rj, channel)
+    write_json_atomic(files.outcome(args.rank), {**dataclasses.asdict(outcome), "host": os.uname().nodename})
+    return 0 if outcome.status in ("ok", "pruned") else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpoflow.engines.compss._rank_cli")
+    sub = p.add_subparsers(dest="mode", required=True)
+    n = sub.add_parser("node")
+    n.add_argument("--job", required=True)
+    n.add_argument("--hosts", default="")
+    n.add_argument("--node-index", type=int)
+    n.add_argument("--index-from", choices=["hosts", "mpi"], default="hosts")
+    n.set_defaults(func=_node)
+    r = sub.add_parser("rank")
+    r.add_argument("--job", required=True)
+    r.add_argument("--rank", type=int, required=True)
+    r.add_argument("--local-rank", type=int, default=0)
+    r.add_argument("--cores", default="")
+    r.set_defaults(func=_rank)
+    args = p.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The compss engine: every trial is a PyCOMPSs task that COMPSs places on nodes and GPUs.
+
+Modes
+- *runtime* (under ``runcompss``/``enqueue_compss``): ``submit`` calls a task variant from
+  ``_tasks`` (``@constraint`` + ``@on_failure(IGNORE)`` + ``@task``, plus ``@multinode`` for
+  ``resources.nodes > 1``) inside ``TaskGroup(f"trial-{n}", implicit_barrier=False)``.
+- *sequential* (plain ``python``; pycompss importable without the runtime, or absent with an explicit
+  ``sequential=True``): one trial at a time, its task body run in a background thread exactly as
+  PyCOMPSs would run it synchronously, so reports and pruning still flow. Multi-node trials need
+  the runtime and are refused with an ``EngineError``.
+- pycompss not installed and ``sequential`` not given: ``EngineError`` with the install steps.
+
+Per-trial resources (decorators are evaluated at import): at the first ``submit`` the engine
+exports the trial shape as ``HPOFLOW_COMPSS_CUS`` / ``_GPUS`` / ``_NODES`` / ``_TIME_OUT`` and only
+then imports ``_tasks``, whose decorators hold ``"$VAR"`` strings that COMPSs expands from
+the master's environment when it registers each task. A study has one shape, so this is exact.
+
+Results in completion order (PyCOMPSs has no wait-any): each task writes its ``TrialResult``
+atomically to ``<trial_dir>/attempt-<k>/result.json`` on the shared run directory; ``poll`` looks
+for those files and for new lines of ``reports.jsonl`` (``TrialReport`` events; ``answer`` writes
+the pruning decision file rank 0 waits for), then ``compss_wait_on``s the finished future (which
+returns at once). ``None`` (or the ``@on_failure`` default) from ``compss_wait_on`` means the task
+crashed: a failed trial. A task whose heartbeat file goes stale is treated the same way. No trial
+failure ever stops the application.
+
+Cancel: a ``STOP`` file in the attempt directory (every rank on every node watches it and kills its
+process group) plus ``compss_cancel_group`` for a task that has not started or does not end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, runtime_active
+from hpoflow.engines.compss._body import HEARTBEAT_S, run_trial
+from hpoflow.engines.compss.layout import processes_per_node
+from hpoflow.engines.compss.options import CompssOptions
+from hpoflow.errors import EngineError
+from hpoflow.fileio import read_json, write_json_atomic
+from hpoflow.train.transport import ReportReader, TrialFiles
+
+__all__ = ["CompssEngine", "CompssOptions", "pycompss_available", "runtime_active", "shape_env"]
+
+_CANCEL_WAIT_S = 30.0
+
+
+def shape_env(request: TrialRequest, opts: CompssOptions) -> dict[str, str]:
+    """The ``HPOFLOW_COMPSS_*`` variables the task decorators expand (see the module docstring)."""
+    ppn = processes_per_node(request)
+    time_out = int(request.timeout + opts.time_out_grace_s) if request.timeout else 0
+    return {
+        "HPOFLOW_COMPSS_CUS": str(ppn * request.cpus_per_process),
+        "HPOFLOW_COMPSS_GPUS": str(ppn * request.gpus_per_process),
+        "HPOFLOW_COMPSS_NODES": str(request.nodes),
+        "HPOFLOW_COMPSS_TIME_OUT": str(time_out),
+    }
+
+
+@dataclass
+class _Trial:
+    request: TrialRequest
+    files: TrialFiles
+    future: Any
+    group: str
+    submitted: float
+    reader: ReportReader
+    pending_answer: int | None = None
+    first_report: float | None = None
+    cancel_reason: str | None = None
+    cancel_time: float | None = None
+    group_cancelled: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CompssEngine(Engine):
+    """Runs each trial as a PyCOMPSs task; see the module docstring."""
+
+    name = "compss"
+
+    def __init__(self, run_dir: str | os.PathLike[str] | None = None, *, sequential: bool | None = None,
+                 **options: Any) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.options = CompssOptions.from_mapping(options)
+        if sequential is None:
+            if runtime_active():
+                sequential = False
+            elif pycompss_available():
+                sequential = True
+            else:
+                raise EngineError(
+                    "the compss engine needs PyCOMPSs, which is not importable here (no module "
+                    f"'pycompss'). {INSTALL_HINT}"
+                )
+        elif not sequential and not runtime_active():
+            raise EngineError(
+                "CompssEngine(sequential=False) needs the COMPSs runtime, but this process was not "
+                "started by runcompss/enqueue_compss. Fix: launch with `hpoflow launch SPEC --engine "
+                "compss`, or pass sequential=True to run the trials one at a time here"
+            )
+        self.sequential = bool(sequential)
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._tasks: dict[tuple[bool, bool], Any] | None = None
+        self._shape: dict[str, str] | None = None
+        self._trials: dict[int, _Trial] = {}
+        self._events: list[Event] = []
+        self._closed = False
+
+    # -- contract -------------------------------------------------------------------------------
+    def capacity(self, request: TrialRequest) -> int:
+        if self.sequential:
+            return 0 if request.nodes > 1 else 1
+        return self.options.max_in_flight or 1 << 16  # COMPSs queues; the driver's max_concurrent rules
+
+    def submit(self, request: TrialRequest) -> None:
+        if self._closed:
+            raise EngineError("the compss engine is closed")
+        try:
+            processes_per_node(request)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        if self.sequential and request.nodes > 1:
+            raise EngineError(
+                f"trial {request.number} spans resources.nodes={request.nodes} nodes, which needs the COMPSs "
+                "runtime (@multinode cannot run in sequential mode). Fix: launch with `hpoflow launch SPEC "
+                "--engine compss --nodes N`, or set resources.nodes: 1 to try the study here"
+            )
+        if self.sequential and self._trials:
+            raise EngineError(
+                f"trial {request.number} submitted while trial {next(iter(self._trials))} runs; sequential "
+                "mode runs one trial at a time (capacity() is 1)"
+            )
+        files = TrialFiles(Path(request.trial_dir), request.attempt)
+        self._fresh_attempt_dir(files)
+        group = f"trial-{request.number}" + (f".{request.attempt}" if request.attempt else "")
+        opts_json = json.dumps(self.options.for_task())
+        if self.sequential:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpoflow-compss-seq")
+            future: Any = self._pool.submit(run_trial, request.to_json(), opts_json)
+        else:
+            task_fn = self._task_for(request)
+            with api().TaskGroup(group, implicit_barrier=False):
+                future = task_fn(request.to_json(), opts_json)
+        self._trials[request.number] = _Trial(request, files, future, group, time.monotonic(),
+                                              ReportReader(files.reports))
+
+    def poll(self, timeout: float | None) -> list[Event]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for t in list(self._trials.values()):
+                self._check(t)
+            if self._events or not self._trials:
+                out, self._events = self._events, []
+                return out
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return []
+            step = self.options.poll_interval_s
+            time.sleep(step if deadline is None else max(0.0, min(step, deadline - now)))
+
+    def answer(self, number: int, prune: bool) -> None:
+        t = self._trials.get(number)
+        if t is None or t.pending_answer is None:
+            return
+        seq, t.pending_answer = t.pending_answer, None
+        with contextlib.suppress(OSError):
+            write_json_atomic(t.files.answer(seq), {"prune": bool(prune)})
+
+    def cancel(self, number: int, reason: str) -> None:
+        t = self._trials.get(number)
+        if t is None or t.cancel_reason is not None:
+            return
+        t.cancel_reason = reason
+        t.cancel_time = time.monotonic()
+        with contextlib.suppress(OSError):
+            t.files.dir.mkdir(parents=True, exist_ok=True)
+            t.files.stop.write_text(f"{reason}\n")
+        if not self.sequential and not t.files.heartbeat.exists():
+            self._cancel_group(t)  # not started yet: don't let it start
+
+    def running(self) -> list[int]:
+        return sorted(self._trials)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for number in list(self._trials):
+            self.cancel(number, "engine closed")
+        end = time.monotonic() + self.options.kill_grace_s + 10.0
+        while self._trials and time.monotonic() < end:
+            for t in list(self._trials.values()):
+                self._check(t)
+            if self._trials:
+                time.sleep(0.05)
+        for t in list(self._trials.values()):
+            self._cancel_group(t)
+        self._trials.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _fresh_attempt_dir(self, files: TrialFiles) -> None:
+        """A new attempt starts with no protocol files (a resumed study may reuse a directory)."""
+        files.dir.mkdir(parents=True, exist_ok=True)
+        for p in files.dir.iterdir():
+            if p.is_file():
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    def _task_for(self, request: TrialRequest) -> Any:
+        shape = shape_env(request, self.options)
+        if self._shape is None:
+            os.environ.update(shape)  # before the import: the decorators expand "$VAR" from here
+            self._shape = shape
+            from hpoflow.engines.compss import _tasks as _compss_tasks
+
+            self._tasks = dict(_compss_tasks.TASKS)
+        elif {k: v for k, v in shape.items() if k != "HPOFLOW_COMPSS_TIME_OUT"} != {
+                k: v for k, v in self._shape.items() if k != "HPOFLOW_COMPSS_TIME_OUT"}:
+            raise EngineError(
+                f"trial {request.number} has the resource shape {shape}, but this application registered "
+                f"its tasks for {self._shape}; one COMPSs application runs one shape. Fix: keep resources "
+                "equal for all trials of a study"
+            )
+        if self._tasks is None:  # pragma: no cover - set above
+            raise EngineError("compss tasks not loaded")
+        return self._tasks[(request.nodes > 1, request.gpus_per_process > 0)]
+
+    def _cancel_group(self, t: _Trial) -> None:
+        if self.sequential or t.group_cancelled:
+            return
+        t.group_cancelled = True
+        with contextlib.suppress(Exception):  # the runtime may already have finished the group
+            api().compss_cancel_group(t.group)
+
+    def _read_reports(self, t: _Trial) -> None:
+        for item in t.reader.read_new():
+            if "step" not in item:
+                continue
+            if t.first_report is None:
+                t.first_report = time.monotonic()
+            wants = bool(item.get("wants_answer"))
+            if wants:
+                t.pending_answer = int(item.get("seq", 0))
+            metrics = {str(k): float(v) for k, v in (item.get("metrics") or {}).items()}
+            self._events.append(TrialReport(t.request.number, int(item["step"]), metrics, wants))
+
+    def _finished(self, t: _Trial) -> bool:
+        if self.sequential:
+            return bool(t.future.done())
+        if t.files.result.exists():
+            return True
+        now = time.monotonic()
+        hb = _mtime(t.files.heartbeat)
+        if hb is not None and time.time() - hb > max(self.options.heartbeat_timeout_s, 3 * HEARTBEAT_S):
+            t.extra["why"] = "its heartbeat stopped (the worker or its node died)"
+            return True
+        if t.cancel_time is not None and now - t.cancel_time > _CANCEL_WAIT_S + self.options.kill_grace_s:
+            t.extra["why"] = "cancelled"
+            return True
+        if hb is None and now - t.submitted > self.options.start_timeout_s and not self._any_alive():
+            t.extra["why"] = (f"it did not start within compss.start_timeout_s={self.options.start_timeout_s:g} s "
+                              "while no other trial ran")
+            return True
+        return False
+
+    def _any_alive(self) -> bool:
+        limit = max(self.options.heartbeat_timeout_s, 3 * HEARTBEAT_S)
+        for t in self._trials.values():
+            hb = _mtime(t.files.heartbeat)
+            if hb is not None and time.time() - hb <= limit and not t.files.result.exists():
+                return True
+        return False
+
+    def _check(self, t: _Trial) -> None:
+        self._read_reports(t)
+        if t.cancel_reason is not None and not t.group_cancelled and t.cancel_time is not None and (
+                time.monotonic() - t.cancel_time > self.options.kill_grace_s + 5.0):
+            self._cancel_group(t)
+        if not self._finished(t):
+            return
+        self._read_reports(t)  # every report before the result
+        data = self._collect(t)
+        res = self._to_result(t, data)
+        self._events.append(res)
+        del self._trials[t.request.number]
+
+    def _collect(self, t: _Trial) -> dict[str, Any] | None:
+        file_data = read_json(t.files.result)
+        if self.sequential:
+            try:
+                value = t.future.result()
+            except Exception as exc:  # run_trial never raises; belt and braces
+                value = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            return file_data if isinstance(file_data, dict) else value
+        if t.extra.get("why") == "cancelled" and not isinstance(file_data, dict):
+            return None  # don't block on a cancelled task's future
+        try:
+            value = api().compss_wait_on(t.future)
+        except Exception as exc:  # a cancelled or lost task
+            value = None
+            t.extra.setdefault("why", f"compss_wait_on raised {type(exc).__name__}: {exc}")
+        if isinstance(file_data, dict):
+            return file_data
+        if isinstance(value, dict) and not value.get("compss_default"):
+            return value
+        return None
+
+    def _to_result(self, t: _Trial, data: dict[str, Any] | None) -> TrialResult:
+        n = t.request.number
+        timings = {"duration_s": time.monotonic() - t.submitted}
+        if data is None:
+            if t.cancel_reason is not None:
+                return TrialResult(n, "cancelled", error=t.cancel_reason, timings=timings)
+            why = t.extra.get("why", "compss_wait_on returned None")
+            return TrialResult(n, "failed", error=f"the COMPSs task of trial {n} crashed: {why}; see the "
+                               "COMPSs job logs", timings=timings, retryable=True)
+        res = TrialResult.from_dict({**data, "number": n})
+        merged = {**res.timings, "engine_duration_s": timings["duration_s"]}
+        if t.cancel_reason is not None and res.status == "failed":
+            return TrialResult(n, "cancelled", error=t.cancel_reason, stderr_tail=res.stderr_tail, timings=merged)
+        return TrialResult(n, res.status, res.value, res.metrics, res.error, res.stderr_tail, merged, res.retryable)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None

@@ -1,0 +1,248 @@
+"""Where the ranks of a compss trial run: bindings, rank layout, node order, launcher command lines.
+
+Pure functions of the environment COMPSs gives a task (``COMPSS_BINDED_CPUS``/``GPUS``,
+``COMPSS_HOSTNAMES``, ``SLURM_*``) so they are tested without the runtime. Nothing here imports
+pycompss or torch. Commands are argv lists; the one place a remote shell is unavoidable (ssh
+joins its arguments into a command line) quotes every element with ``shlex.quote``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpoflow.engines.base import TrialRequest
+
+__all__ = [
+    "LAUNCHERS",
+    "NodePlan",
+    "RankSlot",
+    "bound_cpus",
+    "bound_gpus",
+    "choose_ifname",
+    "launcher_argv",
+    "node_index_from_env",
+    "ordered_hosts",
+    "parse_id_list",
+    "processes_per_node",
+    "rank_layout",
+    "resolve_node_index",
+    "split_for_ranks",
+]
+
+LAUNCHERS = ("srun", "mpirun", "ssh")
+RANK_CLI = "hpoflow.engines.compss._rank_cli"
+
+
+def parse_id_list(text: str | None) -> list[int]:
+    """``"0,1,4-6"`` -> ``[0, 1, 4, 5, 6]``; empty, ``None`` or unparsable parts give nothing."""
+    out: list[int] = []
+    for part in (text or "").replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if sep and lo.isdigit() and hi.isdigit():
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+    return list(dict.fromkeys(out))
+
+
+def bound_cpus(env: Mapping[str, str]) -> list[int] | None:
+    """The cores COMPSs bound to this task (``COMPSS_BINDED_CPUS``), or ``None`` if it bound none."""
+    cpus = parse_id_list(env.get("COMPSS_BINDED_CPUS"))
+    return cpus or None
+
+
+def bound_gpus(env: Mapping[str, str]) -> list[int]:
+    """The GPUs bound to this task: ``COMPSS_BINDED_GPUS``, else ``CUDA_VISIBLE_DEVICES``, else none."""
+    for name in ("COMPSS_BINDED_GPUS", "CUDA_VISIBLE_DEVICES"):
+        if env.get(name, "").strip():
+            return parse_id_list(env[name])
+    return []
+
+
+def split_for_ranks(items: Sequence[int], n_ranks: int, per_rank: int) -> list[tuple[int, ...]]:
+    """Give each of ``n_ranks`` its ``per_rank`` items in order; if there are too few, share them
+    round-robin (never an empty share while any item exists)."""
+    if per_rank <= 0 or not items:
+        return [() for _ in range(n_ranks)]
+    if len(items) >= n_ranks * per_rank:
+        return [tuple(items[r * per_rank : (r + 1) * per_rank]) for r in range(n_ranks)]
+    out = []
+    for r in range(n_ranks):
+        share = tuple(items[(r * per_rank + i) % len(items)] for i in range(per_rank))
+        out.append(tuple(dict.fromkeys(share)))
+    return out
+
+
+def processes_per_node(request: TrialRequest) -> int:
+    """Ranks on each node. ``ValueError`` (rule, values, fix) if processes do not split evenly."""
+    if request.nodes < 1 or request.processes % request.nodes:
+        raise ValueError(
+            f"resources.processes must be a multiple of resources.nodes (each node runs the same "
+            f"number of ranks), but got processes={request.processes}, nodes={request.nodes}. Fix: "
+            f"set processes to {request.nodes * max(1, request.processes // max(1, request.nodes))} "
+            "or change nodes"
+        )
+    return request.processes // request.nodes
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    rank: int
+    node_index: int
+    local_rank: int
+
+
+def rank_layout(nodes: int, ppn: int) -> list[RankSlot]:
+    """RANK = node_index * ppn + local_rank; node 0 holds rank 0 (and the rendezvous)."""
+    return [RankSlot(n * ppn + lr, n, lr) for n in range(nodes) for lr in range(ppn)]
+
+
+def ordered_hosts(env: Mapping[str, str], nodes: int) -> list[str]:
+    """Hosts of a multi-node task, the executing node first (it holds rank 0 and the rendezvous).
+
+    COMPSs lists ``COMPSS_HOSTNAMES`` with the executing node last. ``ValueError`` if the list is
+    missing or does not have ``nodes`` distinct, option-free names.
+    """
+    raw = [h.strip() for h in env.get("COMPSS_HOSTNAMES", "").split(",") if h.strip()]
+    if not raw:
+        raise ValueError(
+            "COMPSS_HOSTNAMES is not set, so this is not a COMPSs @multinode task. Fix: run multi-node "
+            "trials under runcompss/enqueue_compss (hpoflow launch SPEC --engine compss --nodes N)"
+        )
+    hosts = list(dict.fromkeys(raw))
+    if len(hosts) != nodes:
+        raise ValueError(
+            f"the trial needs resources.nodes={nodes} nodes but COMPSs gave {len(hosts)}: "
+            f"COMPSS_HOSTNAMES={env.get('COMPSS_HOSTNAMES')!r}"
+        )
+    for h in hosts:
+        if h.startswith("-") or any(c.isspace() for c in h):
+            raise ValueError(f"host name {h!r} in COMPSS_HOSTNAMES is not a plain host name")
+    return [hosts[-1], *hosts[:-1]]
+
+
+def _names_of_this_node(env: Mapping[str, str]) -> list[str]:
+    names = [env.get("HPOFLOW_NODE_NAME", ""), env.get("SLURMD_NODENAME", ""), socket.gethostname()]
+    try:
+        names.append(socket.getfqdn())
+    except OSError:
+        pass
+    out = []
+    for n in names:
+        n = n.strip().lower()
+        if n:
+            out += [n, n.split(".")[0]]
+    return list(dict.fromkeys(out))
+
+
+def resolve_node_index(hosts: Sequence[str], env: Mapping[str, str]) -> int:
+    """This node's index in ``hosts`` by name (``HPOFLOW_NODE_NAME``, ``SLURMD_NODENAME``, hostname);
+    a host entry may carry a network suffix (``node12-ib0`` matches ``node12``)."""
+    names = _names_of_this_node(env)
+    matches = []
+    for i, host in enumerate(hosts):
+        h = host.lower()
+        short = h.split(".")[0]
+        if h in names or short in names or any(short.startswith(n + "-") for n in names):
+            matches.append(i)
+    if len(matches) != 1:
+        raise ValueError(
+            f"this node (names {names}) matches {len(matches)} of the trial's hosts {list(hosts)}, so "
+            "its node index (and the ranks it must start) is unknown. Fix: set compss: {launcher: ssh} "
+            "(indices passed explicitly), or export HPOFLOW_NODE_NAME to the name COMPSs uses for "
+            "each node"
+        )
+    return matches[0]
+
+
+def node_index_from_env(env: Mapping[str, str]) -> int | None:
+    """The launcher's index from an MPI launcher's environment (one launcher per node)."""
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        v = env.get(name, "")
+        if v.isdigit():
+            return int(v)
+    return None
+
+
+def choose_ifname(master_addr: str, port: int = 9) -> str | None:
+    """The local network interface whose address routes to ``master_addr`` (for gloo), or None."""
+    try:
+        import psutil
+
+        infos = socket.getaddrinfo(master_addr, port, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])  # UDP connect: picks a route, sends nothing
+            local_ip = s.getsockname()[0]
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == local_ip for a in addrs):
+                return str(name)
+    except (OSError, IndexError, ImportError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """How a multi-node task starts its node launchers: one argv per launcher process."""
+
+    hosts: tuple[str, ...]  # executing node first
+    master_addr: str
+    master_port: int
+    commands: tuple[tuple[str, ...], ...]
+
+
+def _node_cli(python: str, job_path: str) -> list[str]:
+    return [python, "-m", RANK_CLI, "node", "--job", job_path]
+
+
+def launcher_argv(launcher: str, hosts: Sequence[str], ppn: int, request: TrialRequest, job_path: str,
+                  *, python: str | None = None, srun_args: Sequence[str] = ("--overlap",),
+                  mpirun_args: Sequence[str] = (), ssh_args: Sequence[str] = ("-o", "BatchMode=yes"),
+                  pythonpath: str | None = None) -> list[list[str]]:
+    """The commands that start one node launcher on each of ``hosts`` (executing node first).
+
+    - ``srun``: one step with one task per node, inside the allocation COMPSs rewrote ``SLURM_*``
+      for; each launcher finds its index by its node name in ``--hosts``.
+    - ``mpirun``: one process per node in ``hosts`` order; index = the MPI rank.
+    - ``ssh``: one ssh per host with an explicit ``--node-index`` (the remote command is quoted
+      element by element, since ssh hands it to a shell).
+    """
+    py = python or sys.executable
+    n = len(hosts)
+    host_list = ",".join(hosts)
+    cpus = ppn * request.cpus_per_process
+    gpus = ppn * request.gpus_per_process
+    if launcher == "srun":
+        argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+                f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1", "--export=ALL", *srun_args]
+        if gpus:
+            argv.append(f"--gres=gpu:{gpus}")
+        return [[*argv, *_node_cli(py, job_path), "--hosts", host_list]]
+    if launcher == "mpirun":
+        argv = ["mpirun", "-np", str(n), "--host", host_list, "--map-by", "ppr:1:node", *mpirun_args]
+        return [[*argv, *_node_cli(py, job_path), "--hosts", host_list, "--index-from", "mpi"]]
+    if launcher == "ssh":
+        out = []
+        for i, host in enumerate(hosts):
+            remote = ["env"]
+            if pythonpath:
+                remote.append(f"PYTHONPATH={pythonpath}")
+            remote += [*_node_cli(py, job_path), "--hosts", host_list, "--node-index", str(i)]
+            out.append(["ssh", *ssh_args, host, *(shlex.quote(a) for a in remote)])
+        return out
+    raise ValueError(f"unknown launcher {launcher!r}; valid launchers: {', '.join(LAUNCHERS)}")
+
+
+def default_pythonpath() -> str:
+    """PYTHONPATH for remote launchers: this one plus the directory holding the hpoflow package."""
+    pkg_parent = str(Path(__file__).resolve().parents[3])  # <parent>/hpoflow/engines/compss/layout.py
+    parts = [pkg_parent, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    return os.pathsep.join(dict.fromkeys(parts))

@@ -1,0 +1,183 @@
+"""A warm worker process of the local engine: torch imported once, many trials run in it.
+
+A worker is forked from the engine's forkserver (torch and hpoflow preloaded), then loops: receive a
+rank job, run it, send the outcome, and reset the state a trial may have changed before the next:
+environment, working directory, ``sys.path``, user modules (dropped from ``sys.modules`` so module
+globals start fresh), torch global settings, thread counts and affinity (set per trial), signal
+handlers, and any child processes the trial left behind. Seeds are set by the runner at the start
+of every trial. A worker whose trial crashed, hung, timed out or was cancelled is killed by the
+engine (with its whole process group) and replaced, never reused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import os
+import signal
+import sys
+import sysconfig
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from hpoflow.train.runner import RankJob, run_rank
+from hpoflow.train.transport import NullChannel, PipeChannel
+
+__all__ = ["warm_up", "worker_main"]
+
+
+def warm_up() -> None:
+    """Pay, once in the forkserver, the lazy imports torch makes on first use (an optimizer's
+    constructor alone imports ``torch._dynamo``: ~800 modules, ~2 s). No tensor op runs here that
+    could start a thread pool, so forking afterwards stays safe."""
+    import torch
+    import torch.distributed
+    import torch.nn.parallel
+    import torch.utils.data
+
+    p = [torch.nn.Parameter(torch.zeros(1))]
+    torch.optim.SGD(p, lr=0.1)
+    torch.optim.Adam(p)
+    torch.optim.AdamW(p)
+    # Move everything preloaded out of the collector's reach: a collection after each trial then
+    # walks only what the trial created (a full walk of torch's heap costs ~0.3 s).
+    gc.collect()
+    gc.freeze()
+
+
+if os.environ.get("HPOFLOW_NO_WARMUP") != "1":
+    warm_up()
+
+_HPOFLOW_DIR = str(Path(__file__).resolve().parent.parent)
+_LIBRARY_DIRS = tuple(
+    str(Path(p).resolve())
+    for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
+    if p
+)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the forkserver (our parent) exits. It exits when the engine's process
+    dies, so a killed driver never leaves workers training on as orphans."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _redirect_output(path: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _is_user_module(module: Any) -> bool:
+    """A module of the user's code: not hpoflow's, not from the interpreter's library dirs."""
+    f = getattr(module, "__file__", None)
+    if not f:
+        return False
+    f = str(Path(f).resolve())
+    return not f.startswith(_HPOFLOW_DIR) and not f.startswith(_LIBRARY_DIRS)
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    env: dict[str, str]
+    cwd: str
+    path: list[str]
+    modules: set[str]
+
+
+def _reset(snap: _Snapshot) -> None:
+    """Undo what a trial may have changed in this process (see the module docstring)."""
+    import torch
+
+    for name in [n for n in sys.modules if n not in snap.modules]:
+        if _is_user_module(sys.modules[name]):
+            del sys.modules[name]
+    sys.path[:] = snap.path
+    os.environ.clear()
+    os.environ.update(snap.env)
+    try:
+        os.chdir(snap.cwd)
+    except OSError:
+        pass
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = False
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.alarm(0)
+    _kill_children()
+    gc.collect()
+
+
+def _kill_children() -> None:
+    """Kill processes a trial started and left running (they would outlive it in a reused worker)."""
+    try:
+        import psutil
+
+        kids = psutil.Process().children(recursive=True)
+    except Exception:  # psutil missing or /proc unreadable: nothing to clean
+        return
+    for k in kids:
+        try:
+            k.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(kids, timeout=2)
+
+
+def worker_main(conn: Connection, worker_id: int) -> None:
+    """Serve rank jobs from ``conn`` until told to exit or the pipe closes."""
+    _die_with_parent()
+    os.setsid()  # own process group: the engine kills the worker and all its children at once
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    # multiprocessing's bootstrap re-imported the parent's __main__ here (with whatever it imports):
+    # freeze that too, so the collection after each trial walks only the trial's own objects.
+    gc.collect()
+    gc.freeze()
+    base = _Snapshot(dict(os.environ), os.getcwd(), list(sys.path), set())
+    try:
+        conn.send(("ready", os.getpid()))
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] != "run":
+                return
+            job, env, cores, log_path = msg[1]
+            base.modules = set(sys.modules)
+            _run_one(conn, job, env, cores, log_path)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            _reset(base)
+    except (BrokenPipeError, EOFError):  # the engine went away: nothing left to tell
+        return
+    finally:
+        conn.close()
+
+
+def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[int, ...], log_path: str) -> None:
+    _redirect_output(log_path)
+    os.environ.update(env)
+    if cores and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError as exc:  # a container may forbid it; threads are still capped
+            print(f"hpoflow: could not pin rank {job.rank} to cores {cores}: {exc}", file=sys.stderr)
+    channel = PipeChannel(conn) if job.rank == 0 else NullChannel()
+    outcome = run_rank(job, channel)
+    conn.send(("outcome", dataclasses.asdict(outcome)))

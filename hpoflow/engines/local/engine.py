@@ -1,0 +1,429 @@
+"""The local engine: trials as ranks on warm worker processes of this machine.
+
+Start-up: a ``multiprocessing`` forkserver with torch and hpoflow preloaded starts once per engine and
+forks one worker per core; workers run trial after trial (no interpreter start, no torch import, no
+fork per trial), resetting what a trial may change in between (see ``_worker``).
+Placement: CPU cores and GPU ids are slots; a trial takes ``processes * cpus_per_process`` cores
+and ``processes * gpus_per_process`` GPUs, each rank pinned to its cores with its own
+``CUDA_VISIBLE_DEVICES`` and thread count. Nothing is oversubscribed.
+Robustness: each worker leads its own process group; a rank that raises, dies (signal, OOM kill) or
+outlives the trial's timeout fails the whole trial; workers of ranks that did not finish are killed
+with their children and replaced.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult, TrialStatus
+from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
+from hpoflow.engines.proc import describe_exit, tail
+from hpoflow.errors import EngineError
+from hpoflow.train.rendezvous import free_port
+
+__all__ = ["LocalEngine", "plan_placement"]
+
+PRELOAD = ["hpoflow.engines.local._worker", "sklearn.datasets", "sklearn.model_selection"]
+_KILL_GRACE_S = 2.0
+
+
+def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[int]
+                   ) -> list[Placement] | None:
+    """Cores and GPUs for each rank of ``request`` from the free ones, or ``None`` if they don't fit."""
+    need_c = request.processes * request.cpus_per_process
+    need_g = request.processes * request.gpus_per_process
+    if need_c > len(free_cores) or need_g > len(free_gpus):
+        return None
+    out = []
+    for r in range(request.processes):
+        c0, g0 = r * request.cpus_per_process, r * request.gpus_per_process
+        out.append(Placement(r, tuple(free_cores[c0 : c0 + request.cpus_per_process]),
+                             tuple(free_gpus[g0 : g0 + request.gpus_per_process])))
+    return out
+
+
+def _free_port(recent: deque[int]) -> int:
+    for _ in range(50):
+        port = free_port()
+        if port not in recent:
+            recent.append(port)
+            return port
+    raise EngineError("could not find a free TCP port on 127.0.0.1 for a trial's rendezvous")
+
+
+@dataclass
+class _Worker:
+    """A warm worker process; ``gpus`` is the GPU set it is bound to once it ran a GPU rank (CUDA
+    cannot change devices in a process that initialised it)."""
+
+    wid: int
+    proc: BaseProcess
+    conn: Connection
+    gpus: tuple[int, ...] | None = None
+    trial: int | None = None
+    rank: int = -1
+    trials_run: int = 0
+
+
+@dataclass
+class _Trial:
+    request: TrialRequest
+    placement: list[Placement]
+    workers: list[_Worker]
+    submitted: float
+    deadline: float | None
+    submitted_wall: float = 0.0
+    outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    first_report: float | None = None
+    cancel_reason: str | None = None
+    failure: str | None = None
+    retryable: bool = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.outcomes) == len(self.workers)
+
+
+class LocalEngine(Engine):
+    """Runs trials as ranks on warm worker processes of this machine; see the module docstring.
+
+    ``max_trials_per_worker``: recycle a worker after that many trials (0: never; 1: a fresh
+    process for every trial, for training code that leaks state hpoflow cannot reset).
+    """
+
+    name = "local"
+
+    def __init__(self, cores: list[int] | None = None, gpus: list[int] | None = None,
+                 preload: list[str] | None = None, pg_timeout_s: float = 120.0,
+                 max_trials_per_worker: int = 0, prestart: bool = True) -> None:
+        self.cores = machine_cores() if cores is None else list(cores)
+        self.gpus = detect_gpus() if gpus is None else list(gpus)
+        self.free_cores = list(self.cores)
+        self.free_gpus = list(self.gpus)
+        self.pg_timeout_s = pg_timeout_s
+        self.max_trials_per_worker = max_trials_per_worker
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD if preload is None else preload)
+        self._trials: dict[int, _Trial] = {}
+        self._workers: dict[int, _Worker] = {}
+        self._idle: list[_Worker] = []
+        self._next_wid = 0
+        self._events: list[Event] = []
+        self._ports: deque[int] = deque(maxlen=256)
+        self._lock = threading.RLock()
+        self._closed = False
+        # Start the forkserver (its torch import) and one worker per core now, in the background,
+        # while the driver sets up the study; the first submit waits only for what is not ready.
+        self._warm = threading.Thread(target=self._prestart, args=(len(self.cores) if prestart else 0,),
+                                      daemon=True)
+        self._warm.start()
+
+    def _prestart(self, n: int) -> None:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+        for _ in range(n):
+            with self._lock:
+                if self._closed or len(self._workers) >= n:
+                    return
+                self._idle.append(self._spawn_worker())
+
+    def _spawn_worker(self) -> _Worker:
+        from hpoflow.engines.local._worker import worker_main
+
+        parent, child = self._ctx.Pipe(duplex=True)
+        wid = self._next_wid
+        self._next_wid += 1
+        proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}", daemon=True)
+        proc.start()
+        child.close()
+        w = _Worker(wid, proc, parent)
+        self._workers[wid] = w
+        return w
+
+    def _acquire_worker(self, gpus: tuple[int, ...]) -> _Worker:
+        """An idle worker that may use ``gpus`` (same binding, or never bound), else a new one."""
+        want = gpus or None
+
+        def fits(w: _Worker, exact: bool) -> bool:
+            if exact:
+                return w.gpus == want
+            return w.gpus is None or want is None  # unbound; or a CPU rank, which any worker can run
+
+        for w in [w for w in self._idle if w.proc.exitcode is not None]:  # died while idle (killed)
+            self._idle.remove(w)
+            self._retire(w)
+        for exact in (True, False):
+            for i, w in enumerate(self._idle):
+                if fits(w, exact):
+                    return self._idle.pop(i)
+        # None fits: retire an idle worker bound elsewhere (keep the pool size bounded), start anew.
+        if self._idle and len(self._workers) >= len(self.cores):
+            self._retire(self._idle.pop(0))
+        return self._spawn_worker()
+
+    def _retire(self, w: _Worker) -> None:
+        self._workers.pop(w.wid, None)
+        _killpg(w.proc)
+        w.proc.join(_KILL_GRACE_S)
+        w.conn.close()
+        try:
+            w.proc.close()
+        except ValueError:
+            pass
+
+    # -- contract -------------------------------------------------------------------------------
+    def capacity(self, request: TrialRequest) -> int:
+        need_c = request.processes * request.cpus_per_process
+        need_g = request.processes * request.gpus_per_process
+        by_cpu = len(self.cores) // need_c
+        by_gpu = len(self.gpus) // need_g if need_g else by_cpu
+        return min(by_cpu, by_gpu)
+
+    def check_fits(self, request: TrialRequest) -> None:
+        check_fits(request, len(self.cores), len(self.gpus))
+
+    def submit(self, request: TrialRequest) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        self.check_fits(request)
+        placement = plan_placement(request, self.free_cores, self.free_gpus)
+        if placement is None:
+            raise EngineError(
+                f"trial {request.number} submitted while its resources are taken; the driver must "
+                "not submit more than capacity() trials at once"
+            )
+        for p in placement:
+            for c in p.cores:
+                self.free_cores.remove(c)
+            for g in p.gpus:
+                self.free_gpus.remove(g)
+        trial_dir = Path(request.trial_dir)
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port(self._ports) if request.processes > 1 else 0
+        from hpoflow.train.runner import RankJob
+
+        now = time.monotonic()
+        trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
+                       submitted_wall=time.time())
+        with self._lock:
+            for p in placement:
+                w = self._acquire_worker(p.gpus)
+                threads = max(1, len(p.cores))
+                env = {
+                    "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                    "HPOFLOW_TRIAL": str(request.number), "HPOFLOW_RANK": str(p.rank),
+                    "LOCAL_RANK": str(p.rank), "LOCAL_WORLD_SIZE": str(request.processes),
+                }
+                if self.gpus:  # only touch CUDA_VISIBLE_DEVICES where GPUs exist
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.gpus)
+                    if p.gpus:
+                        w.gpus = p.gpus
+                job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", port, threads,
+                              self.pg_timeout_s)
+                w.trial, w.rank = request.number, p.rank
+                trial.workers.append(w)
+                try:
+                    w.conn.send(("run", (job, env, p.cores, str(trial_dir / f"rank{p.rank}.log"))))
+                except (BrokenPipeError, OSError):  # it died between the check and now: the poll
+                    pass  # loop sees its sentinel and fails the trial as a lost (retryable) rank
+        self._trials[request.number] = trial
+
+    def poll(self, timeout: float | None) -> list[Event]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check_deadlines()
+            self._finish_ready()
+            if self._events:
+                out, self._events = self._events, []
+                return out
+            if not self._trials:
+                return []
+            now = time.monotonic()
+            wait_for = self._next_wakeup(now, deadline)
+            if wait_for is not None and wait_for <= 0:
+                if deadline is not None and now >= deadline:
+                    return []
+                continue
+            owner: dict[Any, _Worker] = {}
+            for t in self._trials.values():
+                for w in t.workers:
+                    if w.rank not in t.outcomes and w.wid in self._workers:
+                        owner[w.conn] = w
+                        owner[w.proc.sentinel] = w
+            for obj in wait(list(owner), timeout=wait_for):
+                w = owner[obj]
+                if obj is w.conn:
+                    self._drain(w)
+                else:
+                    self._on_worker_exit(w)
+
+    def _next_wakeup(self, now: float, deadline: float | None) -> float | None:
+        times = [t.deadline for t in self._trials.values() if t.deadline is not None]
+        if deadline is not None:
+            times.append(deadline)
+        return max(0.0, min(times) - now) if times else None
+
+    def answer(self, number: int, prune: bool) -> None:
+        t = self._trials.get(number)
+        if t is None or 0 in t.outcomes:
+            return
+        try:
+            t.workers[0].conn.send(("prune", prune))
+        except (BrokenPipeError, OSError):
+            pass
+
+    def cancel(self, number: int, reason: str) -> None:
+        t = self._trials.get(number)
+        if t is not None and t.cancel_reason is None and not t.done:
+            t.cancel_reason = reason
+            self._kill_unfinished(t)
+
+    def running(self) -> list[int]:
+        return sorted(self._trials)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._warm.join()
+        with self._lock:
+            for w in list(self._workers.values()):
+                try:
+                    w.conn.send(("exit", None))
+                except (BrokenPipeError, OSError):
+                    pass
+                _killpg(w.proc)  # busy or idle: nothing of a closed engine may run on
+            for w in list(self._workers.values()):
+                self._retire(w)
+            self._idle.clear()
+            self._trials.clear()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _trial_of(self, w: _Worker) -> _Trial | None:
+        return self._trials.get(w.trial) if w.trial is not None else None
+
+    def _drain(self, w: _Worker) -> None:
+        t = self._trial_of(w)
+        try:
+            while w.conn.poll():
+                kind, payload = w.conn.recv()
+                if t is None:
+                    continue
+                if kind == "report":
+                    step, metrics, wants = payload
+                    if t.first_report is None:
+                        t.first_report = time.monotonic()
+                    self._events.append(TrialReport(t.request.number, step, metrics, wants))
+                elif kind == "outcome":
+                    t.outcomes[w.rank] = payload
+                    if payload["status"] == "error" and t.failure is None:
+                        t.failure = f"rank {w.rank}: {payload['error']}"
+                        t.retryable = bool(payload.get("retryable"))
+                        self._kill_unfinished(t)
+        except (EOFError, OSError):
+            self._on_worker_exit(w)
+
+    def _on_worker_exit(self, w: _Worker) -> None:
+        if w.wid not in self._workers:
+            return
+        t = self._trial_of(w)
+        w.proc.join(0.5)
+        code = w.proc.exitcode
+        self._retire(w)
+        if t is not None and w.rank not in t.outcomes:
+            t.outcomes[w.rank] = {"status": "lost"}
+            if t.failure is None and t.cancel_reason is None:
+                t.failure = f"rank {w.rank} {describe_exit(code)} before it finished"
+                t.retryable = True
+                self._kill_unfinished(t)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for t in self._trials.values():
+            if t.deadline is not None and now >= t.deadline and t.failure is None and t.cancel_reason is None:
+                t.failure = f"timed out after {t.request.timeout:g} s (resources.timeout)"
+                t.retryable = True
+                t.deadline = None
+                self._kill_unfinished(t)
+
+    def _kill_unfinished(self, t: _Trial) -> None:
+        """Kill the workers of ``t`` that have not finished their rank (they may hang in a
+        collective); they are replaced, never reused."""
+        for w in t.workers:
+            if w.rank not in t.outcomes and w.wid in self._workers:
+                t.outcomes[w.rank] = {"status": "killed"}
+                self._retire(w)
+
+    def _finish_ready(self) -> None:
+        for number, t in list(self._trials.items()):
+            if not t.done:
+                continue
+            self._events.append(self._result(t))
+            self._release(t)
+            del self._trials[number]
+
+    def _result(self, t: _Trial) -> TrialResult:
+        req = t.request
+        now = time.monotonic()
+        timings = {"duration_s": now - t.submitted}
+        if t.first_report is not None:
+            timings["to_first_report_s"] = t.first_report - t.submitted
+        chief = t.outcomes.get(0, {})
+        if chief.get("started_at") is not None:  # submit -> training starts (workers, rendezvous)
+            timings["launch_s"] = float(chief["started_at"]) - t.submitted_wall
+            timings["run_s"] = float(chief["run_s"])
+        trial_dir = Path(req.trial_dir)
+        if t.failure is not None or t.cancel_reason is not None:
+            logs = [tail(trial_dir / f"rank{r}.log", 2000) for r in range(len(t.workers))]
+            stderr = "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs) if text.strip())
+            if t.failure is None:
+                return TrialResult(req.number, "cancelled", error=t.cancel_reason, stderr_tail=stderr,
+                                   timings=timings)
+            return TrialResult(req.number, "failed", error=t.failure, stderr_tail=stderr, timings=timings,
+                               retryable=t.retryable)
+        metrics = chief.get("metrics", {})
+        status: TrialStatus = "pruned" if chief.get("status") == "pruned" else "complete"
+        return TrialResult(req.number, status, value=metrics.get(req.metric), metrics=metrics, timings=timings)
+
+    def _release(self, t: _Trial) -> None:
+        for p in t.placement:
+            self.free_cores.extend(c for c in p.cores if c not in self.free_cores)
+            self.free_gpus.extend(g for g in p.gpus if g not in self.free_gpus)
+        self.free_cores.sort()
+        self.free_gpus.sort()
+        with self._lock:
+            for w in t.workers:
+                if w.wid not in self._workers:
+                    continue  # killed: already retired
+                w.trial, w.rank = None, -1
+                w.trials_run += 1
+                if self.max_trials_per_worker and w.trials_run >= self.max_trials_per_worker:
+                    self._retire(w)
+                else:
+                    self._idle.append(w)
+
+
+def _killpg(proc: BaseProcess) -> None:
+    """SIGKILL a worker and everything it started (it leads its own process group)."""
+    pid = proc.pid
+    if pid is None or proc.exitcode is not None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.kill()
+        except (ProcessLookupError, OSError, ValueError):
+            pass

@@ -1,0 +1,41 @@
+"""Fixtures of the compss engine tests (fake launchers on PATH, network namespaces)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engines._fakes import FAKE_SRUN, FAKE_SSH, NetnsPair, write_script
+
+
+@pytest.fixture
+def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory first on PATH holding a fake ``srun`` and ``ssh`` (they log their argv)."""
+    bin_dir = tmp_path / "bin"
+    write_script(bin_dir, "srun", FAKE_SRUN)
+    write_script(bin_dir, "ssh", FAKE_SSH)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    return bin_dir
+
+
+@pytest.fixture
+def netns_pair() -> Iterator[NetnsPair]:
+    """Two namespaces joined by a veth pair; skipped when not root or ``ip netns`` is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    pair = NetnsPair(f"{os.getpid() % 100000}")
+    try:
+        pair.create()
+    except Exception as exc:  # no CAP_NET_ADMIN, no ip binary, no veth support
+        pair.destroy()
+        detail = getattr(exc, "stderr", "") or ""
+        pytest.skip(f"cannot create network namespaces here: {exc} {detail}".strip())
+    try:
+        yield pair
+    finally:
+        pair.destroy()

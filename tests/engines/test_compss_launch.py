@@ -1,0 +1,157 @@
+"""runcompss / enqueue_compss commands, the `hpoflow launch` CLI, and the COMPSs XML (generated and shipped)."""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from hpoflow.cli.main import main
+from hpoflow.engines.compss.launch import LaunchOptions, build_command, slurm_detected
+from hpoflow.engines.compss.runtime_xml import (
+    NIO_ADAPTOR,
+    NodeConfig,
+    project_xml,
+    resources_xml,
+    to_text,
+    write_config,
+)
+from tests.engines._fakes import ROOT
+
+DIGITS = str(ROOT / "examples" / "digits.yaml")
+
+
+def test_runcompss_command_for_one_machine() -> None:
+    o = LaunchOptions(spec="/s.yaml", run_dir="/runs/x", workflow="/repo/workflows/hpo.py", python="/py",
+                      pythonpath=("/repo", "/cwd", "/repo"), log_level="debug",
+                      project_xml="/c/project.xml", resources_xml="/c/resources.xml")
+    assert build_command(o) == [
+        "runcompss", "--project=/c/project.xml", "--resources=/c/resources.xml", "--lang=python",
+        "--python_interpreter=/py", "--log_level=debug", "--pythonpath=/repo:/cwd",
+        "/repo/workflows/hpo.py", "/s.yaml", "--run-dir", "/runs/x",
+    ]
+
+
+def test_enqueue_compss_command_for_a_batch_system() -> None:
+    o = LaunchOptions(spec="/s.yaml", run_dir="/runs/x", workflow="/w/hpo.py", batch=True, nodes=5,
+                      cpus_per_node=48, gpus_per_node=4, time_minutes=120, qos="debug", queue="acc",
+                      account="bsc99", job_name="hpo", python="/py", pythonpath=("/repo",),
+                      app_args=("--n-trials", "7"))
+    assert build_command(o) == [
+        "enqueue_compss", "--job_name=hpo", "--num_nodes=5", "--cpus_per_node=48", "--gpus_per_node=4",
+        "--exec_time=120", "--qos=debug", "--queue=acc", "--project_name=bsc99", "--lang=python",
+        "--python_interpreter=/py", "--log_level=off", "--pythonpath=/repo",
+        "/w/hpo.py", "/s.yaml", "--run-dir", "/runs/x", "--n-trials", "7",
+    ]
+
+
+def test_launch_options_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="log level must be one of off, info"):
+        LaunchOptions(spec="s", run_dir="r", workflow="w", log_level="loud")
+    with pytest.raises(ValueError, match="nodes must be >= 1"):
+        LaunchOptions(spec="s", run_dir="r", workflow="w", nodes=0)
+
+
+def test_slurm_detection() -> None:
+    assert slurm_detected({}, lambda name: "/usr/bin/sbatch")
+    assert not slurm_detected({"SLURM_JOB_ID": "1"}, lambda name: "/usr/bin/sbatch")  # inside a job
+    assert not slurm_detected({}, lambda name: None)
+
+
+def test_cli_dry_run_prints_the_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    monkeypatch.setattr("hpoflow.engines.compss.launch.slurm_detected", lambda *a, **k: False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", DIGITS, "--engine", "compss", "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("runcompss --lang=python ")
+    assert f"--python_interpreter={sys.executable}" in line and "--log_level=off" in line
+    assert f"{ROOT}/workflows/hpo.py {DIGITS} --run-dir {tmp_path}/runs/digits-cnn" in line
+    assert main(["launch", DIGITS, "--nodes", "4", "--gpus-per-node", "4", "--time", "30", "--qos", "debug",
+                 "--partition", "gpu", "--account", "proj", "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("enqueue_compss --job_name=hpoflow-digits-cnn --num_nodes=4 --gpus_per_node=4 "
+                           "--exec_time=30 --qos=debug --queue=gpu --project_name=proj --lang=python")
+
+
+def test_cli_checks_nodes_and_generates_resources(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hpoflow.engines.compss.launch.slurm_detected", lambda *a, **k: False)
+    spec = tmp_path / "multi.yaml"
+    spec.write_text(Path(DIGITS).read_text().replace("  processes: 1\n", "  processes: 4\n  nodes: 2\n"))
+    assert main(["launch", str(spec), "--nodes", "2", "--dry-run"]) == 2
+    assert "--nodes 2 leaves 1 worker node(s)" in capsys.readouterr().err
+    out = tmp_path / "cfg" / "resources.xml"
+    assert main(["launch", DIGITS, "--generate-resources", str(out), "--dry-run"]) == 0
+    line = capsys.readouterr().out
+    assert f"--resources={out}" in line and f"--project={out.with_name('project.xml')}" in line
+    root = ET.parse(out).getroot()
+    assert root.tag == "ResourcesList" and root.find("ComputeNode/Processor/ComputingUnits") is not None
+    assert ET.parse(out.with_name("project.xml")).getroot().find("ComputeNode/InstallDir") is not None
+
+
+def test_cli_without_runcompss_says_how_to_get_it(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no runcompss, no sbatch
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", DIGITS]) == 2
+    assert "runcompss is not on PATH" in capsys.readouterr().err
+
+
+def _check_resources(root: ET.Element, gpus: bool) -> None:
+    assert root.tag == "ResourcesList"
+    nodes = root.findall("ComputeNode")
+    assert nodes and all(n.get("Name") for n in nodes)
+    for n in nodes:
+        procs = n.findall("Processor")
+        assert procs[0].get("Name") == "MainProcessor" and int(procs[0].findtext("ComputingUnits", "0")) >= 1
+        gpu = [p for p in procs if p.findtext("Type") == "GPU"]
+        assert bool(gpu) == gpus
+        if gpu:
+            assert int(gpu[0].findtext("ComputingUnits", "0")) >= 1
+        ad = n.find("Adaptors/Adaptor")
+        assert ad is not None and ad.get("Name") == NIO_ADAPTOR
+        assert ad.find("SubmissionSystem/Interactive") is not None
+        lo, hi = int(ad.findtext("Ports/MinPort", "0")), int(ad.findtext("Ports/MaxPort", "0"))
+        assert 0 < lo <= hi
+        assert float(n.findtext("Memory/Size", "0")) > 0
+
+
+def _check_project(root: ET.Element) -> None:
+    assert root.tag == "Project" and root.find("MasterNode") is not None
+    for n in root.findall("ComputeNode"):
+        assert n.findtext("InstallDir") and n.findtext("WorkingDir")
+        assert n.findtext("Application/Pythonpath") and int(n.findtext("LimitOfTasks", "0")) >= 1
+
+
+@pytest.mark.parametrize("name, gpus", [("workstation_cpu", False), ("workstation_4gpu", True),
+                                        ("cluster_shared_disk", True)])
+def test_shipped_runtime_configs(name: str, gpus: bool) -> None:
+    d = ROOT / "runtime_config" / name
+    _check_resources(ET.parse(d / "resources.xml").getroot(), gpus)
+    _check_project(ET.parse(d / "project.xml").getroot())
+    if name == "cluster_shared_disk":
+        res = ET.parse(d / "resources.xml").getroot()
+        assert [s.get("Name") for s in res.findall("SharedDisk")] == ["gpfs"]
+        assert len(res.findall("ComputeNode")) == 2
+        for n in res.findall("ComputeNode"):
+            assert n.findtext("SharedDisks/AttachedDisk[@Name='gpfs']/MountPoint") == "/gpfs/"
+        proj = ET.parse(d / "project.xml").getroot()
+        assert proj.findtext("MasterNode/SharedDisks/AttachedDisk/MountPoint") == "/gpfs/"
+
+
+def test_generated_xml_escapes_values_and_round_trips(tmp_path: Path) -> None:
+    node = NodeConfig(name='a<b>&"c', cpus=4, gpus=2, memory_gb=8, pythonpath=("/p&q",))
+    text = to_text(resources_xml([node]))
+    root = ET.fromstring(text.split("\n", 1)[1])
+    assert root.find("ComputeNode").get("Name") == 'a<b>&"c'  # type: ignore[union-attr]
+    _check_resources(root, gpus=True)
+    assert ET.fromstring(to_text(project_xml([node])).split("\n", 1)[1]).findtext(
+        "ComputeNode/Application/Pythonpath") == "/p&q"
+    _, p = write_config(tmp_path / "resources.xml", [node])
+    _check_project(ET.parse(p).getroot())
+    with pytest.raises(ValueError, match="cpus >= 1"):
+        NodeConfig(cpus=0)
+    assert (ROOT / "runtime_config" / "slurm_job.sh").read_text().count("enqueue_compss") >= 1

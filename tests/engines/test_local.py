@@ -1,0 +1,176 @@
+"""The local engine with real processes: DDP, failures, timeouts, cancel, isolation, placement."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import ROOT, descendants
+
+from hpoflow.engines import TrialRequest, TrialResult
+from hpoflow.engines.local import LocalEngine, plan_placement
+from hpoflow.engines.machine import check_fits
+from hpoflow.errors import EngineError
+from hpoflow.spec import TrainConfig
+
+PYPATH = (str(ROOT / "tests"),)
+
+
+def request(tmp_path: Path, number: int, function: str | None = None, **kw: Any) -> TrialRequest:
+    options = kw.pop("options", {})
+    train = TrainConfig(function=function, options=options, epochs=kw.pop("epochs", 2),
+                        model=kw.pop("model", "mlp")).model_dump(mode="json")
+    return TrialRequest(number, {}, train, kw.pop("metric", "loss"), "minimize", str(tmp_path / str(number)),
+                        python_path=PYPATH, **kw)
+
+
+def run_all(engine: LocalEngine, requests: list[TrialRequest], limit: float = 120.0) -> dict[int, TrialResult]:
+    for r in requests:
+        engine.submit(r)
+    out: dict[int, TrialResult] = {}
+    t0 = time.monotonic()
+    while len(out) < len(requests):
+        if time.monotonic() - t0 > limit:
+            raise TimeoutError(f"engine did not finish: {out}")
+        for ev in engine.poll(1.0):
+            if isinstance(ev, TrialResult):
+                out[ev.number] = ev
+    return out
+
+
+@pytest.fixture
+def engine() -> Any:
+    eng = LocalEngine()
+    yield eng
+    eng.close()
+
+
+def test_two_rank_ddp_trial_ends_with_identical_weights(engine: LocalEngine, tmp_path: Path) -> None:
+    res = run_all(engine, [request(tmp_path, 0, "trainfns:ddp_identical", processes=2)])[0]
+    assert res.status == "complete", res
+    assert res.metrics["world"] == 2.0
+    assert res.metrics["moved"] > 1e-3  # it trained
+    assert res.metrics["weight_spread"] == 0.0  # both ranks hold identical weights
+    assert (tmp_path / "0" / "rank0.log").exists() and (tmp_path / "0" / "rank1.log").exists()
+
+
+def test_builtin_cnn_trial_with_two_ranks(engine: LocalEngine, tmp_path: Path) -> None:
+    res = run_all(engine, [request(tmp_path, 0, processes=2, model="cnn", metric="val_accuracy", epochs=3)])[0]
+    assert res.status == "complete", res
+    assert res.value is not None and res.value > 0.8
+    assert res.timings["duration_s"] > 0
+
+
+def test_exception_in_user_code_fails_with_stderr_tail(engine: LocalEngine, tmp_path: Path) -> None:
+    res = run_all(engine, [request(tmp_path, 0, "trainfns:fail")])[0]
+    assert res.status == "failed" and not res.retryable
+    assert "ValueError: boom from user code" in (res.error or "")
+    assert "about to fail" in res.stderr_tail and "Traceback" in res.stderr_tail
+
+
+def test_killed_rank_fails_the_trial_without_hanging(engine: LocalEngine, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    res = run_all(engine, [request(tmp_path, 0, "trainfns:crash_rank1", processes=2)], limit=60)[0]
+    assert time.monotonic() - t0 < 30
+    assert res.status == "failed" and res.retryable
+    assert "rank 1" in (res.error or "") and "SIGKILL" in (res.error or "")
+
+
+def test_timeout_kills_the_trial(engine: LocalEngine, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    res = run_all(engine, [request(tmp_path, 0, "trainfns:sleepy", timeout=1.5)])[0]
+    assert res.status == "failed" and "timed out after 1.5 s" in (res.error or "")
+    assert time.monotonic() - t0 < 15
+
+
+def test_cancel_kills_rank_and_its_children(engine: LocalEngine, tmp_path: Path) -> None:
+    engine.submit(request(tmp_path, 0, "trainfns:spawn_child_and_sleep"))
+    pid_file = tmp_path / "0" / "grandchild.pid"
+    t0 = time.monotonic()
+    while not pid_file.exists() and time.monotonic() - t0 < 30:
+        engine.poll(0.1)
+    grandchild = int(pid_file.read_text())
+    assert psutil.pid_exists(grandchild)
+    engine.cancel(0, "test")
+    results = []
+    while not results:
+        results = [e for e in engine.poll(1.0) if isinstance(e, TrialResult)]
+    assert results[0].status == "cancelled"
+    time.sleep(0.2)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_no_state_leaks_between_trials(engine: LocalEngine, tmp_path: Path) -> None:
+    first = run_all(engine, [request(tmp_path, 0, "trainfns:counter", metric="calls")])[0]
+    second = run_all(engine, [request(tmp_path, 1, "trainfns:counter", metric="calls")])[1]
+    assert first.metrics["calls"] == second.metrics["calls"] == 1.0  # module globals fresh
+    assert first.metrics["seed_draw"] == second.metrics["seed_draw"]  # RNG seeded the same
+    assert first.metrics["threads"] == 1.0
+
+
+def test_close_leaves_no_process_behind(tmp_path: Path) -> None:
+    eng = LocalEngine()
+    eng.submit(request(tmp_path, 0, "trainfns:sleepy", processes=2))
+    t0 = time.monotonic()
+    while len(descendants()) < 2 and time.monotonic() - t0 < 30:
+        eng.poll(0.1)
+    assert len(descendants()) >= 2
+    eng.close()
+    time.sleep(0.3)
+    assert descendants() == set()
+
+
+def test_gpu_placement_with_faked_devices(tmp_path: Path) -> None:
+    # Four fake GPUs, four fake core slots (ids reused: affinity to them is still valid here).
+    eng = LocalEngine(cores=[0, 1, 0, 1], gpus=[0, 1, 2, 3])
+    try:
+        reqs = [request(tmp_path, n, "trainfns:env_probe", metric="ok", processes=2, gpus_per_process=1)
+                for n in (0, 1)]
+        assert eng.capacity(reqs[0]) == 2
+        res = run_all(eng, reqs)
+    finally:
+        eng.close()
+    assert all(r.status == "complete" for r in res.values()), res
+    seen = sorted((tmp_path / str(n) / f"env{r}.txt").read_text().split("\n")[0] for n in (0, 1) for r in (0, 1))
+    assert seen == ["0", "1", "2", "3"]  # each rank its own GPU, no GPU shared between trials
+
+
+def test_placement_plan_and_limits(tmp_path: Path) -> None:
+    req = request(tmp_path, 0, processes=2, cpus_per_process=2, gpus_per_process=1)
+    plan = plan_placement(req, [0, 1, 2, 3, 4], [5, 6, 7])
+    assert plan is not None
+    assert [p.cores for p in plan] == [(0, 1), (2, 3)] and [p.gpus for p in plan] == [(5,), (6,)]
+    assert plan_placement(req, [0, 1, 2], [5, 6]) is None
+    with pytest.raises(EngineError, match="4 cores, but this machine gives 2"):
+        check_fits(req, 2, 8)
+    with pytest.raises(EngineError, match="2 GPUs, but 0 are visible"):
+        check_fits(req, 8, 0)
+
+
+def test_cuda_visible_devices_untouched_without_gpus(engine: LocalEngine, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    res = run_all(engine, [request(tmp_path, 0, "trainfns:env_probe", metric="ok")])[0]
+    assert res.status == "complete"
+    lines = (tmp_path / "0" / "env0.txt").read_text().split("\n")
+    assert lines[2] == "1"  # OMP_NUM_THREADS from cpus_per_process
+    assert len(eval(lines[1])) == 1  # pinned to one core
+
+
+def test_pruning_decision_reaches_every_rank_at_the_same_step(engine: LocalEngine, tmp_path: Path) -> None:
+    req = request(tmp_path, 0, "trainfns:prune_probe", metric="score", processes=2, pruning=True)
+    engine.submit(req)
+    result = None
+    asked = []
+    while result is None:
+        for ev in engine.poll(5.0):
+            if isinstance(ev, TrialResult):
+                result = ev
+            elif ev.wants_answer:
+                asked.append(ev.step)
+                engine.answer(0, ev.step == 3)
+    assert result.status == "pruned", result
+    assert asked == [1, 2, 3]  # rank 0 waited for each decision; nothing ran past the prune
+    assert [(tmp_path / "0" / f"stopped{r}.txt").read_text() for r in (0, 1)] == ["3", "3"]
