@@ -173,7 +173,7 @@ def optimize(
     if not (rd / "run.json").exists():
         (rd / "run.json").write_text(json.dumps(run_info, indent=1))
     own_engine = engine is None
-    eng = engine if engine is not None else make_engine(parsed.engine, **_engine_options(parsed, rd))
+    eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)
     if listener is None and progress:
         from hpoflow.report import ProgressListener
 
@@ -198,12 +198,6 @@ def optimize(
             eng.close()
         _write_outputs(study, parsed, text, rd)
     return StudyResult(rd, study, summary, label)
-
-
-def _engine_options(spec: StudySpec, run_dir: Path) -> dict[str, Any]:
-    if spec.engine == "compss":
-        return {"run_dir": run_dir, **spec.compss}
-    return {}
 
 
 def _write_outputs(study: optuna.Study, spec: StudySpec, text: str, run_dir: Path) -> None:

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hpoflow.fileio import write_atomic
-from hpoflow.search.driver import ATTR_INTERRUPTED, DriverSummary
+from hpoflow.search.driver import DriverSummary, is_counted
 from hpoflow.trial import TrialResult
 
 __all__ = [
@@ -35,7 +35,21 @@ __all__ = [
 
 
 def _counted(study: optuna.Study) -> list[FrozenTrial]:
-    return [t for t in study.get_trials(deepcopy=False) if not t.system_attrs.get(ATTR_INTERRUPTED)]
+    trials = study.get_trials(deepcopy=False)
+    counted = is_counted(trials)
+    return [t for t in trials if counted(t)]
+
+
+def _timings(t: FrozenTrial) -> dict[str, float]:
+    """A trial's timings (user attr ``timings``; runs written before it kept them in ``metrics``)."""
+    timings = t.user_attrs.get("timings")
+    if isinstance(timings, dict):
+        return timings
+    legacy = t.user_attrs.get("metrics") or {}
+    return {k: v for k, v in legacy.items() if k.endswith("_s") and k in _TIMING_KEYS}
+
+
+_TIMING_KEYS = ("duration_s", "to_first_report_s", "launch_s", "run_s")
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -50,17 +64,18 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
 def write_trials_csv(study: optuna.Study, path: Path) -> None:
     trials = _counted(study)
     params = sorted({k for t in trials for k in t.params})
-    metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - {"duration_s"})
+    metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - set(_TIMING_KEYS))
+    timings = sorted({k for t in trials for k in _timings(t)} - {"duration_s"})
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
-                *[f"metric_{m}" for m in metrics], "duration_s", "error"])
+                *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings], "error"])
     for t in trials:
         m = t.user_attrs.get("metrics") or {}
-        dur = m.get("duration_s", "")
+        tm = _timings(t)
         w.writerow([t.number, t.state.name, "" if t.value is None else t.value,
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
-                    dur, t.user_attrs.get("error", "")])
+                    tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], t.user_attrs.get("error", "")])
     write_atomic(path, buf.getvalue())
 
 
@@ -125,7 +140,7 @@ def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -
         table.add_column(p)
     table.add_column("time s", justify="right")
     for t in done[:top]:
-        dur = (t.user_attrs.get("metrics") or {}).get("duration_s")
+        dur = _timings(t).get("duration_s")
         table.add_row(str(t.number), _fmt(t.value), *[_fmt(t.params.get(p, "-")) for p in params],
                       "" if dur is None else f"{dur:.1f}")
     return table

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-__all__ = ["Event", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus", "Verdict"]
+__all__ = ["Event", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus",
+           "Verdict", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
+# How one rank ended: ok / pruned / error (an exception, sent by the rank itself), or as its engine
+# saw it from outside: lost (the process died before it sent an outcome), killed (the engine
+# stopped it: a peer failed, a timeout, a cancel).
+RankStatus = Literal["ok", "pruned", "error", "lost", "killed"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,69 @@ class TrialResult:
     def from_dict(cls, data: dict[str, Any]) -> TrialResult:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of a trial ended; the rank runner builds it, engines carry it (pickle or JSON)."""
+
+    status: RankStatus
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    error_type: str | None = None
+    retryable: bool = False
+    started_at: float | None = None  # wall clock when training began (after the rendezvous)
+    run_s: float | None = None  # time in the training function
+    host: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankOutcome:
+        """From JSON written by a rank; an unknown status is an error outcome saying so."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in data.items() if k in names}
+        if kw.get("status") not in get_args(RankStatus):
+            kw = {"status": "error", "error": f"unknown rank status {data.get('status')!r}"}
+        kw["metrics"] = {str(k): float(v) for k, v in (kw.get("metrics") or {}).items()}
+        return cls(**kw)
+
+
+def result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], *, timings: dict[str, float],
+                      failure: str | None = None, retryable: bool = False, cancelled: str | None = None,
+                      stderr_tail: Callable[[], str] = str, submitted_wall: float | None = None) -> TrialResult:
+    """The one place a trial's ``TrialResult`` is built from its ranks' outcomes, for every engine.
+
+    ``failure``/``cancelled``: what the engine itself saw (a rank died, a timeout, a cancel); else the
+    ranks decide: an error outcome fails the trial (a user error beats "a peer went away"), a rank
+    without an outcome fails it as retryable, and rank 0's metrics complete it (or it was pruned).
+    """
+    timings = dict(timings)
+    chief = outcomes.get(0)
+    if chief is not None and chief.started_at is not None and submitted_wall is not None:
+        timings["launch_s"] = chief.started_at - submitted_wall  # submit -> training starts
+        if chief.run_s is not None:
+            timings["run_s"] = chief.run_s
+    if cancelled is not None:
+        return TrialResult(req.number, "cancelled", error=cancelled, stderr_tail=stderr_tail(), timings=timings)
+    if failure is not None:
+        return TrialResult(req.number, "failed", error=failure, stderr_tail=stderr_tail(), timings=timings,
+                           retryable=retryable)
+    errors = {r: o for r, o in outcomes.items() if o.status == "error"}
+    if errors:
+        r, o = min(errors.items(), key=lambda kv: (kv[1].retryable, kv[0]))
+        where = f"rank {r}" + (f" on {o.host}" if o.host else "")
+        return TrialResult(req.number, "failed", error=f"{where}: {o.error}", stderr_tail=stderr_tail(),
+                           timings=timings, retryable=o.retryable)
+    missing = [r for r in range(req.processes) if r not in outcomes or outcomes[r].status in ("lost", "killed")]
+    if missing or chief is None:
+        return TrialResult(req.number, "failed", error=f"rank(s) {missing} ended without a result: a rank was "
+                           "killed, ran out of memory or lost its node", stderr_tail=stderr_tail(),
+                           timings=timings, retryable=True)
+    status: TrialStatus = "pruned" if chief.status == "pruned" else "complete"
+    return TrialResult(req.number, status, value=chief.metrics.get(req.metric), metrics=dict(chief.metrics),
+                       timings=timings)
 
 
 Event = TrialReport | TrialResult

@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 
 from hpoflow.api import optimize
 from hpoflow.engines.local import LocalEngine
-from hpoflow.search.driver import ATTR_INTERRUPTED
+from hpoflow.search.driver import interrupted
 
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 
@@ -68,8 +68,8 @@ def test_ten_killed_ranks_lose_no_trial(tmp_path: Path) -> None:
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 8  # no trial lost, none extra
     retried = [t for t in trials if t.user_attrs.get("attempts", 1) > 1]
     assert retried  # the kills were absorbed by retries
-    logs = "".join(p.read_text() for p in (tmp_path / "run" / "trials").glob("*/rank*.log"))
-    assert "Traceback" in logs or retried  # surviving ranks saw their peer go
+    extra_attempts = sum(t.user_attrs.get("attempts", 1) - 1 for t in trials)
+    assert 1 <= extra_attempts <= len(kills)  # each retry answers a kill, no retry without one
 
 
 def _descendants(pid: int) -> set[int]:
@@ -113,13 +113,14 @@ def test_killed_driver_resumes_at_five_moments_without_loss_or_duplicates(tmp_pa
     from hpoflow.search.storage import open_storage
 
     study = optuna.load_study(study_name="ft", storage=open_storage(None, run_dir))
-    counted = [t for t in study.trials if not t.system_attrs.get(ATTR_INTERRUPTED)]
-    interrupted = [t for t in study.trials if t.system_attrs.get(ATTR_INTERRUPTED)]
+    skipped = interrupted(study.trials)
+    counted = [t for t in study.trials if t.number not in skipped]
+    reruns = [t for t in study.trials if t.number in skipped]
     assert len(counted) == n_trials and all(t.state == TrialState.COMPLETE for t in counted)
-    assert interrupted, "the kills should have interrupted running trials"
+    assert reruns, "the kills should have interrupted running trials"
     params = [t.params["x"] for t in counted]
     assert len(set(params)) == n_trials  # none duplicated
-    for t in interrupted:  # every interrupted trial was rerun exactly once, with its own params
+    for t in reruns:  # every interrupted trial was rerun exactly once, with its own params
         if "x" in t.params:  # (a kill between ask() and the first suggestion leaves none to rerun)
             assert params.count(t.params["x"]) == 1
 
@@ -150,7 +151,8 @@ def test_a_trial_interrupted_by_a_driver_kill_resumes_from_its_checkpoint(tmp_pa
     from hpoflow.search.storage import open_storage
 
     study = optuna.load_study(study_name="ckpt", storage=open_storage(None, run_dir))
-    first, rerun = study.trials[0], study.trials[-1]
-    assert first.system_attrs.get(ATTR_INTERRUPTED) and rerun.state == TrialState.COMPLETE
+    rerun = study.trials[-1]
+    assert 0 in interrupted(study.trials) and rerun.state == TrialState.COMPLETE
+    assert rerun.user_attrs["hpoflow_replaces"] in {t.number for t in study.trials[:-1]}  # a rerun chain
     assert rerun.user_attrs["checkpoint_dir"] == str(ckpts)  # it inherited the killed trial's checkpoints
     assert rerun.user_attrs["metrics"]["resumed_from_epoch"] >= 1  # and resumed instead of starting over

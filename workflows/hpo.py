@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hpoflow: {why}: running the trials one at a time in this process (sequential "
                   "mode). Launch with runcompss/enqueue_compss (hpoflow launch) to run them as "
                   "COMPSs tasks.", file=sys.stderr, flush=True)
-        engine = CompssEngine(run_dir=run_dir, sequential=not in_runtime, **spec.compss)
+        engine = CompssEngine(run_dir=run_dir, sequential=not in_runtime, **spec.engine_option_values())
         try:
             result = optimize(args.spec, run_dir, n_trials=args.n_trials, engine=engine)
         finally:

@@ -6,13 +6,15 @@ Only ``hpoflow.engines.compss`` imports pycompss; machine detection is ``machine
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
 from hpoflow.errors import EngineError
+from hpoflow.registry import ENGINES, PluginError
 
 __all__ = [
-    "ENGINES",
     "Engine",
     "EngineError",
     "Event",
@@ -23,19 +25,14 @@ __all__ = [
     "make_engine",
 ]
 
-ENGINES = ("local", "compss")
-
-
-def make_engine(name: str, **options: Any) -> Engine:
-    """Build the engine called ``name``; unknown names list the valid ones."""
-    if name == "local":
-        from hpoflow.engines.local import LocalEngine
-
-        return LocalEngine(**options)
-    if name == "compss":
-        # Importable without pycompss (for the sequential fallback of workflows/hpo.py); the engine
-        # itself raises EngineError with the install steps when PyCOMPSs is needed but missing.
-        from hpoflow.engines.compss import CompssEngine
-
-        return CompssEngine(**options)
-    raise EngineError(f"unknown engine {name!r}; valid engines: {', '.join(ENGINES)}")
+def make_engine(name: str, options: Mapping[str, Any] | None = None, run_dir: Path | None = None) -> Engine:
+    """Build the engine registered as ``name`` (``hpoflow.registry.ENGINES``) with its option bag;
+    unknown names list the valid ones."""
+    if name not in ENGINES:
+        raise EngineError(ENGINES.unknown(name))
+    try:
+        opts = ENGINES.options(name, options)
+    except PluginError as exc:
+        raise EngineError(str(exc)) from None
+    engine: Engine = ENGINES.get(name)(opts, run_dir)
+    return engine

@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 
 from hpoflow.oracle.cluster import ClusterSpec
+from hpoflow.train.collectives import ring_allreduce_bytes
 
 __all__ = [
     "Cost",
     "parameter_server",
     "pipeline_p2p",
     "ring_allreduce",
-    "ring_allreduce_bytes",
     "slowest_link",
     "tree_allreduce",
 ]
@@ -34,16 +34,11 @@ def slowest_link(cluster: ClusterSpec, devices: int) -> tuple[float, float]:
             max(cluster.intra_node.latency, cluster.inter_node.latency))
 
 
-def ring_allreduce_bytes(p: int, m: float) -> float:
-    """Bytes each device sends in a ring all-reduce: reduce-scatter + all-gather = 2(p-1)/p M."""
-    return 2 * (p - 1) / p * m if p > 1 else 0.0
-
-
 def ring_allreduce(p: int, m: float, bandwidth: float, alpha: float, messages: int = 1) -> Cost:
     """Ring: 2(p-1)/p * M / B  +  2(p-1) * alpha per message (bucket)."""
     if p <= 1:
         return 0.0, 0.0
-    return ring_allreduce_bytes(p, m) / bandwidth, 2 * (p - 1) * alpha * messages
+    return ring_allreduce_bytes(m, p) / bandwidth, 2 * (p - 1) * alpha * messages
 
 
 def tree_allreduce(p: int, m: float, bandwidth: float, alpha: float, messages: int = 1) -> Cost:

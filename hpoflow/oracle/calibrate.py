@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -449,7 +449,7 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
             "source": "measured: DDP step minus plain step, 64 B to 4 MiB of gradients, "
                       "alpha-beta fit" if processes > 1 else
             "not measured (1 process); placeholder"}
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     spec = {
         "name": f"calibrated-{socket.gethostname()}",
         "nodes": 1,

@@ -39,7 +39,8 @@ class OraclePrecheck:
     def __call__(self, request: TrialRequest) -> Verdict | None:
         if request.train.get("function"):
             return None
-        keys = ("model", "model_options", "dataset", "batch_size", "optimizer", "momentum", "epochs")
+        keys = ("model", "model_options", "dataset", "val_fraction", "batch_size", "optimizer", "momentum",
+                "epochs", "strategy", "strategy_options")
         train = {k: request.train[k] for k in keys if request.train.get(k) is not None}
         key = json.dumps([train, request.processes, request.gpus_per_process], sort_keys=True, default=str)
         if key not in self._cache:

@@ -10,22 +10,20 @@ from hpoflow.oracle.cluster import ClusterSpec, load_cluster
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import model_facts
 from hpoflow.oracle.model import Plan, predict
+from hpoflow.registry import STRATEGIES, PluginError
+from hpoflow.train.data import dataset_info
 from hpoflow.trial import Verdict
 
-__all__ = ["DATASETS", "Verdict", "check_trial"]
+__all__ = ["Verdict", "check_trial", "strategy_plan"]
 
-# dataset name -> (input shape per sample, classes, training samples)
-DATASETS: dict[str, tuple[tuple[int, ...], int, int]] = {
-    "digits": ((1, 8, 8), 10, 1437),
-    "mnist": ((1, 28, 28), 10, 60000),
-}
 _GB = 1e9
 
 
 def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
                 cluster: ClusterSpec | None) -> Verdict:
     """Judge a trial of the built-in trainer (keys ``model``, ``model_options``, ``dataset``,
-    ``batch_size`` per rank, ``optimizer``, ``momentum``, ``epochs``) on ``processes`` ranks.
+    ``val_fraction``, ``batch_size`` per rank, ``optimizer``, ``momentum``, ``epochs``, ``strategy``,
+    ``strategy_options``) on ``processes`` ranks.
 
     With no cluster, the ``laptop`` preset is used. Infeasible when the memory per device exceeds
     the device's memory. A trial the oracle cannot model (user model without shape, unknown
@@ -34,10 +32,11 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
     spec = cluster or load_cluster(PRESETS["laptop"])
     model = str(train.get("model", "mlp"))
     dataset = str(train.get("dataset", "digits"))
-    if dataset not in DATASETS:
-        return Verdict(True, f"not checked: the oracle knows datasets {', '.join(DATASETS)}, "
-                             f"not {dataset!r}")
-    shape, classes, samples = DATASETS[dataset]
+    try:
+        shape, classes, samples = dataset_info(dataset, float(train.get("val_fraction", 0.2)))
+        strategy = strategy_plan(str(train.get("strategy", "allreduce")), train.get("strategy_options") or {})
+    except (ValueError, PluginError) as exc:
+        return Verdict(True, f"not checked: {exc}")
     ranks = max(1, processes) * max(1, gpus_per_process)
     try:
         facts = model_facts(model, shape, classes, options=dict(train.get("model_options") or {}))
@@ -45,7 +44,7 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
                     devices=min(ranks, spec.total_devices),
                     optimizer=str(train.get("optimizer", "sgd")),
                     momentum=float(train.get("momentum", 0.0)),
-                    dataset_size=samples, epochs=float(train.get("epochs", 1)))
+                    dataset_size=samples, epochs=float(train.get("epochs", 1)), **strategy)
         pred = predict(facts, spec, plan)
     except OracleError as exc:
         return Verdict(True, f"not checked: {exc}")
@@ -62,3 +61,14 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
     return Verdict(True, f"fits: {pred.memory_per_device_bytes / _GB:.3f} GB of "
                          f"{pred.memory_available_bytes / _GB:.2f} GB per device",
                    pred.to_dict())
+
+
+def strategy_plan(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The oracle's ``Plan`` fields for a training strategy, from its registry entry's options
+    model (``oracle_plan()``); ``ValueError`` when the strategy has no oracle model."""
+    model = STRATEGIES.options(name, options)
+    plan = getattr(model, "oracle_plan", None)
+    if plan is None:
+        raise ValueError(f"strategy {name!r} has no oracle model (its options model defines no oracle_plan())")
+    fields: dict[str, Any] = plan()
+    return fields

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
@@ -26,9 +26,13 @@ from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
 
-__all__ = ["ATTR_INTERRUPTED", "Driver", "DriverListener", "DriverSummary", "count_finished"]
+__all__ = ["ATTR_REPLACES", "Driver", "DriverListener", "DriverSummary", "count_finished", "interrupted",
+           "is_counted"]
 
-ATTR_INTERRUPTED = "hpoflow_interrupted"
+# An interrupted trial (a stop signal, a crashed driver, a cancel) is told FAIL and rerun as a new
+# trial whose user attr ATTR_REPLACES holds its number: the interrupted one does not count.
+ATTR_REPLACES = "hpoflow_replaces"
+_LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
 ATTR_GRID = "grid_index"
 ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -57,12 +61,23 @@ class DriverSummary:
         return self.n_complete + self.n_pruned + self.n_failed
 
 
+def interrupted(trials: list[FrozenTrial]) -> set[int]:
+    """Numbers of the trials that were interrupted and rerun (they do not count)."""
+    out = {int(t.user_attrs[ATTR_REPLACES]) for t in trials if ATTR_REPLACES in t.user_attrs}
+    return out | {t.number for t in trials if t.system_attrs.get(_LEGACY_INTERRUPTED)}
+
+
+def is_counted(trials: list[FrozenTrial]) -> Callable[[FrozenTrial], bool]:
+    """A predicate: does this trial count (it was not interrupted and rerun)?"""
+    skip = interrupted(trials)
+    return lambda t: t.number not in skip
+
+
 def count_finished(study: optuna.Study) -> int:
     """Trials that count against ``n_trials``: complete, pruned, or failed for a reason of their own."""
-    return sum(
-        1 for t in study.get_trials(deepcopy=False, states=_FINISHED)
-        if not t.system_attrs.get(ATTR_INTERRUPTED)
-    )
+    trials = study.get_trials(deepcopy=False)
+    counted = is_counted(trials)
+    return sum(1 for t in trials if t.state in _FINISHED and counted(t))
 
 
 @dataclass
@@ -169,14 +184,16 @@ class Driver:
     # -- internals ------------------------------------------------------------------------------
     def _reconcile(self) -> None:
         """Resume: trials left RUNNING by a crashed driver are marked interrupted and rerun."""
-        for t in self.study.get_trials(deepcopy=False):
-            if ATTR_GRID in t.user_attrs and not t.system_attrs.get(ATTR_INTERRUPTED):
+        trials = self.study.get_trials(deepcopy=False)
+        counted = is_counted(trials)
+        for t in trials:
+            if ATTR_GRID in t.user_attrs and counted(t):
                 self._used_grid.add(int(t.user_attrs[ATTR_GRID]))
-            if t.state == TrialState.COMPLETE and not t.system_attrs.get(ATTR_INTERRUPTED):
+            if t.state == TrialState.COMPLETE and counted(t):
                 self._update_best(t.value)
             if t.state == TrialState.RUNNING:
-                self._interrupt(t._trial_id, t.params, self._carry_over(t.number, t.user_attrs))
-            elif t.state in _FINISHED and not t.system_attrs.get(ATTR_INTERRUPTED):
+                self._interrupt(t.number, t.params, self._carry_over(t.number, t.user_attrs))
+            elif t.state in _FINISHED and counted(t):
                 self._finished += 1
                 if t.state == TrialState.FAIL:
                     self._failures += 1
@@ -188,11 +205,9 @@ class Driver:
         attrs.setdefault(ATTR_CHECKPOINTS, str(self.run_dir / "trials" / str(number) / "checkpoints"))
         return attrs
 
-    def _interrupt(self, trial_id: int, params: dict[str, Any], user_attrs: dict[str, Any]) -> None:
-        storage = self.study._storage
-        storage.set_trial_system_attr(trial_id, ATTR_INTERRUPTED, True)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
-        self.study.enqueue_trial(params, user_attrs=dict(user_attrs), skip_if_exists=False)
+    def _interrupt(self, number: int, params: dict[str, Any], user_attrs: dict[str, Any]) -> None:
+        self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+        self.study.enqueue_trial(params, user_attrs={**user_attrs, ATTR_REPLACES: number}, skip_if_exists=False)
 
     def _can_start(self, slots: int) -> bool:
         if len(self._inflight) >= slots:
@@ -280,13 +295,13 @@ class Driver:
             return
         del self._inflight[res.number]
         trial = fl.trial
-        # One write: metrics and timings together (every storage write costs; see storage.py).
-        trial.set_user_attr("metrics", {**res.metrics, **{k: round(v, 4) for k, v in res.timings.items()}})
+        trial.set_user_attr("metrics", res.metrics)
+        trial.set_user_attr("timings", {k: round(v, 4) for k, v in res.timings.items()})
         if res.error:
             trial.set_user_attr("error", res.error[:2000])
         self._write_result(fl.request, res)
         if res.status == "cancelled":
-            self._interrupt(trial._trial_id, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
+            self._interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
         summary = self.summary
         if res.status == "complete" and res.value is not None and math.isfinite(res.value):

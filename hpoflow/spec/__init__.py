@@ -11,7 +11,6 @@ from hpoflow.spec._load import (
     spec_from_mapping,
 )
 from hpoflow.spec._models import (
-    ALGORITHMS,
     CategoricalParam,
     CheckpointSpec,
     FloatParam,
@@ -27,7 +26,6 @@ from hpoflow.spec._models import (
 )
 
 __all__ = [
-    "ALGORITHMS",
     "BUILTIN_METRICS",
     "CategoricalParam",
     "CheckpointSpec",

@@ -14,14 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import did_you_mean
+from hpoflow.registry import ENGINES, MODELS, PRUNERS, SAMPLERS, STRATEGIES, Registry
 
 __all__ = [
-    "ALGORITHMS",
     "PLACEHOLDER",
     "CategoricalParam",
     "CheckpointSpec",
     "ConditionMap",
-    "EngineName",
     "FloatParam",
     "IntParam",
     "OracleSpec",
@@ -34,11 +33,8 @@ __all__ = [
     "TrainConfig",
 ]
 
-ALGORITHMS = ("grid", "random", "tpe", "gp", "cmaes")
-PRUNERS = ("none", "median", "percentile", "asha", "hyperband")
 PLACEHOLDER = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 Scalar = bool | int | float | str | None
-EngineName = Literal["local", "compss"]
 
 
 class _Strict(BaseModel):
@@ -161,20 +157,43 @@ class StudySection(_Strict):
     direction: Literal["minimize", "maximize"]
 
 
-class PrunerSpec(_Strict):
-    """Early stopping of unpromising trials from their intermediate reports (Optuna pruners)."""
+def _checked_name(registry: Registry[Any], name: str, at: str) -> None:
+    if name not in registry:
+        raise PydanticCustomError("unknown_plugin", "{at}: {msg}", {"at": at, "msg": registry.unknown(name)})
 
-    type: Literal["none", "median", "percentile", "asha", "hyperband"] = "none"
-    warmup_steps: int = Field(default=0, ge=0)
-    startup_trials: int = Field(default=5, ge=0)
-    percentile: float = Field(default=25.0, gt=0, lt=100)
-    min_resource: int = Field(default=1, ge=1)
-    reduction_factor: int = Field(default=3, ge=2)
-    max_resource: int | None = Field(default=None, ge=1)
+
+class PrunerSpec(_Strict):
+    """Early stopping of unpromising trials from their intermediate reports (Optuna pruners).
+
+    Written flat in YAML (``{type: median, startup_trials: 5}``): the keys beside ``type`` are the
+    pruner's options, validated by its options model in ``hpoflow.registry.PRUNERS``.
+    """
+
+    type: str = "none"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_flat(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "options" not in data:
+            return {"type": data.get("type", "none"), "options": {k: v for k, v in data.items() if k != "type"}}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> PrunerSpec:
+        _checked_name(PRUNERS, self.type, "type")
+        full = PRUNERS.check(self.type, self.options, at="")
+        if full != self.options:
+            object.__setattr__(self, "options", full)  # frozen: normalise once, here
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
 
 
 class SearchSpec(_Strict):
-    algorithm: Literal["grid", "random", "tpe", "gp", "cmaes"] = "tpe"
+    algorithm: str = Field(default="tpe", description="A registered sampler: grid, random, tpe, gp, cmaes, ...")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
     seed: int | None = None
@@ -187,6 +206,10 @@ class SearchSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> SearchSpec:
+        _checked_name(SAMPLERS, self.algorithm, "algorithm")
+        full = SAMPLERS.check(self.algorithm, self.sampler_options, at="sampler_options")
+        if full != self.sampler_options:
+            object.__setattr__(self, "sampler_options", full)
         if self.n_trials is None and self.algorithm != "grid":
             raise PydanticCustomError(
                 "missing_n_trials",
@@ -232,8 +255,8 @@ class TrainConfig(_Strict):
     seed: int = 0
     options: dict[str, Any] = Field(default_factory=dict)
     # -- data-parallel strategy (hpoflow.train.strategies; docs/strategies.md) ------------------
-    strategy: Literal["allreduce", "parameter_server", "easgd", "local_sgd"] = Field(
-        default="allreduce", description="How the ranks of a trial combine their work.")
+    strategy: str = Field(
+        default="allreduce", description="How the ranks of a trial combine their work (hpoflow.registry.STRATEGIES).")
     strategy_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the strategy, or one mapping per strategy name (for a "
@@ -252,100 +275,33 @@ class TrainConfig(_Strict):
         default_factory=CheckpointSpec,
         description="Periodic checkpoints a trial resumes from after a crash: every, keep, async.")
 
-    @staticmethod
-    def strategy_option_table() -> dict[str, dict[str, tuple[str, Any, Any]]]:
-        """strategy -> option -> (kind, default, rule): the single source of truth for strategy
-        options, torch-free because the driver validates specs without importing torch."""
-        return {
-            "allreduce": {
-                "bucket_cap_mb": ("float>0", 25.0, None),
-                "gradient_as_bucket_view": ("bool", False, None),
-                "compression": ("choice", "none", ("none", "fp16", "bf16", "powersgd")),
-                "powersgd_rank": ("int>=1", 1, None),
-                "powersgd_start_iter": ("int>=2", 2, None),
-            },
-            "parameter_server": {"servers": ("int>=1", 1, None)},
-            "easgd": {
-                "alpha": ("float(0,1)", None, None),
-                "rho": ("float>0", None, None),
-                "tau": ("int>=1", 4, None),
-                "momentum": ("bool", False, None),
-                "momentum_coefficient": ("float[0,1)", 0.9, None),
-            },
-            "local_sgd": {"period": ("int>=1", 8, None)},
-        }
-
-    @staticmethod
-    def _option_problem(kind: str, value: Any, rule: Any) -> str | None:
-        """Why ``value`` breaks an option's rule, or None if it is fine."""
-        if kind == "bool":
-            return None if isinstance(value, bool) else "must be true or false"
-        if kind == "choice":
-            return None if value in rule else f"must be one of {', '.join(rule)}"
-        if kind.startswith("int"):
-            low = int(kind.removeprefix("int>="))
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-            return None if ok else f"must be a whole number >= {low}"
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return "must be a number"
-        if kind == "float>0":
-            return None if value > 0 else "must be > 0"
-        if kind == "float(0,1)":
-            return None if 0 < value < 1 else "must lie in the open interval (0, 1)"
-        return None if 0 <= value < 1 else "must lie in [0, 1)"  # float[0,1)
-
     @model_validator(mode="after")
-    def _check_strategy(self) -> TrainConfig:
-        table = self.strategy_option_table()
+    def _check_plugins(self) -> TrainConfig:
+        if self.function is None:
+            _checked_name(MODELS, self.model, "model")
+            full_model = MODELS.check(self.model, self.model_options, at="model_options")
+            if full_model != self.model_options:
+                object.__setattr__(self, "model_options", full_model)
+        _checked_name(STRATEGIES, self.strategy, "strategy")
         raw = dict(self.strategy_options)
-        if raw and all(k in table for k in raw):  # one mapping per strategy: take the active one
+        # One mapping per strategy name (a searched strategy): check each, keep the active one's.
+        per_strategy = bool(raw) and all(k in STRATEGIES and isinstance(v, dict) for k, v in raw.items())
+        if per_strategy:
             for name, sub in raw.items():
-                if not isinstance(sub, dict):
-                    raise PydanticCustomError(
-                        "strategy_options",
-                        "strategy_options.{name} must be a mapping of {name}'s options, but got "
-                        "{value}. Fix: put {name}'s options under strategy_options.{name}",
-                        {"name": name, "value": sub, "at": f"strategy_options.{name}"})
-            chosen = dict(raw.get(self.strategy, {}))
-            others = {n: dict(s) for n, s in raw.items() if n != self.strategy}
+                if name != self.strategy:
+                    STRATEGIES.check(name, sub, at=f"strategy_options.{name}")
+            chosen = STRATEGIES.check(self.strategy, raw.get(self.strategy, {}),
+                                      at=f"strategy_options.{self.strategy}")
         else:
-            chosen, others = raw, {}
-        for name, opts in [(self.strategy, chosen), *others.items()]:
-            schema = table[name]
-            prefix = "strategy_options" if chosen is raw else f"strategy_options.{name}"
-            for key, value in opts.items():
-                if key not in schema:
-                    raise PydanticCustomError(
-                        "unknown_strategy_option",
-                        "{prefix}.{key}: unknown option of strategy '{name}'{hint}; valid "
-                        "options of {name}: {valid}. Fix: rename or remove it",
-                        {"prefix": prefix, "key": key, "name": name, "valid": ", ".join(schema),
-                         "hint": did_you_mean(key, list(schema)), "at": f"{prefix}.{key}"})
-                kind, default, rule = schema[key]
-                if value is None and default is None:
-                    continue  # "unset" (how a normalised config round-trips)
-                problem = self._option_problem(kind, value, rule)
-                if problem:
-                    raise PydanticCustomError(
-                        "bad_strategy_option",
-                        "{prefix}.{key} {problem}, but got {value} (strategy '{name}')",
-                        {"prefix": prefix, "key": key, "problem": problem, "value": value,
-                         "name": name, "at": f"{prefix}.{key}"})
-        if self.strategy == "easgd" and None not in (chosen.get("alpha"), chosen.get("rho")):
-            raise PydanticCustomError(
-                "bad_strategy_option",
-                "strategy_options: easgd takes alpha or rho (alpha = lr * rho), not both, but got "
-                "alpha={alpha}, rho={rho}. Fix: remove one",
-                {"alpha": chosen["alpha"], "rho": chosen["rho"]})
+            chosen = STRATEGIES.check(self.strategy, raw, at="strategy_options")
         if self.strategy == "easgd" and chosen.get("momentum") and self.optimizer != "sgd":
             raise PydanticCustomError(
                 "bad_strategy_option",
                 "strategy_options.momentum: true (momentum EASGD) puts Nesterov momentum on each "
                 "worker's SGD step, so it needs optimizer: sgd, but got optimizer: {opt}. Fix: set "
                 "optimizer: sgd or momentum: false", {"opt": self.optimizer})
-        full = {k: chosen.get(k, spec[1]) for k, spec in table[self.strategy].items()}
-        if full != self.strategy_options:
-            object.__setattr__(self, "strategy_options", full)  # frozen: normalise once, here
+        if chosen != self.strategy_options:
+            object.__setattr__(self, "strategy_options", chosen)  # frozen: normalise once, here
         return self
 
 
@@ -377,7 +333,28 @@ class StudySpec(_Strict):
     search: SearchSpec
     training: dict[str, Any] = Field(default_factory=dict)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    engine: EngineName = "local"
+    engine: str = Field(default="local", description="A registered engine: local, compss, ...")
     storage: str | None = None
     compss: dict[str, Any] = Field(default_factory=dict, description="Options of the compss engine.")
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the engine (for compss: the compss: section).")
     oracle: OracleSpec = Field(default_factory=OracleSpec)
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> StudySpec:
+        _checked_name(ENGINES, self.engine, "engine")
+        if self.engine == "compss" and self.engine_options and self.compss:
+            raise PydanticCustomError(
+                "engine_options", "engine_options: the compss engine's options go in the compss: section, "
+                "not both. Fix: move them under compss:", {})
+        if self.compss:
+            ENGINES.check("compss", self.compss, at="compss")
+        if self.engine_options:
+            ENGINES.check(self.engine, self.engine_options, at="engine_options")
+        return self
+
+    def engine_option_values(self) -> dict[str, Any]:
+        """The chosen engine's option bag as written (compss: the ``compss:`` section)."""
+        if self.engine == "compss" and not self.engine_options:
+            return dict(self.compss)
+        return dict(self.engine_options)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Dataset", "load_dataset"]
+__all__ = ["DATASETS", "Dataset", "DatasetInfo", "dataset_info", "load_dataset"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,31 @@ class Dataset:
     y_val: torch.Tensor
     input_shape: tuple[int, ...]
     n_classes: int
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What the oracle needs of a built-in data set, without loading it."""
+
+    input_shape: tuple[int, ...]
+    n_classes: int
+    n_samples: int  # before the validation split
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "digits": DatasetInfo((1, 8, 8), 10, 1797),  # scikit-learn's load_digits
+    "synthetic": DatasetInfo((1, 8, 8), 10, 2000),
+}
+
+
+def dataset_info(name: str, val_fraction: float = 0.2) -> tuple[tuple[int, ...], int, int]:
+    """(input shape, classes, training samples after the split) of a built-in data set: the same
+    split as ``load_dataset`` (scikit-learn's ``train_test_split`` rounds the test part up)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; built-in data sets: {', '.join(DATASETS)}")
+    info = DATASETS[name]
+    n_val = -(-info.n_samples * val_fraction // 1)  # ceil, as train_test_split does
+    return info.input_shape, info.n_classes, info.n_samples - int(n_val)
 
 
 def _split(x: np.ndarray, y: np.ndarray, val_fraction: float) -> Dataset:
@@ -48,7 +73,8 @@ def load_dataset(name: str, val_fraction: float = 0.2) -> Dataset:
     if name == "synthetic":
         rng = np.random.default_rng(0)
         centers = rng.normal(size=(10, 1, 8, 8)).astype(np.float32)
-        y = rng.integers(0, 10, size=2000).astype(np.int64)
-        x = centers[y] + 0.8 * rng.normal(size=(2000, 1, 8, 8)).astype(np.float32)
+        n = DATASETS["synthetic"].n_samples
+        y = rng.integers(0, 10, size=n).astype(np.int64)
+        x = centers[y] + 0.8 * rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
         return _split(x, y, val_fraction)
     raise ValueError(f"unknown dataset {name!r}; built-in data sets: digits, synthetic")

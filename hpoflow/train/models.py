@@ -1,16 +1,17 @@
 """Built-in models: a small MLP and a small CNN for 8x8 (digits) or 28x28 images.
 
 Every builder takes ``(input_shape, n_classes, **options)`` and returns an ``nn.Module``.
-``build_model`` looks the name up and gives an error that lists the valid names.
+Both are registered in ``hpoflow.registry.MODELS`` (options models in ``hpoflow.train.options``);
+``build_model`` looks a name up there and gives an error that lists the valid names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
 
-__all__ = ["MODELS", "build_model"]
+from hpoflow.registry import MODELS
+
+__all__ = ["build_model", "cnn", "mlp"]
 
 
 def mlp(
@@ -54,17 +55,10 @@ def cnn(
     return nn.Sequential(features, *head)
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn}
-
-
 def build_model(name: str, input_shape: tuple[int, ...], n_classes: int, **options: object) -> nn.Module:
-    """Build a built-in model by name; unknown names raise ``ValueError`` listing the valid ones."""
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model {name!r}; valid built-in models: {', '.join(sorted(MODELS))} "
-            "(or give training.function: 'module:function' for your own)"
-        ) from None
-    model = builder(input_shape, n_classes, **options)
+    """Build a model registered in ``hpoflow.registry.MODELS``; unknown names raise ``ValueError``
+    listing the valid ones."""
+    if name not in MODELS:
+        raise ValueError(f"{MODELS.unknown(name)} (or give training.function: 'module:function' for your own)")
+    model: nn.Module = MODELS.get(name)(input_shape, n_classes, **options)
     return model

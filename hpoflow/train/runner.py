@@ -26,7 +26,7 @@ from hpoflow.train import dist as hdist
 from hpoflow.train.builtin import NonFiniteLoss, train_builtin
 from hpoflow.train.context import TrialContext
 from hpoflow.train.transport import Channel, NullChannel
-from hpoflow.trial import TrialRequest
+from hpoflow.trial import RankOutcome, TrialRequest
 
 __all__ = ["RankJob", "RankOutcome", "load_function", "run_rank"]
 
@@ -43,17 +43,6 @@ class RankJob:
     master_port: int = 29500
     threads: int = 1
     pg_timeout_s: float = 120.0
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    status: str  # "ok" | "error" | "pruned"
-    metrics: dict[str, float]
-    error: str | None = None
-    error_type: str | None = None
-    retryable: bool = False
-    started_at: float | None = None  # wall clock when training began (after the rendezvous)
-    run_s: float | None = None  # time in the training function
 
 
 def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[TrialContext], Any]:

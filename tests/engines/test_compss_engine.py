@@ -182,7 +182,7 @@ def test_shape_env_and_one_shape_per_application(tmp_path: Path) -> None:
 def test_options_are_validated() -> None:
     with pytest.raises(EngineError, match=r"compss.lancher: unknown option \(did you mean 'launcher'\?\)"):
         Opts.from_mapping({"lancher": "srun"})
-    with pytest.raises(EngineError, match="must be one of srun, mpirun, ssh"):
+    with pytest.raises(EngineError, match="must be one of mpirun, srun, ssh"):
         Opts.from_mapping({"launcher": "pdsh"})
     assert Opts.from_mapping({"srun_args": [], "env": {"A": 1}}).env == {"A": "1"}
 

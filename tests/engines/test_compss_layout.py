@@ -78,7 +78,7 @@ def test_launcher_commands() -> None:
     remote = shlex.split(" ".join(ssh[1][4:]))
     assert remote == ["env", "PYTHONPATH=/a b", "/py", "-m", "hpoflow.engines.compss._rank_cli", "node", "--job",
                       "/r/my job.json", "--hosts", "n2,n1", "--node-index", "1"]
-    with pytest.raises(ValueError, match="valid launchers: srun, mpirun, ssh"):
+    with pytest.raises(ValueError, match="valid launchers: mpirun, srun, ssh"):
         launcher_argv("pdsh", hosts, 4, req, "/j")
 
 

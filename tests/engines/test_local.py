@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -150,13 +152,14 @@ def test_placement_plan_and_limits(tmp_path: Path) -> None:
         check_fits(req, 8, 0)
 
 
-def test_cuda_visible_devices_untouched_without_gpus(engine: LocalEngine, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cpu_trial_is_pinned_and_leaves_cuda_visible_devices_as_it_was(engine: LocalEngine,
+                                                                         tmp_path: Path) -> None:
     res = run_all(engine, [request(tmp_path, 0, "trainfns:env_probe", metric="ok")])[0]
     assert res.status == "complete"
     lines = (tmp_path / "0" / "env0.txt").read_text().split("\n")
+    assert lines[0] == os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")  # no GPU asked: not rewritten
     assert lines[2] == "1"  # OMP_NUM_THREADS from cpus_per_process
-    assert len(eval(lines[1])) == 1  # pinned to one core
+    assert len(ast.literal_eval(lines[1])) == 1  # pinned to one core
 
 
 def test_pruning_decision_reaches_every_rank_at_the_same_step(engine: LocalEngine, tmp_path: Path) -> None:

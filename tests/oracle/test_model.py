@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hpoflow.oracle import Plan, load_cluster, model_facts, predict
-from hpoflow.oracle._comm import ring_allreduce, ring_allreduce_bytes, tree_allreduce
+from hpoflow.oracle._comm import ring_allreduce, tree_allreduce
 from hpoflow.oracle.catalog import PRESETS
+from hpoflow.train.collectives import ring_allreduce_bytes
 
 
 def _cluster(**changes: object):  # type: ignore[no-untyped-def]
@@ -15,8 +16,8 @@ def _cluster(**changes: object):  # type: ignore[no-untyped-def]
 
 
 def test_ring_allreduce_volume_and_time() -> None:
-    assert ring_allreduce_bytes(1, 100.0) == 0
-    assert ring_allreduce_bytes(4, 100.0) == pytest.approx(150.0)  # 2(p-1)/p M
+    assert ring_allreduce_bytes(100.0, 1) == 0
+    assert ring_allreduce_bytes(100.0, 4) == pytest.approx(150.0)  # 2(p-1)/p M
     bw, lat = ring_allreduce(4, 100.0, 10.0, 0.5)
     assert bw == pytest.approx(15.0) and lat == pytest.approx(3.0)  # 2(p-1) alpha
     assert tree_allreduce(8, 100.0, 10.0, 0.5) == pytest.approx((20.0, 3.0))

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpoflow.spec import TrainConfig
+from hpoflow.train.collectives import ring_allreduce_bytes
 from hpoflow.train.rendezvous import free_port
 from hpoflow.train.strategies import (
     Strategy,
@@ -33,7 +34,7 @@ from hpoflow.train.strategies import (
     register_strategy,
     strategy_names,
 )
-from hpoflow.train.strategies._base import flat_params, ring_allreduce_bytes
+from hpoflow.train.strategies._base import flat_params
 from hpoflow.train.strategies._parameter_server import shard_parameters
 
 WORLD = 2

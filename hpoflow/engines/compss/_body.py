@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hpoflow.engines.base import TrialRequest, TrialResult, TrialStatus
 from hpoflow.engines.compss.layout import (
     bound_cpus,
     bound_gpus,
@@ -42,6 +41,7 @@ from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.fileio import read_json, write_json_atomic
 from hpoflow.train.rendezvous import free_port
 from hpoflow.train.transport import ReportReader, TrialFiles
+from hpoflow.trial import RankOutcome, TrialRequest, TrialResult, result_from_ranks
 
 __all__ = ["HEARTBEAT_S", "run_trial", "stderr_tail"]
 
@@ -105,12 +105,12 @@ def _first_report_time(files: TrialFiles) -> float | None:
     return None
 
 
-def _outcomes(files: TrialFiles, world: int) -> dict[int, dict[str, Any]]:
+def _outcomes(files: TrialFiles, world: int) -> dict[int, RankOutcome]:
     out = {}
     for r in range(world):
         data = read_json(files.outcome(r))
         if isinstance(data, dict):
-            out[r] = data
+            out[r] = RankOutcome.from_dict(data)
     return out
 
 
@@ -121,33 +121,16 @@ def _result_from(req: TrialRequest, files: TrialFiles, *, codes: list[int | None
     if first is not None:
         timings["to_first_report_s"] = max(0.0, first - t0_wall)
     outcomes = _outcomes(files, req.processes)
-
-    def tail() -> str:
-        return stderr_tail(files, req.processes, req.nodes)
-
-    if cancelled is not None:
-        return TrialResult(req.number, "cancelled", error=cancelled, stderr_tail=tail(), timings=timings)
-    if failure is not None:
-        return TrialResult(req.number, "failed", error=failure, stderr_tail=tail(), timings=timings,
-                           retryable=retryable)
-    errors = {r: o for r, o in outcomes.items() if o.get("status") == "error"}
-    if errors:
-        # the root cause: a user error (not retryable) beats "a peer went away" in other ranks
-        r, o = min(errors.items(), key=lambda kv: (bool(kv[1].get("retryable")), kv[0]))
-        return TrialResult(req.number, "failed", error=f"rank {r} on {o.get('host', '?')}: {o.get('error')}",
-                           stderr_tail=tail(), timings=timings, retryable=bool(o.get("retryable")))
-    missing = [r for r in range(req.processes) if r not in outcomes]
-    if missing:
+    if failure is None and cancelled is None and any(r not in outcomes for r in range(req.processes)):
         what = ", ".join(describe_exit(c) for c in codes) or "no launcher"
-        return TrialResult(
-            req.number, "failed",
-            error=f"rank(s) {missing} ended without a result (launcher {what}): a rank was killed, "
-                  "ran out of memory or lost its node",
-            stderr_tail=tail(), timings=timings, retryable=True)
-    chief = outcomes[0]
-    metrics = {k: float(v) for k, v in (chief.get("metrics") or {}).items()}
-    status: TrialStatus = "pruned" if chief.get("status") == "pruned" else "complete"
-    return TrialResult(req.number, status, value=metrics.get(req.metric), metrics=metrics, timings=timings)
+        failure, retryable = (f"rank(s) {[r for r in range(req.processes) if r not in outcomes]} ended without a "
+                              f"result (launcher {what}): a rank was killed, ran out of memory or lost its node",
+                              True)
+        if any(o.status == "error" for o in outcomes.values()):
+            failure = None  # a rank's own error is the root cause: let the outcomes speak
+    return result_from_ranks(req, outcomes, timings=timings, failure=failure, retryable=retryable,
+                             cancelled=cancelled, stderr_tail=lambda: stderr_tail(files, req.processes, req.nodes),
+                             submitted_wall=t0_wall)
 
 
 def _plan(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], env: dict[str, str]

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, runtime_active
 from hpoflow.engines.compss._body import HEARTBEAT_S, run_trial
@@ -84,6 +86,13 @@ class CompssEngine(Engine):
     """Runs each trial as a PyCOMPSs task; see the module docstring."""
 
     name = "compss"
+
+    @classmethod
+    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> CompssEngine:
+        """The registry's constructor (``hpoflow.registry.ENGINES``): from a ``CompssOptions``."""
+        if not isinstance(options, CompssOptions):
+            raise TypeError(f"CompssEngine.from_options needs CompssOptions, got {type(options).__name__}")
+        return cls(run_dir, **options.model_dump())
 
     def __init__(self, run_dir: str | os.PathLike[str] | None = None, *, sequential: bool | None = None,
                  **options: Any) -> None:

@@ -17,15 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpoflow.engines.base import TrialRequest
+from hpoflow.registry import LAUNCHERS
 
 __all__ = [
-    "LAUNCHERS",
+    "LaunchJob",
     "NodePlan",
     "RankSlot",
     "bound_cpus",
     "bound_gpus",
     "choose_ifname",
     "launcher_argv",
+    "mpirun_argv",
     "node_index_from_env",
     "ordered_hosts",
     "parse_id_list",
@@ -33,9 +35,10 @@ __all__ = [
     "rank_layout",
     "resolve_node_index",
     "split_for_ranks",
+    "srun_argv",
+    "ssh_argv",
 ]
 
-LAUNCHERS = ("srun", "mpirun", "ssh")
 RANK_CLI = "hpoflow.engines.compss._rank_cli"
 
 
@@ -203,42 +206,64 @@ def _node_cli(python: str, job_path: str) -> list[str]:
     return [python, "-m", RANK_CLI, "node", "--job", job_path]
 
 
+@dataclass(frozen=True)
+class LaunchJob:
+    """What a launcher needs to start one node launcher per host of a multi-node trial."""
+
+    hosts: tuple[str, ...]  # executing node first
+    cpus: int  # per node
+    gpus: int  # per node
+    python: str
+    job_path: str
+    args: tuple[str, ...] = ()  # the launcher's extra arguments (compss.<launcher>_args)
+    pythonpath: str | None = None
+
+
+def srun_argv(job: LaunchJob) -> list[list[str]]:
+    """One srun step with one task per node, inside the allocation COMPSs rewrote ``SLURM_*`` for;
+    each node launcher finds its index by its node name in ``--hosts``."""
+    n, host_list = len(job.hosts), ",".join(job.hosts)
+    argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--cpus-per-task={job.cpus}",
+            "--kill-on-bad-exit=1", "--export=ALL", *job.args]
+    if job.gpus:
+        argv.append(f"--gres=gpu:{job.gpus}")
+    return [[*argv, *_node_cli(job.python, job.job_path), "--hosts", host_list]]
+
+
+def mpirun_argv(job: LaunchJob) -> list[list[str]]:
+    """One process per node in ``hosts`` order; the node index is the MPI rank."""
+    n, host_list = len(job.hosts), ",".join(job.hosts)
+    argv = ["mpirun", "-np", str(n), "--host", host_list, "--map-by", "ppr:1:node", *job.args]
+    return [[*argv, *_node_cli(job.python, job.job_path), "--hosts", host_list, "--index-from", "mpi"]]
+
+
+def ssh_argv(job: LaunchJob) -> list[list[str]]:
+    """One ssh per host with an explicit ``--node-index`` (the remote command is quoted element by
+    element, since ssh hands it to a shell)."""
+    host_list = ",".join(job.hosts)
+    out = []
+    for i, host in enumerate(job.hosts):
+        remote = ["env"]
+        if job.pythonpath:
+            remote.append(f"PYTHONPATH={job.pythonpath}")
+        remote += [*_node_cli(job.python, job.job_path), "--hosts", host_list, "--node-index", str(i)]
+        out.append(["ssh", *job.args, host, *(shlex.quote(a) for a in remote)])
+    return out
+
+
 def launcher_argv(launcher: str, hosts: Sequence[str], ppn: int, request: TrialRequest, job_path: str,
                   *, python: str | None = None, srun_args: Sequence[str] = ("--overlap",),
                   mpirun_args: Sequence[str] = (), ssh_args: Sequence[str] = ("-o", "BatchMode=yes"),
                   pythonpath: str | None = None) -> list[list[str]]:
-    """The commands that start one node launcher on each of ``hosts`` (executing node first).
-
-    - ``srun``: one step with one task per node, inside the allocation COMPSs rewrote ``SLURM_*``
-      for; each launcher finds its index by its node name in ``--hosts``.
-    - ``mpirun``: one process per node in ``hosts`` order; index = the MPI rank.
-    - ``ssh``: one ssh per host with an explicit ``--node-index`` (the remote command is quoted
-      element by element, since ssh hands it to a shell).
-    """
-    py = python or sys.executable
-    n = len(hosts)
-    host_list = ",".join(hosts)
-    cpus = ppn * request.cpus_per_process
-    gpus = ppn * request.gpus_per_process
-    if launcher == "srun":
-        argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-                f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1", "--export=ALL", *srun_args]
-        if gpus:
-            argv.append(f"--gres=gpu:{gpus}")
-        return [[*argv, *_node_cli(py, job_path), "--hosts", host_list]]
-    if launcher == "mpirun":
-        argv = ["mpirun", "-np", str(n), "--host", host_list, "--map-by", "ppr:1:node", *mpirun_args]
-        return [[*argv, *_node_cli(py, job_path), "--hosts", host_list, "--index-from", "mpi"]]
-    if launcher == "ssh":
-        out = []
-        for i, host in enumerate(hosts):
-            remote = ["env"]
-            if pythonpath:
-                remote.append(f"PYTHONPATH={pythonpath}")
-            remote += [*_node_cli(py, job_path), "--hosts", host_list, "--node-index", str(i)]
-            out.append(["ssh", *ssh_args, host, *(shlex.quote(a) for a in remote)])
-        return out
-    raise ValueError(f"unknown launcher {launcher!r}; valid launchers: {', '.join(LAUNCHERS)}")
+    """The commands that start one node launcher on each of ``hosts`` (executing node first), by
+    the launcher registered as ``launcher`` in ``hpoflow.registry.LAUNCHERS``."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(LAUNCHERS.unknown(launcher))
+    args = {"srun": srun_args, "mpirun": mpirun_args, "ssh": ssh_args}.get(launcher, ())
+    job = LaunchJob(tuple(hosts), ppn * request.cpus_per_process, ppn * request.gpus_per_process,
+                    python or sys.executable, job_path, tuple(args), pythonpath)
+    argv: list[list[str]] = LAUNCHERS.get(launcher)(job)
+    return argv
 
 
 def default_pythonpath() -> str:

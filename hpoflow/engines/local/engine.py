@@ -25,11 +25,15 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult, TrialStatus
+from pydantic import BaseModel
+
+from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.train.rendezvous import free_port
+from hpoflow.trial import RankOutcome, result_from_ranks
 
 __all__ = ["LocalEngine", "plan_placement"]
 
@@ -83,7 +87,7 @@ class _Trial:
     submitted: float
     deadline: float | None
     submitted_wall: float = 0.0
-    outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
     first_report: float | None = None
     cancel_reason: str | None = None
     failure: str | None = None
@@ -102,6 +106,14 @@ class LocalEngine(Engine):
     """
 
     name = "local"
+
+    @classmethod
+    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> LocalEngine:
+        """The registry's constructor (``hpoflow.registry.ENGINES``): from a ``LocalOptions``."""
+        if not isinstance(options, LocalOptions):
+            raise TypeError(f"LocalEngine.from_options needs LocalOptions, got {type(options).__name__}")
+        return cls(cores=options.cores, gpus=options.gpus, pg_timeout_s=options.pg_timeout_s,
+                   max_trials_per_worker=options.max_trials_per_worker)
 
     def __init__(self, cores: list[int] | None = None, gpus: list[int] | None = None,
                  preload: list[str] | None = None, pg_timeout_s: float = 120.0,
@@ -327,10 +339,10 @@ class LocalEngine(Engine):
                         t.first_report = time.monotonic()
                     self._events.append(TrialReport(t.request.number, step, metrics, wants))
                 elif kind == "outcome":
-                    t.outcomes[w.rank] = payload
-                    if payload["status"] == "error" and t.failure is None:
-                        t.failure = f"rank {w.rank}: {payload['error']}"
-                        t.retryable = bool(payload.get("retryable"))
+                    outcome = t.outcomes[w.rank] = RankOutcome.from_dict(payload)
+                    if outcome.status == "error" and t.failure is None:
+                        t.failure = f"rank {w.rank}: {outcome.error}"
+                        t.retryable = outcome.retryable
                         self._kill_unfinished(t)
         except (EOFError, OSError):
             self._on_worker_exit(w)
@@ -343,7 +355,7 @@ class LocalEngine(Engine):
         code = w.proc.exitcode
         self._retire(w)
         if t is not None and w.rank not in t.outcomes:
-            t.outcomes[w.rank] = {"status": "lost"}
+            t.outcomes[w.rank] = RankOutcome("lost")
             if t.failure is None and t.cancel_reason is None:
                 t.failure = f"rank {w.rank} {describe_exit(code)} before it finished"
                 t.retryable = True
@@ -363,7 +375,7 @@ class LocalEngine(Engine):
         collective); they are replaced, never reused."""
         for w in t.workers:
             if w.rank not in t.outcomes and w.wid in self._workers:
-                t.outcomes[w.rank] = {"status": "killed"}
+                t.outcomes[w.rank] = RankOutcome("killed")
                 self._retire(w)
 
     def _finish_ready(self) -> None:
@@ -380,22 +392,15 @@ class LocalEngine(Engine):
         timings = {"duration_s": now - t.submitted}
         if t.first_report is not None:
             timings["to_first_report_s"] = t.first_report - t.submitted
-        chief = t.outcomes.get(0, {})
-        if chief.get("started_at") is not None:  # submit -> training starts (workers, rendezvous)
-            timings["launch_s"] = float(chief["started_at"]) - t.submitted_wall
-            timings["run_s"] = float(chief["run_s"])
         trial_dir = Path(req.trial_dir)
-        if t.failure is not None or t.cancel_reason is not None:
+
+        def stderr() -> str:
             logs = [tail(trial_dir / f"rank{r}.log", 2000) for r in range(len(t.workers))]
-            stderr = "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs) if text.strip())
-            if t.failure is None:
-                return TrialResult(req.number, "cancelled", error=t.cancel_reason, stderr_tail=stderr,
-                                   timings=timings)
-            return TrialResult(req.number, "failed", error=t.failure, stderr_tail=stderr, timings=timings,
-                               retryable=t.retryable)
-        metrics = chief.get("metrics", {})
-        status: TrialStatus = "pruned" if chief.get("status") == "pruned" else "complete"
-        return TrialResult(req.number, status, value=metrics.get(req.metric), metrics=metrics, timings=timings)
+            return "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs) if text.strip())
+
+        return result_from_ranks(req, t.outcomes, timings=timings, failure=t.failure, retryable=t.retryable,
+                                 cancelled=t.cancel_reason if t.failure is None else None, stderr_tail=stderr,
+                                 submitted_wall=t.submitted_wall)
 
     def _release(self, t: _Trial) -> None:
         for p in t.placement:

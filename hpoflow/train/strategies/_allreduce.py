@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from hpoflow.train.strategies._base import OptimizerLike, Strategy, ring_allreduce_bytes
+from hpoflow.train.collectives import ring_allreduce_bytes
+from hpoflow.train.strategies._base import OptimizerLike, Strategy
 
 __all__ = ["AllReduce"]
 

@@ -210,11 +210,6 @@ def load_flat(params: list[nn.Parameter], flat: torch.Tensor) -> None:
             i += n
 
 
-def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (p - 1) / p * nbytes."""
-    return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
-
-
 class Strategy(abc.ABC):
     """One data-parallel strategy; see the module docstring for the contract."""
 

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpoflow.train.collectives import ring_allreduce_bytes
 from hpoflow.train.strategies._base import (
     OptimizerLike,
     Strategy,
     flat_params,
     load_flat,
-    ring_allreduce_bytes,
 )
 
 __all__ = ["EASGD"]

@@ -13,12 +13,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from hpoflow.train.collectives import ring_allreduce_bytes
 from hpoflow.train.strategies._base import (
     OptimizerLike,
     Strategy,
     flat_params,
     load_flat,
-    ring_allreduce_bytes,
 )
 
 __all__ = ["LocalSGD"]

@@ -1,0 +1,234 @@
+"""Plug-in registries: one per kind — engine, sampler, pruner, strategy, launcher, model.
+
+Every entry is a name, an implementation and a pydantic *options model* (the keys its option bag
+takes, with types, defaults and rules). The spec validates each option bag of a study
+(``search.sampler_options``, ``search.pruner``, ``training.strategy_options``,
+``training.model_options``, the engine's options, ``compss.launcher``) through the registry of its
+kind when the spec is loaded, so ``hpoflow validate`` rejects a bad option before anything runs.
+
+Implementations and options models may be given as objects or as lazy ``"module:attr"`` references,
+resolved on first use: the built-in entries below are references, so validating a spec imports only
+the (light, pydantic-only) options modules, never torch or an engine. An options module must stay
+light for that reason.
+
+Adding a plug-in is one module plus one registration, from anywhere::
+
+    from hpoflow.registry import ENGINES
+    ENGINES.register("mine", MyEngine, MyEngineOptions)   # or "pkg.mod:MyEngine", "pkg.mod:Opts"
+
+What each kind's implementation must be is in the registry's ``contract`` (and docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticCustomError
+
+from hpoflow.errors import HpoflowError, did_you_mean
+
+__all__ = [
+    "ENGINES",
+    "LAUNCHERS",
+    "MODELS",
+    "PRUNERS",
+    "SAMPLERS",
+    "STRATEGIES",
+    "NoOptions",
+    "Options",
+    "PluginError",
+    "Registry",
+    "resolve",
+]
+
+T = TypeVar("T")
+
+
+class PluginError(HpoflowError):
+    """An unknown plug-in name, or a registration that breaks its registry's rules."""
+
+
+class Options(BaseModel):
+    """Base of every options model: frozen, unknown keys rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NoOptions(Options):
+    """The options model of a plug-in that takes none."""
+
+
+def resolve(ref: Any) -> Any:
+    """``"package.module:attr"`` -> that object (imported now); any other value is returned as is."""
+    if not isinstance(ref, str):
+        return ref
+    module, sep, attr = ref.partition(":")
+    if not sep or not module or not attr:
+        raise PluginError(f"a plug-in reference must look like 'package.module:attr', but got {ref!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise PluginError(f"cannot import {module!r} for plug-in {ref!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(f"module {module!r} has no attribute {attr!r} (plug-in {ref!r})") from None
+    return obj
+
+
+@dataclass
+class _Entry:
+    impl: Any  # object or "module:attr"
+    options: Any  # type[BaseModel] or "module:attr"
+    summary: str
+
+
+class Registry(Generic[T]):
+    """Names -> implementations of one plug-in kind, each with its options model."""
+
+    def __init__(self, kind: str, contract: str, plural: str = "") -> None:
+        self.kind = kind
+        self.plural = plural or f"{kind}s"
+        self.contract = contract
+        self._entries: dict[str, _Entry] = {}
+
+    def register(self, name: str, impl: T | str, options: type[BaseModel] | str = NoOptions, *,
+                 summary: str = "", replace: bool = False) -> None:
+        """Add ``name``. ``replace=False`` refuses a name already taken by another implementation."""
+        if not isinstance(name, str) or not name.replace("-", "_").replace(".", "_").isidentifier():
+            raise PluginError(f"a {self.kind} name must be an identifier (letters, digits, _ - .), got {name!r}")
+        old = self._entries.get(name)
+        if old is not None and not replace and old.impl is not impl and old.impl != impl:
+            raise PluginError(f"{self.kind} {name!r} is already registered ({old.impl!r}); pass replace=True "
+                              "to override it")
+        if not isinstance(options, str) and not (isinstance(options, type) and issubclass(options, BaseModel)):
+            raise PluginError(f"the options of {self.kind} {name!r} must be a pydantic model class, got {options!r}")
+        self._entries[name] = _Entry(impl, options, summary)
+
+    def unregister(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise PluginError(self.unknown(name))
+        return entry
+
+    def unknown(self, name: object) -> str:
+        """The message for a name that is not registered: the valid names and the closest one."""
+        return (f"unknown {self.kind} {name!r}{did_you_mean(str(name), self.names())}; valid "
+                f"{self.plural}: {', '.join(self.names())}")
+
+    def get(self, name: str) -> T:
+        """The implementation (imported on first use)."""
+        entry = self._entry(name)
+        entry.impl = resolve(entry.impl)
+        impl: T = entry.impl
+        return impl
+
+    def options_model(self, name: str) -> type[BaseModel]:
+        entry = self._entry(name)
+        entry.options = resolve(entry.options)
+        model: type[BaseModel] = entry.options
+        return model
+
+    def summary(self, name: str) -> str:
+        return self._entry(name).summary
+
+    def options(self, name: str, values: Mapping[str, Any] | None = None) -> BaseModel:
+        """``values`` validated by ``name``'s options model (``PluginError`` on the first problem)."""
+        try:
+            return self.options_model(name).model_validate(dict(values or {}))
+        except ValidationError as exc:
+            key, msg = self._problem(name, exc)
+            raise PluginError(f"{self.kind} {name!r}: option {key or '?'}: {msg}") from None
+
+    def check(self, name: str, values: Mapping[str, Any] | None, at: str) -> dict[str, Any]:
+        """For spec validators: ``values`` validated and completed with defaults, or a
+        ``PydanticCustomError`` whose ``at`` context is the offending key's path below ``at``."""
+        if name not in self._entries:
+            raise PydanticCustomError("unknown_plugin", "{msg}", {"msg": self.unknown(name)})
+        try:
+            model = self.options_model(name).model_validate(dict(values or {}))
+        except ValidationError as exc:
+            key, msg = self._problem(name, exc)
+            path = ".".join(p for p in (at, key) if p)
+            raise PydanticCustomError("bad_plugin_option", "{at}: {msg}", {"at": path, "msg": msg}) from None
+        return model.model_dump(mode="json", by_alias=True)
+
+    def _problem(self, name: str, exc: ValidationError) -> tuple[str, str]:
+        """(key path, message) of the first problem, in the project's words: rule, value, fix."""
+        err = exc.errors(include_url=False)[0]
+        key = ".".join(str(p) for p in err["loc"])
+        kind = str(err.get("type", ""))
+        ctx = err.get("ctx") or {}
+        if kind == "extra_forbidden":
+            model = self.options_model(name)
+            valid = [f.alias or n for n, f in model.model_fields.items()]
+            listing = f"valid options of {name}: {', '.join(valid)}" if valid else f"{name} takes no options"
+            return key, (f"unknown option of {self.kind} '{name}'{did_you_mean(key, valid)}; {listing}. "
+                         "Fix: rename or remove it")
+        rules = {
+            "greater_than_equal": f"must be >= {ctx.get('ge')}", "greater_than": f"must be > {ctx.get('gt')}",
+            "less_than": f"must be < {ctx.get('lt')}", "less_than_equal": f"must be <= {ctx.get('le')}",
+            "int_type": "must be a whole number", "int_parsing": "must be a whole number",
+            "int_from_float": "must be a whole number", "float_type": "must be a number",
+            "float_parsing": "must be a number", "bool_type": "must be true or false",
+            "bool_parsing": "must be true or false", "literal_error": f"must be one of {ctx.get('expected')}",
+            "string_type": "must be a string", "list_type": "must be a list", "dict_type": "must be a mapping",
+            "finite_number": "must be a finite number",
+        }
+        rule = rules.get(kind) or str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if kind.startswith("value_error"):
+            return key, f"{rule} ({self.kind} '{name}')"
+        return key, f"{rule}, but got {err.get('input')!r} ({self.kind} '{name}')"
+
+
+ENGINES: Registry[Any] = Registry(
+    "engine", "a class (or factory) called as impl(options: <options model>, run_dir: Path) that returns "
+              "an hpoflow.engines.base.Engine")
+SAMPLERS: Registry[Any] = Registry(
+    "sampler", "a callable (options, seed: int | None, max_concurrent: int) -> optuna.samplers.BaseSampler")
+PRUNERS: Registry[Any] = Registry("pruner", "a callable (options) -> optuna.pruners.BasePruner")
+STRATEGIES: Registry[Any] = Registry(
+    "strategy", "a subclass of hpoflow.train.strategies.Strategy, built as cls(options: dict, env)", "strategies")
+LAUNCHERS: Registry[Any] = Registry(
+    "launcher", "a callable (plan, python, job_path, options) -> list of argv lists, one per launcher process")
+MODELS: Registry[Any] = Registry(
+    "model", "a callable (input_shape, n_classes, **options) -> torch.nn.Module")
+
+# -- built-in plug-ins: one line each ------------------------------------------------------------
+ENGINES.register("local", "hpoflow.engines.local:LocalEngine.from_options",
+                 "hpoflow.engines.local.options:LocalOptions", summary="warm worker processes on this machine")
+ENGINES.register("compss", "hpoflow.engines.compss:CompssEngine.from_options",
+                 "hpoflow.engines.compss.options:CompssOptions", summary="PyCOMPSs tasks on a cluster")
+
+for _name, _cls in [("grid", "Grid"), ("random", "Random"), ("tpe", "TPE"), ("gp", "GP"), ("cmaes", "CmaEs")]:
+    SAMPLERS.register(_name, f"hpoflow.search.samplers:make_{_name}",
+                      f"hpoflow.search.options:{_cls}Options")
+for _name, _cls in [("none", "Nop"), ("median", "Median"), ("percentile", "Percentile"), ("asha", "Asha"),
+                    ("hyperband", "Hyperband")]:
+    PRUNERS.register(_name, f"hpoflow.search.samplers:make_{_name}_pruner",
+                     f"hpoflow.search.options:{_cls}PrunerOptions")
+for _name, _cls in [("allreduce", "AllReduce"), ("parameter_server", "ParameterServer"), ("easgd", "EASGD"),
+                    ("local_sgd", "LocalSGD")]:
+    STRATEGIES.register(_name, f"hpoflow.train.strategies:{_cls}", f"hpoflow.train.options:{_cls}Options")
+for _name in ("srun", "mpirun", "ssh"):
+    LAUNCHERS.register(_name, f"hpoflow.engines.compss.layout:{_name}_argv")
+MODELS.register("mlp", "hpoflow.train.models:mlp", "hpoflow.train.options:MLPOptions")
+MODELS.register("cnn", "hpoflow.train.models:cnn", "hpoflow.train.options:CNNOptions")
+del _name, _cls

@@ -1,0 +1,105 @@
+"""Options models of the built-in samplers and pruners (pydantic only: the spec imports this module).
+
+Each model is the option bag of one registry entry (``hpoflow.registry.SAMPLERS`` / ``PRUNERS``):
+``search.sampler_options`` for the sampler, the keys beside ``type`` in ``search.pruner`` for the
+pruner. The factories in ``hpoflow.search.samplers`` turn them into Optuna objects.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from hpoflow.registry import NoOptions, Options
+
+__all__ = [
+    "AshaPrunerOptions",
+    "CmaEsOptions",
+    "GPOptions",
+    "GridOptions",
+    "HyperbandPrunerOptions",
+    "MedianPrunerOptions",
+    "NopPrunerOptions",
+    "PercentilePrunerOptions",
+    "RandomOptions",
+    "TPEOptions",
+]
+
+
+class GridOptions(NoOptions):
+    """Exact grid: the driver enumerates the points (``search.space.grid_points``)."""
+
+
+class RandomOptions(NoOptions):
+    """``optuna.samplers.RandomSampler`` (seeded by ``search.seed``)."""
+
+
+class TPEOptions(Options):
+    """``optuna.samplers.TPESampler``. ``constant_liar`` defaults to on when trials run concurrently.
+    (The options Optuna deprecated in 4.9 — prior_weight, consider_magic_clip, consider_endpoints,
+    warn_independent_sampling — are not offered.)"""
+
+    n_startup_trials: int = Field(default=10, ge=0)
+    n_ei_candidates: int = Field(default=24, ge=1)
+    multivariate: bool = True
+    group: bool = False
+    constant_liar: bool | None = None
+
+
+class GPOptions(Options):
+    """``optuna.samplers.GPSampler``."""
+
+    n_startup_trials: int = Field(default=10, ge=0)
+    deterministic_objective: bool = False
+    warn_independent_sampling: bool = True
+
+
+class CmaEsOptions(Options):
+    """``optuna.samplers.CmaEsSampler``."""
+
+    sigma0: float | None = Field(default=None, gt=0)
+    n_startup_trials: int = Field(default=1, ge=0)
+    consider_pruned_trials: bool = False
+    restart_strategy: Literal["ipop", "bipop"] | None = None
+    popsize: int | None = Field(default=None, ge=2)
+    inc_popsize: int = Field(default=-1)
+    use_separable_cma: bool = False
+    with_margin: bool = False
+    lr_adapt: bool = False
+    warn_independent_sampling: bool = False
+
+
+class NopPrunerOptions(NoOptions):
+    """No early stopping."""
+
+
+class MedianPrunerOptions(Options):
+    """``optuna.pruners.MedianPruner``: stop a trial below the median of earlier trials at the same step."""
+
+    startup_trials: int = Field(default=5, ge=0, description="Trials that finish before pruning starts.")
+    warmup_steps: int = Field(default=0, ge=0, description="Steps of a trial before it can be pruned.")
+    interval_steps: int = Field(default=1, ge=1)
+    min_trials: int = Field(default=1, ge=1, description="Trials reporting a step before it is compared.")
+
+
+class PercentilePrunerOptions(MedianPrunerOptions):
+    """``optuna.pruners.PercentilePruner``: like median, at ``percentile``."""
+
+    percentile: float = Field(default=25.0, gt=0, lt=100)
+
+
+class AshaPrunerOptions(Options):
+    """``optuna.pruners.SuccessiveHalvingPruner`` (asynchronous successive halving)."""
+
+    min_resource: int = Field(default=1, ge=1)
+    reduction_factor: int = Field(default=3, ge=2)
+    min_early_stopping_rate: int = Field(default=0, ge=0)
+
+
+class HyperbandPrunerOptions(Options):
+    """``optuna.pruners.HyperbandPruner``; ``max_resource`` defaults to the trials' reported steps."""
+
+    min_resource: int = Field(default=1, ge=1)
+    max_resource: int | None = Field(default=None, ge=1)
+    reduction_factor: int = Field(default=3, ge=2)

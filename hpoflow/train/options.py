@@ -1,0 +1,95 @@
+"""Options models of the built-in strategies and models (pydantic only: the spec imports this module).
+
+``training.strategy_options`` is validated by the chosen strategy's model, ``training.model_options``
+by the built-in model's; registry entries in ``hpoflow.registry`` (``STRATEGIES``, ``MODELS``) point
+here. docs/strategies.md explains each option. A strategy's ``oracle_plan()`` says how the
+parallelism oracle prices it (the fields of ``hpoflow.oracle.Plan``); a strategy without one is not
+judged by the oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from hpoflow.registry import Options
+
+__all__ = [
+    "AllReduceOptions",
+    "CNNOptions",
+    "EASGDOptions",
+    "LocalSGDOptions",
+    "MLPOptions",
+    "ParameterServerOptions",
+]
+
+
+class AllReduceOptions(Options):
+    """Synchronous all-reduce (torch DDP)."""
+
+    bucket_cap_mb: float = Field(default=25.0, gt=0)
+    gradient_as_bucket_view: bool = False
+    compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = Field(default=1, ge=1)
+    powersgd_start_iter: int = Field(default=2, ge=2)
+
+    def oracle_plan(self) -> dict[str, Any]:
+        """How the oracle prices this strategy: ``hpoflow.oracle.Plan`` fields."""
+        return {"strategy": "ring"}
+
+
+class ParameterServerOptions(Options):
+    """Synchronous parameter server, sharded over ``servers`` ranks."""
+
+    servers: int = Field(default=1, ge=1)
+
+    def oracle_plan(self) -> dict[str, Any]:
+        return {"strategy": "ps", "servers": self.servers}
+
+
+class EASGDOptions(Options):
+    """Elastic averaging SGD: ``alpha`` (or ``rho``, alpha = lr * rho), exchange every ``tau`` steps."""
+
+    alpha: float | None = Field(default=None, gt=0, lt=1)
+    rho: float | None = Field(default=None, gt=0)
+    tau: int = Field(default=4, ge=1)
+    momentum: bool = False
+    momentum_coefficient: float = Field(default=0.9, ge=0, lt=1)
+
+    def oracle_plan(self) -> dict[str, Any]:
+        return {"strategy": "easgd", "period": self.tau}
+
+    @model_validator(mode="after")
+    def _alpha_or_rho(self) -> EASGDOptions:
+        if self.alpha is not None and self.rho is not None:
+            raise ValueError(f"easgd takes alpha or rho (alpha = lr * rho), not both, but got alpha={self.alpha}, "
+                             f"rho={self.rho}. Fix: remove one")
+        return self
+
+
+class LocalSGDOptions(Options):
+    """Local SGD: average the models every ``period`` steps."""
+
+    period: int = Field(default=8, ge=1)
+
+    def oracle_plan(self) -> dict[str, Any]:
+        """Local SGD exchanges the whole model every ``period`` steps: priced as the oracle's
+        periodic exchange (its ``easgd`` model) with that period."""
+        return {"strategy": "easgd", "period": self.period}
+
+
+class MLPOptions(Options):
+    """The built-in MLP: ``depth`` hidden layers of ``hidden`` units."""
+
+    hidden: int = Field(default=128, ge=1)
+    depth: int = Field(default=2, ge=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+
+
+class CNNOptions(Options):
+    """The built-in CNN: two 3x3 convolutions, a 2x2 max-pool, two linear layers."""
+
+    channels: int = Field(default=32, ge=1)
+    hidden: int = Field(default=128, ge=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)

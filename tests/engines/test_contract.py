@@ -1,0 +1,166 @@
+"""The engine contract (hpoflow/engines/base.py), one suite for every engine that runs here.
+
+Each engine runs the same trials, described by their params (tests/trainfns.py:behave): the
+threads engine calls the behaviour in a thread, the local engine in warm worker processes, the
+compss engine in its sequential mode (the task body and rank processes, without the runtime).
+Assertions are on events and their order, never on wall-clock bounds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+from hpoflow.engines import Engine, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.compss import CompssEngine
+from hpoflow.engines.local import LocalEngine
+from hpoflow.engines.threads import Reporter, ThreadEngine
+from hpoflow.errors import EngineError
+from hpoflow.spec import TrainConfig
+
+ENGINES = ["threads", "local", "compss"]
+PYPATH = (str(ROOT / "tests"),)
+if PYPATH[0] not in sys.path:  # the threads engine imports trainfns in this process
+    sys.path.insert(0, PYPATH[0])
+
+
+def _thread_objective(params: dict[str, Any], reporter: Reporter) -> Any:
+    from trainfns import behave_params
+
+    return behave_params(params, lambda step, **m: reporter.report(step, **m))
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    name = request.param
+    eng: Engine
+    if name == "threads":
+        eng = ThreadEngine(_thread_objective, slots=2)
+    elif name == "local":
+        eng = LocalEngine()
+    else:
+        eng = CompssEngine(tmp_path / "compss-run", sequential=True, poll_interval_s=0.05)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def req(tmp_path: Path, number: int, metric: str = "value", **params: Any) -> TrialRequest:
+    shape = {k: params.pop(k) for k in ("processes", "cpus_per_process", "gpus_per_process", "timeout",
+                                         "attempt", "pruning") if k in params}
+    train = TrainConfig(function="trainfns:behave", epochs=1).model_dump(mode="json")
+    return TrialRequest(number, params, train, metric, "maximize", str(tmp_path / "trials" / str(number)),
+                        python_path=PYPATH, **shape)
+
+
+def drain(engine: Engine, n_results: int, limit_s: float = 180.0) -> list[TrialReport | TrialResult]:
+    """Every event until ``n_results`` results came (a generous limit only guards against a hang)."""
+    events: list[TrialReport | TrialResult] = []
+    end = time.monotonic() + limit_s
+    while sum(isinstance(e, TrialResult) for e in events) < n_results:
+        if time.monotonic() > end:
+            raise TimeoutError(f"no {n_results} results; events so far: {events}")
+        for ev in engine.poll(0.5):
+            events.append(ev)
+            if isinstance(ev, TrialReport) and ev.wants_answer:
+                engine.answer(ev.number, False)
+    return events
+
+
+def results(events: list[TrialReport | TrialResult]) -> dict[int, TrialResult]:
+    return {e.number: e for e in events if isinstance(e, TrialResult)}
+
+
+def test_a_trial_completes_with_its_value(engine: Engine, tmp_path: Path) -> None:
+    engine.submit(req(tmp_path, 0, value=0.75))
+    assert engine.running() == [0]
+    res = results(drain(engine, 1))[0]
+    assert (res.status, res.value) == ("complete", 0.75)
+    assert engine.running() == []
+
+
+def test_reports_come_before_the_one_result(engine: Engine, tmp_path: Path) -> None:
+    engine.submit(req(tmp_path, 0, reports=3, pruning=True))
+    events = drain(engine, 1)
+    kinds = [(type(e).__name__, getattr(e, "step", None)) for e in events]
+    assert kinds == [("TrialReport", 0), ("TrialReport", 1), ("TrialReport", 2), ("TrialResult", None)]
+    assert all(e.wants_answer for e in events if isinstance(e, TrialReport))
+
+
+def test_results_arrive_in_completion_order(engine: Engine, tmp_path: Path) -> None:
+    if engine.capacity(req(tmp_path, 0)) < 2:
+        pytest.skip("the engine runs one trial at a time here (compss sequential mode)")
+    engine.submit(req(tmp_path, 0, sleep=3.0, value=0.0))
+    engine.submit(req(tmp_path, 1, value=1.0))
+    order = [e.number for e in drain(engine, 2) if isinstance(e, TrialResult)]
+    assert order == [1, 0]
+
+
+def test_an_exception_in_user_code_fails_the_trial_and_is_not_retryable(engine: Engine, tmp_path: Path) -> None:
+    engine.submit(req(tmp_path, 0, mode="raise"))
+    res = results(drain(engine, 1))[0]
+    assert res.status == "failed" and not res.retryable
+    assert "boom from user code" in (res.error or "")
+
+
+def test_a_killed_rank_fails_the_trial_as_retryable(engine: Engine, tmp_path: Path) -> None:
+    if isinstance(engine, ThreadEngine):
+        pytest.skip("a thread has no process to kill")
+    engine.submit(req(tmp_path, 0, mode="crash"))
+    res = results(drain(engine, 1))[0]
+    assert res.status == "failed" and res.retryable, res
+
+
+def test_a_trial_past_its_timeout_is_stopped_as_retryable(engine: Engine, tmp_path: Path) -> None:
+    if isinstance(engine, ThreadEngine):
+        pytest.skip("a thread cannot be stopped from outside")
+    engine.submit(req(tmp_path, 0, sleep=120.0, timeout=1.0))
+    res = results(drain(engine, 1))[0]
+    assert res.status == "failed" and res.retryable, res
+    assert "timeout" in (res.error or "").lower() or "time" in (res.error or "").lower()
+
+
+def test_cancel_ends_a_running_trial_with_status_cancelled(engine: Engine, tmp_path: Path) -> None:
+    if isinstance(engine, ThreadEngine):
+        pytest.skip("a thread cannot be stopped from outside")
+    engine.submit(req(tmp_path, 0, sleep=120.0, reports=1, pruning=True))
+    events: list[Any] = []
+    while not events:  # the trial is running once its first report arrives
+        events = [e for e in engine.poll(0.5) if isinstance(e, TrialReport)]
+    engine.answer(0, False)
+    engine.cancel(0, "test")
+    res = results(drain(engine, 1))[0]
+    assert res.status == "cancelled", res
+
+
+def test_a_retry_runs_as_a_new_attempt_in_the_same_trial_directory(engine: Engine, tmp_path: Path) -> None:
+    engine.submit(req(tmp_path, 0, mode="raise"))
+    assert results(drain(engine, 1))[0].status == "failed"
+    engine.submit(req(tmp_path, 0, attempt=1, value=2.0))
+    res = results(drain(engine, 1))[0]
+    assert (res.status, res.value) == ("complete", 2.0)
+
+
+def test_capacity_says_what_fits(engine: Engine, tmp_path: Path) -> None:
+    assert engine.capacity(req(tmp_path, 0)) >= 1
+    if isinstance(engine, LocalEngine):
+        huge = req(tmp_path, 1, processes=64, cpus_per_process=4)
+        assert engine.capacity(huge) == 0
+        with pytest.raises(EngineError, match="cores"):
+            engine.submit(huge)
+
+
+def test_a_rank_gets_the_cores_it_asked_for(engine: Engine, tmp_path: Path) -> None:
+    if isinstance(engine, ThreadEngine):
+        pytest.skip("threads share the driver's process: no placement")
+    engine.submit(req(tmp_path, 0, metric="threads", cpus_per_process=2 if isinstance(engine, LocalEngine) else 1))
+    res = results(drain(engine, 1))[0]
+    assert res.status == "complete", res
+    assert res.metrics["threads"] == (2.0 if isinstance(engine, LocalEngine) else 1.0)

@@ -1,0 +1,166 @@
+"""Plug-ins: an engine registered from outside the package runs a whole study; every option bag is
+validated through its registry when the spec loads; the oracle prices the trial's own strategy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel, Field
+
+import hpoflow
+from hpoflow.engines.base import Engine, Event
+from hpoflow.errors import SpecError
+from hpoflow.registry import ENGINES, SAMPLERS, Options
+from hpoflow.spec import load_spec
+from hpoflow.trial import TrialRequest, TrialResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- a tiny engine, written and registered here, outside the package --------------------------------
+class QuadraticOptions(Options):
+    slots: int = Field(default=1, ge=1)
+    offset: float = 0.0
+
+
+class QuadraticEngine(Engine):
+    """Scores a trial as -(lr - 0.01)^2 + offset at once, in the driver's thread."""
+
+    name = "quadratic"
+
+    def __init__(self, options: QuadraticOptions) -> None:
+        self.options = options
+        self._done: list[Event] = []
+        self._running: set[int] = set()
+        self.seen: list[TrialRequest] = []
+
+    @classmethod
+    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> QuadraticEngine:
+        if not isinstance(options, QuadraticOptions):
+            raise TypeError(type(options).__name__)
+        return cls(options)
+
+    def capacity(self, request: TrialRequest) -> int:
+        return self.options.slots
+
+    def submit(self, request: TrialRequest) -> None:
+        self.seen.append(request)
+        self._running.add(request.number)
+        value = -((float(request.params["lr"]) - 0.01) ** 2) + self.options.offset
+        self._done.append(TrialResult(request.number, "complete", value=value, metrics={request.metric: value}))
+
+    def poll(self, timeout: float | None) -> list[Event]:
+        out, self._done = self._done, []
+        for ev in out:
+            self._running.discard(ev.number)
+        return out
+
+    def answer(self, number: int, prune: bool) -> None:
+        pass
+
+    def cancel(self, number: int, reason: str) -> None:
+        pass
+
+    def running(self) -> list[int]:
+        return sorted(self._running)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def quadratic() -> Iterator[None]:
+    ENGINES.register("quadratic", QuadraticEngine.from_options, QuadraticOptions)
+    try:
+        yield
+    finally:
+        ENGINES.unregister("quadratic")
+
+
+def _spec(tmp_path: Path, **extra: Any) -> Path:
+    data = {
+        "study": {"name": "plug", "metric": "score", "direction": "maximize"},
+        "space": {"lr": {"type": "float", "low": 1e-4, "high": 0.1, "log": True}},
+        "search": {"algorithm": "tpe", "n_trials": 12, "max_concurrent": 2, "seed": 3},
+        "training": {"function": "trainfns:behave"},
+        **extra,
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_an_engine_registered_from_outside_runs_a_whole_study(tmp_path: Path, quadratic: None) -> None:
+    spec = _spec(tmp_path, engine="quadratic", engine_options={"slots": 2, "offset": 1.0})
+    result = hpoflow.optimize(spec, tmp_path / "run", progress=False)
+    assert result.summary.n_complete == 12
+    assert result.best_value is not None and 0.99 < result.best_value <= 1.0
+    assert math.isclose(result.best_value, -((result.best_params["lr"] - 0.01) ** 2) + 1.0)
+
+
+def test_an_outside_engines_options_are_checked_at_load_time(tmp_path: Path, quadratic: None) -> None:
+    with pytest.raises(SpecError, match=r"engine_options.slots: must be >= 1, but got 0 \(engine 'quadratic'\)"):
+        load_spec(_spec(tmp_path, engine="quadratic", engine_options={"slots": 0}))
+    with pytest.raises(SpecError, match=r"engine_options.slot: unknown option of engine 'quadratic' "
+                                        r"\(did you mean 'slots'\?\)"):
+        load_spec(_spec(tmp_path, engine="quadratic", engine_options={"slot": 2}))
+
+
+def test_an_unknown_engine_lists_the_registered_ones(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="unknown engine 'locale' \\(did you mean 'local'\\?\\); valid engines: "
+                                        "compss, local"):
+        load_spec(_spec(tmp_path, engine="locale"))
+
+
+@pytest.mark.parametrize(("extra", "where", "words"), [
+    ({"search": {"algorithm": "tpe", "n_trials": 2, "sampler_options": {"n_startup": 3}}},
+     "search.sampler_options.n_startup", "did you mean 'n_startup_trials'"),
+    ({"search": {"algorithm": "cmaes", "n_trials": 2, "sampler_options": {"sigma0": -1}}},
+     "search.sampler_options.sigma0", "must be > 0"),
+    ({"search": {"algorithm": "tpe", "n_trials": 2, "pruner": {"type": "asha", "percentile": 10}}},
+     "search.pruner.percentile", "unknown option of pruner 'asha'"),
+    ({"search": {"algorithm": "tpe", "n_trials": 2, "pruner": {"type": "mediam"}}},
+     "search.pruner.type", "did you mean 'median'"),
+    ({"training": {"model": "cnn", "model_options": {"chanels": 8}}},
+     "training.model_options.chanels", "did you mean 'channels'"),
+    ({"training": {"strategy": "easgd", "strategy_options": {"tau": 0}}},
+     "training.strategy_options.tau", "must be >= 1"),
+    ({"compss": {"launcher": "pdsh"}}, "compss.launcher", "must be one of mpirun, srun, ssh"),
+])
+def test_every_option_bag_is_validated_when_the_spec_loads(tmp_path: Path, extra: dict[str, Any], where: str,
+                                                          words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec(_spec(tmp_path, **extra))
+    issue = info.value.issues[0]
+    assert issue.path == where and words in issue.message, str(issue)
+    assert issue.line is not None
+
+
+def test_every_example_spec_validates_with_its_options_normalised() -> None:
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        spec, _ = load_spec(path)
+        model = SAMPLERS.options_model(spec.search.algorithm)
+        assert set(spec.search.sampler_options) == set(model.model_fields), path
+
+
+@pytest.mark.parametrize(("strategy", "options", "priced_as"), [
+    ("allreduce", {}, ("ring", {})),
+    ("parameter_server", {"servers": 2}, ("ps", {"servers": 2})),
+    ("easgd", {"tau": 8}, ("easgd", {"period": 8})),
+    ("local_sgd", {"period": 16}, ("easgd", {"period": 16})),
+])
+def test_the_oracle_prices_the_trials_own_strategy(strategy: str, options: dict[str, Any],
+                                                   priced_as: tuple[str, dict[str, int]]) -> None:
+    from hpoflow.oracle.trial import check_trial, strategy_plan
+
+    plan = strategy_plan(strategy, options)
+    assert plan == {"strategy": priced_as[0], **priced_as[1]}
+    train = {"model": "mlp", "dataset": "digits", "batch_size": 32, "epochs": 1, "strategy": strategy,
+             "strategy_options": options}
+    verdict = check_trial(train, processes=2, gpus_per_process=0, cluster=None)
+    assert verdict.feasible and verdict.predicted["strategy"] == priced_as[0], verdict
