@@ -49,3 +49,13 @@ def descendants() -> set[int]:
             continue
         out.add(p.pid)
     return out
+
+
+@pytest.fixture(scope="session")
+def calibration_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """One real 2-process gloo calibration of this machine per test run (it takes ~10 s), shared
+    by every test that needs one: the ClusterSpec and the YAML file it was written to."""
+    from hpoflow.oracle import calibrate, write_cluster
+
+    spec = calibrate(2, scale=0.2)
+    return spec, write_cluster(spec, tmp_path_factory.mktemp("calibration") / "cal.yaml")

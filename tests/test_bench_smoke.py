@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,10 +33,8 @@ def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> No
     assert keys <= set(figures), f"{script} JSON line lacks {sorted(keys - set(figures))}: {figures}"
 
 
-def test_oracle_validation_with_a_given_calibration(tmp_path: Path) -> None:
-    from hpoflow.oracle import calibrate, write_cluster
-
-    cal = write_cluster(calibrate(2, scale=0.2), tmp_path / "cal.yaml")
+def test_oracle_validation_with_a_given_calibration(tmp_path: Path, calibration_2: tuple[Any, Path]) -> None:
+    cal = calibration_2[1]
     proc = subprocess.run([sys.executable, str(BENCH / "oracle_validation.py"), "--calibration", str(cal),
                            "--steps", "10"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -57,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hpoflow: %(message)s"))
+    logging.getLogger("hpoflow").addHandler(handler)
+    logging.getLogger("hpoflow").setLevel(logging.WARNING)
     try:
         return int(args.func(args))
     except HpoflowError as exc:

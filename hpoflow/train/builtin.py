@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -44,6 +45,8 @@ from hpoflow.train.data import load_dataset
 from hpoflow.train.largebatch import LARS, LrSchedule
 from hpoflow.train.models import build_model
 from hpoflow.train.strategies import OptimizerLike, Strategy, StrategyEnv, make_strategy
+
+log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteLoss", "evaluate", "make_optimizer", "train_builtin", "weights_digest"]
 
@@ -150,7 +153,7 @@ def _finish(ctx: TrialContext, model: nn.Module) -> float:
         if os.environ.get("HPOFLOW_SAVE_FINAL_STATE") == "1":
             torch.save(model.state_dict(), ctx.trial_dir / f"final_state_rank{ctx.rank}.pt")
     except OSError as exc:  # the weights are a by-product: never fail a trial over them
-        print(f"hpoflow: rank {ctx.rank} could not write its final weights: {exc}")
+        log.warning("rank %d could not write its final weights: %s", ctx.rank, exc)
     return 1.0 if _ranks_identical(ctx, digest) else 0.0
 
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import queue
 import random
 import re
 import struct
-import sys
 import threading
 import time
 import warnings
@@ -46,6 +46,8 @@ import numpy as np
 import torch
 
 from hpoflow.fileio import write_atomic
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MAGIC",
@@ -280,9 +282,9 @@ class Checkpointer:
         except Exception as exc:  # a checkpoint is a safety net: losing one must not fail the trial
             self.errors += 1
             self.last_error = exc
-            print(f"hpoflow: rank {self.rank} could not write checkpoint step {step} in {self.directory}: "
-                  f"{type(exc).__name__}: {exc}. Training goes on; a crash would resume from an older "
-                  "checkpoint", file=sys.stderr, flush=True)
+            log.warning("rank %d could not write checkpoint step %d in %s: %s: %s. Training goes on; a crash "
+                        "would resume from an older checkpoint", self.rank, step, self.directory,
+                        type(exc).__name__, exc)
         finally:
             self.write_s += time.perf_counter() - t0
 

@@ -8,6 +8,7 @@ returns the rank's outcome as plain data; it raises nothing.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import random
 import sys
@@ -28,7 +29,9 @@ from hpoflow.train.context import TrialContext
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.trial import RankOutcome, TrialRequest
 
-__all__ = ["RankJob", "RankOutcome", "load_function", "run_rank"]
+log = logging.getLogger(__name__)
+
+__all__ = ["RankJob", "RankOutcome", "load_function", "log_to_stderr", "run_rank"]
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,20 @@ def _final_metrics(ret: Any, ctx: TrialContext) -> dict[str, float]:
     return {}
 
 
+def log_to_stderr(level: int = logging.INFO) -> None:
+    """Send the "hpoflow" logger's records to stderr (a rank's log file; the CLI's terminal), once."""
+    logger = logging.getLogger("hpoflow")
+    if not any(getattr(h, "_hpoflow_stderr", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("hpoflow: %(message)s"))
+        handler._hpoflow_stderr = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(level)
+
+
 def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     """Run one rank to the end. Exceptions in training become an ``error`` outcome."""
+    log_to_stderr()
     req = job.request
     channel = channel or NullChannel()
     torch.set_num_threads(max(1, job.threads))
@@ -127,7 +142,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             try:
                 ctx.flush_checkpoints()  # an async save still being written must land first
             except Exception as exc:  # a failed write is reported, never raised from here
-                print(f"hpoflow: rank {job.rank}: last checkpoint not written: {exc}", file=sys.stderr)
+                log.warning("rank %d: last checkpoint not written: %s", job.rank, exc)
         hdist.destroy(leave_together=finished)
         sys.stdout.flush()
         sys.stderr.flush()

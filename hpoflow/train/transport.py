@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from hpoflow.fileio import read_json
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Channel", "FileChannel", "NullChannel", "PipeChannel", "ReportReader", "TrialFiles"]
 
@@ -191,8 +193,8 @@ class FileChannel(Channel):
                 return True  # cancelled: stop training as if pruned; the watcher kills us anyway
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
-        print(f"hpoflow: no pruning decision for report {seq} (step {step}) within "
-              f"{self.answer_timeout_s:g} s; training on", file=sys.stderr, flush=True)
+        log.warning("no pruning decision for report %d (step %d) within %g s; training on", seq, step,
+                    self.answer_timeout_s)
         return False
 
     def send(self, kind: str, payload: Any) -> None:

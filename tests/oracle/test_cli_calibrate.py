@@ -7,10 +7,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from hpoflow.oracle import calibrate, load_cluster, write_cluster
+from hpoflow.oracle import load_cluster, write_cluster
 from hpoflow.oracle.cli import register
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,8 +59,8 @@ def test_python_m_hpoflow_oracle(tmp_path: Path) -> None:
     assert json.loads(r.stdout)["bottleneck"]
 
 
-def test_calibrate_real_gloo_two_processes(tmp_path: Path) -> None:
-    spec = calibrate(2, scale=0.2)
+def test_calibrate_real_gloo_two_processes(tmp_path: Path, calibration_2: tuple[Any, Path]) -> None:
+    spec = calibration_2[0]
     assert spec.devices_per_node == 2
     assert spec.device.peak_flops["fp32"] > 1e8
     assert spec.intra_node.bandwidth > 0 and spec.intra_node.latency >= 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import logging
 import os
 import signal
 import sys
@@ -24,6 +25,8 @@ from typing import Any
 
 from hpoflow.train.runner import RankJob, run_rank
 from hpoflow.train.transport import NullChannel, PipeChannel
+
+log = logging.getLogger(__name__)
 
 __all__ = ["warm_up", "worker_main"]
 
@@ -177,7 +180,7 @@ def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[i
         try:
             os.sched_setaffinity(0, cores)
         except OSError as exc:  # a container may forbid it; threads are still capped
-            print(f"hpoflow: could not pin rank {job.rank} to cores {cores}: {exc}", file=sys.stderr)
+            log.warning("could not pin rank %d to cores %s: %s", job.rank, cores, exc)
     channel = PipeChannel(conn) if job.rank == 0 else NullChannel()
     outcome = run_rank(job, channel)
     conn.send(("outcome", dataclasses.asdict(outcome)))
