@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +24,21 @@ from typing import Any
 import optuna
 import yaml
 
+from hpoflow import rundir
 from hpoflow.engines import Engine, make_engine
-from hpoflow.errors import RunDirError, SpecError
+from hpoflow.errors import HpoflowError, RunDirError, SpecError
+from hpoflow.fileio import write_atomic
+from hpoflow.rundir import redact
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.storage import open_storage, storage_label
 from hpoflow.spec import StudySpec, load_spec, resolve_training, search_dirs, spec_from_mapping
 
-__all__ = ["StudyResult", "load_run", "optimize", "prepare_spec"]
+__all__ = ["StudyResult", "load_run", "optimize", "prepare_spec", "run_budget"]
 
 _RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
-                   ("search", "max_failures"), ("resources", "timeout"), ("resources", "max_retries")}
+                   ("search", "max_failures"), ("search", "fail_fast"), ("resources", "timeout"),
+                   ("resources", "max_retries")}
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ def _diff(a: Any, b: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 def _check_resume(run_dir: Path, spec: StudySpec) -> None:
     old_path = run_dir / "spec.yaml"
     if not old_path.exists():
-        if any(run_dir.iterdir()):
+        if any(p.name != rundir.LOCK_FILE for p in run_dir.iterdir()):
             raise RunDirError(
                 f"{run_dir} exists, is not empty and holds no spec.yaml, so it is not an hpoflow run "
                 "directory. Fix: choose another --run-dir"
@@ -96,8 +101,9 @@ def _check_resume(run_dir: Path, spec: StudySpec) -> None:
         old = spec_from_mapping(yaml.safe_load(old_path.read_text()), source=str(old_path))
     except SpecError as exc:
         raise RunDirError(f"{old_path} is not a valid spec any more:\n{exc}") from None
-    diffs = [d for d in _diff(old.model_dump(mode="json"), spec.model_dump(mode="json"))
-             if d[:2] not in _RESUMABLE_KEYS]
+    new = spec.model_dump(mode="json")
+    new["storage"] = redact(new.get("storage"))  # spec.yaml holds the redacted URL
+    diffs = [d for d in _diff(old.model_dump(mode="json"), new) if d[:2] not in _RESUMABLE_KEYS]
     if diffs:
         shown = ", ".join(".".join(d) for d in diffs[:5])
         raise RunDirError(
@@ -152,26 +158,65 @@ def optimize(
     parsed, text = prepare_spec(spec)
     # Trials import training.function from the spec's directory, then the current one.
     dirs = search_dirs(spec) if isinstance(spec, str | os.PathLike) else search_dirs()
-    rd = Path(run_dir) if run_dir is not None else Path("runs") / parsed.study.name
-    rd.mkdir(parents=True, exist_ok=True)
+    rd = rundir.resolve(run_dir if run_dir is not None else Path("runs") / parsed.study.name, create=True)
+    url = parsed.storage_url()
+    if parsed.storage_env and url is None:
+        raise RunDirError(f"storage_env: the environment variable {parsed.storage_env} is not set, so the study's "
+                          f"storage is unknown. Fix: export {parsed.storage_env}=<storage URL>")
+    with rundir.RunLock(rd):
+        try:
+            study, label = _open_run(rd, parsed, text, url)
+        except OSError as exc:
+            raise rundir.disk_error(exc, rd) from None
+        return _run(study, label, rd, parsed, text, dirs, n_trials=n_trials, engine=engine, listener=listener,
+                    progress=progress, handle_signals=handle_signals)
+
+
+def _open_run(rd: Path, parsed: StudySpec, text: str, url: str | None) -> tuple[optuna.Study, str]:
+    """Check the directory holds this study (or nothing), write spec.yaml and run.json once, and open
+    the study. Nothing secret is written: a storage password becomes ``***``."""
     _check_resume(rd, parsed)
     (rd / "trials").mkdir(exist_ok=True)
     if not (rd / "spec.yaml").exists():
-        (rd / "spec.yaml").write_text(text)
-    label = storage_label(parsed.storage, rd)
-    storage = open_storage(parsed.storage, rd)
+        if parsed.storage is not None and redact(parsed.storage) != parsed.storage:
+            data = yaml.safe_load(text) or {}
+            data["storage"] = redact(parsed.storage)
+            text = yaml.safe_dump(data, sort_keys=False)
+        write_atomic(rd / "spec.yaml", text)
+    label = redact(storage_label(url, rd)) or ""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        storage=storage, study_name=parsed.study.name, direction=parsed.study.direction,
-        sampler=make_sampler(parsed.search), pruner=make_pruner(parsed.search.pruner), load_if_exists=True,
-    )
+    try:
+        study = optuna.create_study(
+            storage=open_storage(url, rd), study_name=parsed.study.name, direction=parsed.study.direction,
+            sampler=make_sampler(parsed.search), pruner=make_pruner(parsed.search.pruner), load_if_exists=True,
+        )
+    except (OSError, HpoflowError):
+        raise
+    except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if url:
+            why = why.replace(url, label)
+            parts = url.split("@")[0].rsplit(":", 1)
+            if len(parts) == 2 and parts[1]:
+                why = why.replace(parts[1], "***")  # the password, wherever the driver quoted it
+        raise RunDirError(f"cannot open the study's storage {label}: {type(exc).__name__}: {why[:300]}. Fix: check "
+                          "the URL, that the database answers, and that its Python driver is installed") from None
     existing = len(study.get_trials(deepcopy=False))
     if existing:
         study.sampler = make_sampler(parsed.search, resumed_trials=existing)
-    run_info = {"study_name": parsed.study.name, "storage": label, "engine": parsed.engine,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if not (rd / "run.json").exists():
-        (rd / "run.json").write_text(json.dumps(run_info, indent=1))
+        from hpoflow import __version__
+
+        run_info = {"run_id": uuid.uuid4().hex, "study_name": parsed.study.name, "storage": label,
+                    "storage_env": parsed.storage_env, "engine": parsed.engine, "run_dir": str(rd),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hpoflow_version": __version__}
+        write_atomic(rd / "run.json", json.dumps(run_info, indent=1))
+    return study, label
+
+
+def _run(study: optuna.Study, label: str, rd: Path, parsed: StudySpec, text: str, dirs: tuple[str, ...], *,
+         n_trials: int | None, engine: Engine | None, listener: DriverListener | None, progress: bool,
+         handle_signals: bool) -> StudyResult:
     own_engine = engine is None
     eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)
     if listener is None and progress:
@@ -205,21 +250,55 @@ def _write_outputs(study: optuna.Study, spec: StudySpec, text: str, run_dir: Pat
 
     write_trials_csv(study, run_dir / "trials.csv")
     data = yaml.safe_load(text) if text.strip() else spec.model_dump(mode="json")
+    if isinstance(data, dict) and data.get("storage"):
+        data["storage"] = redact(data["storage"])
     write_best_yaml(study, data, run_dir / "best.yaml")
 
 
-def load_run(run_dir: str | os.PathLike[str]) -> tuple[optuna.Study, str]:
-    """Open a run directory's study (read-only use: status, tables)."""
-    rd = Path(run_dir)
+def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tuple[optuna.Study, str]:
+    """Open a run directory's study for reading (status, tables): creates and changes nothing.
+
+    ``storage`` overrides the stored one (needed when the run's storage URL has a password, which
+    hpoflow never writes down, and the spec names no ``storage_env``)."""
+    rd = rundir.resolve(run_dir, create=False)
     info_path = rd / "run.json"
-    if not info_path.exists():
-        raise RunDirError(f"{rd} is not an hpoflow run directory (no run.json). Fix: pass the --run-dir of a run")
-    info = json.loads(info_path.read_text())
-    spec_storage = None
-    spec_path = rd / "spec.yaml"
-    if spec_path.exists():
-        spec_storage = (yaml.safe_load(spec_path.read_text()) or {}).get("storage")
-    storage = open_storage(spec_storage, rd)
+    try:
+        info = json.loads(info_path.read_text())
+        study_name = str(info["study_name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise RunDirError(f"{rd} is not an hpoflow run directory (no readable run.json). Fix: pass the --run-dir "
+                          "of a run") from None
+    if storage is None:
+        try:
+            data = yaml.safe_load((rd / "spec.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            data = {}
+        env = data.get("storage_env")
+        storage = os.environ.get(env) if isinstance(env, str) else data.get("storage")
+        if isinstance(env, str) and storage is None:
+            raise RunDirError(f"the run's storage URL is in the environment variable {env}, which is not set. "
+                              f"Fix: export {env}=<storage URL>")
+        if isinstance(storage, str) and "***" in storage:
+            raise RunDirError("the run's storage URL has a password, which hpoflow does not write down. Fix: pass "
+                              "--storage URL, or name an environment variable with storage_env in the spec")
+    try:
+        opened = open_storage(storage, rd, create=False)
+    except FileNotFoundError as exc:
+        raise RunDirError(f"{rd}: {exc}. Fix: pass the --run-dir of a run that has started") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=info["study_name"], storage=storage)
-    return study, info["storage"]
+    try:
+        study = optuna.load_study(study_name=study_name, storage=opened)
+    except KeyError:
+        raise RunDirError(f"{rd}: its storage holds no study {study_name!r}. Fix: pass the --run-dir of a "
+                          "run that has started") from None
+    return study, redact(storage_label(storage, rd)) or ""
+
+
+def run_budget(run_dir: str | os.PathLike[str]) -> int | None:
+    """The run's ``search.n_trials`` as its spec.yaml says (None for a grid without it, or unreadable)."""
+    try:
+        data = yaml.safe_load((rundir.resolve(run_dir, create=False) / "spec.yaml").read_text()) or {}
+        value = (data.get("search") or {}).get("n_trials")
+    except (OSError, yaml.YAMLError, AttributeError, RunDirError):
+        return None
+    return value if isinstance(value, int) else None

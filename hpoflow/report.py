@@ -101,7 +101,9 @@ def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Pat
     write_atomic(path, yaml.safe_dump(doc, sort_keys=False))
 
 
-def status_dict(study: optuna.Study, storage_label: str) -> dict[str, Any]:
+def status_dict(study: optuna.Study, storage_label: str, budget: int | None = None) -> dict[str, Any]:
+    """Where the whole study stands: ``n_trials`` is the budget (when known), ``n_total`` the trials that
+    count so far (interrupted-and-rerun trials do not); ``storage`` is already redacted."""
     trials = _counted(study)
     by = {s: sum(1 for t in trials if t.state == s) for s in TrialState}
     best = best_trial(study)
@@ -109,7 +111,8 @@ def status_dict(study: optuna.Study, storage_label: str) -> dict[str, Any]:
         "study_name": study.study_name,
         "storage": storage_label,
         "direction": study.direction.name.lower(),
-        "n_trials": len(trials),
+        "n_trials": budget,
+        "n_total": len(trials),
         "n_complete": by[TrialState.COMPLETE],
         "n_running": by[TrialState.RUNNING],
         "n_waiting": by[TrialState.WAITING],

@@ -53,9 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"hpoflow: run dir {result.run_dir}: {s.n_complete} complete, {s.n_pruned} pruned, "
           f"{s.n_failed} failed in {s.elapsed_s:.1f} s (stopped by {s.stopped_by}); best value "
           f"{result.best_value} with {result.best_params}", flush=True)
-    if s.stopped_by == "signal":
-        return 130
-    return 1 if s.stopped_by == "max_failures" else 0
+    message = s.outcome_message()
+    if message:
+        print(f"hpoflow: {message}", file=sys.stderr, flush=True)
+    return s.exit_code
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     listener = ProgressListener(console, quiet=args.quiet or args.json)
     result = optimize(args.spec, args.run_dir, n_trials=args.n_trials, listener=listener)
     s = result.summary
-    status = status_dict(result.study, result.storage)
+    status = status_dict(result.study, result.storage, budget=s.n_trials)
     if args.json:
         print(json.dumps({**status, "run_dir": str(result.run_dir), "stopped_by": s.stopped_by}))
     else:
@@ -42,11 +42,7 @@ def run(args: argparse.Namespace) -> int:
             f"run dir: {result.run_dir}   finished {status['n_complete']} complete, "
             f"{status['n_pruned']} pruned, {status['n_failed']} failed in {s.elapsed_s:.1f} s; "
             f"best {status['best_value']} with {status['best_params']}", highlight=False)
-    if s.stopped_by == "signal":
-        print(f"hpoflow: stopped by a signal; rerun the same command to resume ({s.n_finished} trials "
-              "finished in this run)", file=sys.stderr)
-        return 130
-    if s.stopped_by == "max_failures":
-        print("hpoflow: stopped: search.max_failures reached; see trials.csv for the errors", file=sys.stderr)
-        return 1
-    return 0
+    message = s.outcome_message()
+    if message:
+        print(f"hpoflow: {message}", file=sys.stderr)
+    return s.exit_code

@@ -13,17 +13,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", help="run directory of a study")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--top", type=int, default=10, help="rows of the best-trials table")
+    p.add_argument("--storage", help="the study's storage URL, when it has a password (never written to disk)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hpoflow.api import load_run
+    from hpoflow.api import load_run, run_budget
     from hpoflow.report import status_dict, trials_table
 
-    study, label = load_run(args.run_dir)
-    status = status_dict(study, label)
+    study, label = load_run(args.run_dir, args.storage)
+    status = status_dict(study, label, budget=run_budget(args.run_dir))
     if args.json:
         print(json.dumps(status))
         return 0

@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
+from hpoflow.fileio import write_atomic
 from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
@@ -47,14 +48,50 @@ class DriverListener(Protocol):
 
 @dataclass
 class DriverSummary:
+    """The whole study's counts (earlier runs of a resumed study included); ``results`` and the
+    times are this run's. ``n_trials`` is the budget."""
+
     n_trials: int
     n_complete: int = 0
     n_pruned: int = 0
     n_failed: int = 0
-    stopped_by: str = "budget"  # budget | timeout | max_failures | signal | grid_exhausted
+    stopped_by: str = "budget"  # budget | timeout | max_failures | fail_fast | signal | grid_exhausted
+    reason: str = ""  # why the study stopped early, in one line
+    errors: list[str] = field(default_factory=list)  # the first distinct errors of failed trials
     elapsed_s: float = 0.0
     driver_overhead_s: float = 0.0
     results: list[TrialResult] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal; 3 no
+        trial of the study completed; 1 stopped early by max_failures or fail_fast; 0 otherwise."""
+        if self.stopped_by == "signal":
+            return 130
+        if self.n_complete == 0:
+            return 3
+        return 1 if self.stopped_by in ("max_failures", "fail_fast") else 0
+
+    def outcome_message(self) -> str:
+        """One line (plus the first distinct errors) for a study that did not end well; '' if it did."""
+        if self.stopped_by == "signal":
+            return "stopped by a signal; rerun the same command to resume"
+        errors = "".join(f"\n  - {e}" for e in self.errors)
+        if self.n_complete == 0:
+            why = f": {self.reason}" if self.reason else ""
+            return (f"no trial completed ({self.n_failed} failed, {self.n_pruned} pruned){why}; first distinct "
+                    f"errors (details in trials.csv and trials/<n>/rank<r>.log):{errors}")
+        if self.stopped_by == "max_failures":
+            return f"stopped: search.max_failures reached; first distinct errors:{errors}"
+        if self.stopped_by == "fail_fast":
+            return f"stopped: {self.reason}"
+        return ""
+
+    def note_error(self, error: str | None) -> None:
+        text = (error or "").strip()
+        head = text.splitlines()[0][:300] if text else "failed without an error message"
+        if head not in self.errors and len(self.errors) < 5:
+            self.errors.append(head)
 
     @property
     def n_finished(self) -> int:
@@ -197,6 +234,12 @@ class Driver:
                 self._finished += 1
                 if t.state == TrialState.FAIL:
                     self._failures += 1
+                    self.summary.n_failed += 1
+                    self.summary.note_error(t.user_attrs.get("error"))
+                elif t.state == TrialState.COMPLETE:
+                    self.summary.n_complete += 1
+                else:
+                    self.summary.n_pruned += 1
 
     def _carry_over(self, number: int, user_attrs: dict[str, Any]) -> dict[str, Any]:
         """User attrs for the rerun of an interrupted trial: its grid point, and the checkpoint
@@ -315,15 +358,25 @@ class Driver:
             self.study.tell(trial, state=TrialState.FAIL)
             self._failures += 1
             summary.n_failed += 1
+            summary.note_error(res.error)
+            self._check_fail_fast()
         self._finished += 1
         summary.results.append(res)
         if self.listener:
             self.listener.on_trial_end(res, fl.params, self._best)
 
+    def _check_fail_fast(self) -> None:
+        """Stop when the study's first ``search.fail_fast`` finished trials all failed with one error:
+        the rest would fail the same way (a typo, a missing file, an import error)."""
+        k = self.spec.search.fail_fast
+        s = self.summary
+        if k and s.n_complete == 0 and s.n_pruned == 0 and s.n_failed >= k and len(s.errors) == 1:
+            s.reason = (f"the first {s.n_failed} trials all failed with the same error: {s.errors[0]} "
+                        "(search.fail_fast; set it to 0 to keep going)")
+            self.request_stop("fail_fast")
+
     def _write_result(self, request: TrialRequest, res: TrialResult) -> None:
         d = Path(request.trial_dir)
         d.mkdir(parents=True, exist_ok=True)
         payload = {"params": request.params, "attempt": request.attempt, **res.to_dict()}
-        tmp = d / "result.json.tmp"
-        tmp.write_text(json.dumps(payload, indent=1, default=str))
-        tmp.replace(d / "result.json")
+        write_atomic(d / "result.json", json.dumps(payload, indent=1, default=str))

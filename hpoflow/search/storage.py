@@ -4,9 +4,11 @@ The journal file is Optuna's own format (``JournalFileBackend``): plain Optuna, 
 and other processes open it; appends are locked, so it also works on a shared file system.
 
 Durability: Optuna fsyncs every append (~1-3 ms each, several per trial). hpoflow's default journal
-writes each append with ``write()`` under the same lock but without ``fsync``: the data is in the
-kernel once the call returns, so any process crash, the driver's SIGKILL included, loses nothing;
-only a machine crash (power loss, kernel panic) can lose the last appends. ``HPOFLOW_JOURNAL_FSYNC=1``
+fsyncs only the append that finishes a trial (its final state and value), so a trial the driver
+counts as finished is on disk before the driver moves on; the other appends (creation, parameters,
+intermediate reports, attributes) are written with ``write()`` under the same lock: in the kernel
+once the call returns, so any process crash loses nothing, and a machine crash can lose only
+intermediate records of unfinished trials, which a resume reruns. ``HPOFLOW_JOURNAL_FSYNC=1``
 restores Optuna's fsync per append; a database URL gives the database's guarantees.
 """
 
@@ -29,8 +31,12 @@ __all__ = ["DEFAULT_JOURNAL", "open_storage", "storage_label"]
 DEFAULT_JOURNAL = "study.journal"
 
 
+_FINISHED_STATES = {TrialState.COMPLETE.value, TrialState.PRUNED.value, TrialState.FAIL.value}
+
+
 class _JournalFileNoFsync(JournalFileBackend):
-    """Optuna's journal file, appended without fsync (see the module docstring)."""
+    """Optuna's journal file, appended without fsync except when an append finishes a trial (see
+    the module docstring): a trial the driver counts as finished is on disk."""
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         path = getattr(self, "_file_path", None)
@@ -41,8 +47,12 @@ class _JournalFileNoFsync(JournalFileBackend):
         from optuna.storages.journal._file import get_lock_file
 
         data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode("utf-8")
+        durable = any(log.get("state") in _FINISHED_STATES and "values" in log for log in logs)
         with get_lock_file(lock), open(path, "ab") as f:
             f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
 
 
 class _Journal(JournalStorage):
@@ -83,27 +93,35 @@ class _Journal(JournalStorage):
 
 
 def storage_label(storage: str | None, run_dir: Path) -> str:
-    """The storage as a user would name it: a URL, or the journal file's path."""
+    """Where the study lives, as a user would name it: a URL (``sqlite:///`` made absolute), or the
+    journal file's absolute path. Relative journal paths and SQLite files are in the run directory."""
+    run_dir = run_dir.expanduser().resolve()
     if storage is None:
         return str(run_dir / DEFAULT_JOURNAL)
+    if "://" not in storage:
+        path = Path(storage).expanduser()
+        return str(path if path.is_absolute() else run_dir / path)
     if storage.startswith("sqlite:///") and not storage.startswith("sqlite:////"):
         rel = storage.removeprefix("sqlite:///")
         if not Path(rel).is_absolute():
-            return f"sqlite:///{(run_dir / rel).resolve()}"
+            return f"sqlite:///{run_dir / rel}"
     return storage
 
 
-def open_storage(storage: str | None, run_dir: Path) -> optuna.storages.BaseStorage:
-    """Open the study's storage. ``None`` or a ``*.journal``/``*.log`` path is a journal file
-    (relative to the run directory); anything else is an Optuna storage URL."""
+def open_storage(storage: str | None, run_dir: Path, *, create: bool = True) -> optuna.storages.BaseStorage:
+    """Open the study's storage. ``None`` or a path is a journal file (relative to the run
+    directory); anything else is an Optuna storage URL. ``create=False`` (readers such as
+    ``status``) refuses to create a journal or SQLite file that is not there."""
     label = storage_label(storage, run_dir)
     if "://" not in label:
         path = Path(label)
-        if not path.is_absolute():
-            path = run_dir / path
+        if not create and not path.is_file():
+            raise FileNotFoundError(f"no study storage at {path}")
         path.parent.mkdir(parents=True, exist_ok=True)
         backend = JournalFileBackend if os.environ.get("HPOFLOW_JOURNAL_FSYNC") == "1" else _JournalFileNoFsync
         return _Journal(backend(str(path), lock_obj=JournalFileOpenLock(str(path))))
     if label.startswith("sqlite"):
+        if not create and not Path(label.removeprefix("sqlite:///")).is_file():
+            raise FileNotFoundError(f"no study storage at {label}")
         return optuna.storages.RDBStorage(label, engine_kwargs={"connect_args": {"timeout": 60}})
     return optuna.storages.RDBStorage(label)

@@ -201,6 +201,9 @@ class SearchSpec(_Strict):
         default=None, gt=0, description="Wall-clock budget in seconds: no new trial starts after it."
     )
     max_failures: int | None = Field(default=None, ge=1)
+    fail_fast: int = Field(
+        default=3, ge=0, description="Stop when the first K finished trials all failed with the same error "
+                                     "(0: never).")
     sampler_options: dict[str, Any] = Field(default_factory=dict)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 
@@ -311,7 +314,9 @@ class ResourcesSpec(_Strict):
     gpus_per_process: int = Field(default=0, ge=0)
     nodes: int = Field(default=1, ge=1, description="Nodes one trial spans (compss engine).")
     timeout: float | None = Field(default=None, gt=0, description="Seconds before a trial is killed.")
-    max_retries: int = Field(default=0, ge=0)
+    max_retries: int = Field(
+        default=2, ge=0, description="Reruns of a trial killed by the system (signal, lost rank or node, "
+                                     "timeout), from its last checkpoint; never for errors in user code.")
 
 
 class OracleSpec(_Strict):
@@ -334,7 +339,12 @@ class StudySpec(_Strict):
     training: dict[str, Any] = Field(default_factory=dict)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     engine: str = Field(default="local", description="A registered engine: local, compss, ...")
-    storage: str | None = None
+    storage: str | None = Field(
+        default=None, description="An Optuna storage URL or a journal file path (default: study.journal in the "
+                                  "run directory). A password in it is never written or printed.")
+    storage_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of an environment variable holding the storage URL (keeps it out of the spec).")
     compss: dict[str, Any] = Field(default_factory=dict, description="Options of the compss engine.")
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the engine (for compss: the compss: section).")
@@ -358,3 +368,12 @@ class StudySpec(_Strict):
         if self.engine == "compss" and not self.engine_options:
             return dict(self.compss)
         return dict(self.engine_options)
+
+    def storage_url(self) -> str | None:
+        """The storage to open: ``storage_env``'s value when set (``SpecError``-free: a missing variable
+        is reported by the caller), else ``storage``."""
+        import os
+
+        if self.storage_env:
+            return os.environ.get(self.storage_env) or None
+        return self.storage

@@ -55,7 +55,7 @@ def test_exception_killed_rank_and_timeout_become_failed_results(tmp_path: Path)
     assert "about to fail" in r_boom["stderr_tail"] and "Traceback" in r_boom["stderr_tail"]
     assert r_crash["status"] == "failed" and r_crash["retryable"], r_crash
     assert "rank" in r_crash["error"]
-    assert r_slow["status"] == "failed" and r_slow["retryable"] and "timed out after 4 s" in r_slow["error"]
+    assert r_slow["status"] == "failed" and not r_slow["retryable"] and "timed out after 4 s" in r_slow["error"]
     assert time.monotonic() - t0 < 60
     # the result file is the same result, written atomically next to the rank logs
     on_disk = json.loads((tmp_path / "0" / "attempt-0" / "result.json").read_text())

@@ -135,7 +135,7 @@ def test_resume_marks_crashed_trials_and_keeps_budget(tmp_path: Path) -> None:
 
 
 def test_max_failures_stops_the_study(tmp_path: Path) -> None:
-    spec = make(n_trials=50, max_concurrent=1, max_failures=3)
+    spec = make(n_trials=50, max_concurrent=1, max_failures=3, fail_fast=0)
 
     def objective(p: dict[str, Any], r: Reporter) -> float:
         raise RuntimeError("always fails")
@@ -170,9 +170,9 @@ def test_optimize_resumes_in_a_run_dir_without_exceeding_budget(tmp_path: Path) 
     r1 = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2), n_trials=3)
     assert r1.summary.n_finished == 3
     r2 = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))
-    assert r2.summary.n_finished == 2
+    assert r2.summary.n_finished == 5 and len(r2.summary.results) == 2  # the whole study; 2 ran now
     r3 = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 2))
-    assert r3.summary.n_finished == 0
+    assert r3.summary.n_finished == 5 and r3.summary.results == []  # nothing left to run
     assert count_finished(r3.study) == 5
     assert (tmp_path / "run" / "trials.csv").read_text().count("\n") == 6
 
@@ -248,3 +248,32 @@ def test_the_driver_process_imports_neither_torch_nor_pycompss(tmp_path: Path) -
                        cwd=Path(__file__).resolve().parents[1])
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, False]
+
+
+def test_fail_fast_stops_when_the_first_trials_fail_alike(tmp_path: Path) -> None:
+    spec = make(n_trials=50, max_concurrent=1, fail_fast=3)
+
+    def objective(p: dict[str, Any], r: Reporter) -> float:
+        raise FileNotFoundError("data.csv")
+
+    driver, _, study = run_driver(spec, objective, 1, tmp_path)
+    assert len(study.trials) == 3  # no trial started after the stop
+    s = driver.summary
+    assert s.stopped_by == "fail_fast" and s.n_failed == 3 and s.exit_code == 3
+    assert len(s.errors) == 1 and "data.csv" in s.errors[0]
+    assert "the first 3 trials all failed with the same error" in s.outcome_message()
+
+
+def test_fail_fast_lets_different_errors_and_any_success_go_on(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def objective(p: dict[str, Any], r: Reporter) -> float:
+        calls["n"] += 1
+        if calls["n"] <= 4:
+            raise ValueError(f"error number {calls['n']}")  # distinct errors: not a systematic failure
+        return 1.0
+
+    driver, _, _ = run_driver(make(n_trials=8, max_concurrent=1, fail_fast=3), objective, 1, tmp_path)
+    s = driver.summary
+    assert s.stopped_by == "budget" and s.n_failed == 4 and s.n_complete == 4 and s.exit_code == 0
+    assert len(s.errors) == 4

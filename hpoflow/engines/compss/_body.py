@@ -219,7 +219,7 @@ def _run(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], t0: float, 
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 failure = f"timed out after {req.timeout:g} s (resources.timeout)"
-                retryable = True
+                retryable = False  # the same configuration would run as long again
                 break
             if any(p.returncode not in (None, 0) for p in procs):
                 # one node's launcher failed: the others would wait in a collective until timeout

@@ -366,7 +366,7 @@ class LocalEngine(Engine):
         for t in self._trials.values():
             if t.deadline is not None and now >= t.deadline and t.failure is None and t.cancel_reason is None:
                 t.failure = f"timed out after {t.request.timeout:g} s (resources.timeout)"
-                t.retryable = True
+                t.retryable = False  # the same configuration would run as long again
                 t.deadline = None
                 self._kill_unfinished(t)
 
