@@ -25,8 +25,13 @@ class Issue:
 
     def __str__(self) -> str:
         where = f"{self.source}:{self.line}" if self.line is not None else self.source
-        key = f" {self.path}:" if self.path else ""
-        return f"{where}:{key} {self.message}"
+        key = f" {_printable(self.path)}:" if self.path else ""
+        return f"{where}:{key} {_printable(self.message)}"
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: control characters (a key with a ``\\r`` in it) shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class SpecError(HpoflowError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -70,6 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hpoflow: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`hpoflow oracle --json | head`): stop quietly, as a C tool would
+        # (128 + SIGPIPE); point stdout at /dev/null so the interpreter's final flush cannot fail too
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -23,12 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from hpoflow.api import optimize
     from hpoflow.report import ProgressListener, status_dict, trials_table
+    from hpoflow.term import console as make_console
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     listener = ProgressListener(console, quiet=args.quiet or args.json)
     result = optimize(args.spec, args.run_dir, n_trials=args.n_trials, listener=listener)
     s = result.summary
@@ -36,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**status, "run_dir": str(result.run_dir), "stopped_by": s.stopped_by}))
     else:
-        out = Console()
+        out = make_console()
         out.print(trials_table(result.study, top=10))
         out.print(
             f"run dir: {result.run_dir}   finished {status['n_complete']} complete, "

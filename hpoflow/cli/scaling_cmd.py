@@ -74,13 +74,12 @@ def _run(ns: argparse.Namespace) -> int:
 
 
 def run(args: ScalingArgs) -> int:
-    from rich.console import Console
-
     from hpoflow.scaling import ScalingPoint, run_scaling
     from hpoflow.spec import load_spec
+    from hpoflow.term import console as make_console
 
     spec, _ = load_spec(args.spec)
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
 
     def progress(p: ScalingPoint) -> None:
         if not args.as_json:
@@ -100,8 +99,9 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _print_table(report: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from hpoflow.term import console as make_console
 
     title = (f"scaling of strategy {report.strategy} with {report.params} "
              f"({report.machine_cores} cores)")
@@ -121,7 +121,7 @@ def _print_table(report: Any) -> None:
             _fmt(m.get("bytes_per_step"), ".3g"), _fmt(m.get("val_accuracy"), ".3f"),
             p.status if p.error is None else f"{p.status}: {p.error[:60]}",
         )
-    console = Console()
+    console = make_console()
     console.print(table)
     if report.oversubscribed:
         console.print("* oversubscribed: more ranks than cores, ranks share cores; these rows "

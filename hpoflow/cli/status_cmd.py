@@ -18,17 +18,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from hpoflow.api import load_run, run_budget
     from hpoflow.report import status_dict, trials_table
+    from hpoflow.term import console as make_console
 
     study, label = load_run(args.run_dir, args.storage)
     status = status_dict(study, label, budget=run_budget(args.run_dir))
     if args.json:
         print(json.dumps(status))
         return 0
-    console = Console()
+    console = make_console()
     console.print(trials_table(study, top=args.top))
     console.print(", ".join(f"{k}={v}" for k, v in status.items() if k != "best_params"), highlight=False)
     console.print(f"best_params={status['best_params']}", highlight=False)

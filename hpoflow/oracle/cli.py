@@ -129,8 +129,9 @@ def _fmt_time(s: float) -> str:
 
 
 def _print_table(p: dict[str, Any], f: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from hpoflow.term import console as make_console
 
     t = Table(title=f"{p['model']} on {p['cluster']}: {p['strategy']}, {p['devices']} devices "
                     f"({p['nodes']} nodes), batch {p['batch_per_device']}/device")
@@ -160,7 +161,7 @@ def _print_table(p: dict[str, Any], f: dict[str, Any]) -> None:
     ]
     for name, value in rows:
         t.add_row(name, value)
-    Console().print(t)
+    make_console().print(t)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

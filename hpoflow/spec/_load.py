@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -28,7 +29,7 @@ from hpoflow.spec._models import (
     TrainConfig,
     did_you_mean,
 )
-from hpoflow.spec._yaml import Path, load_yaml_with_lines
+from hpoflow.spec._yaml import MAX_BYTES, Path, load_yaml_with_lines
 
 __all__ = [
     "BUILTIN_METRICS",
@@ -298,6 +299,18 @@ def search_dirs(spec_path: str | os.PathLike[str] | None = None) -> tuple[str, .
     return tuple(dict.fromkeys([*dirs, os.getcwd()]))
 
 
+def _numbers(value: Any, path: Path = ()) -> Iterator[tuple[Path, float]]:
+    """Every float in a parsed spec, with its key path."""
+    if isinstance(value, float):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _numbers(v, (*path, i))
+
+
 def spec_from_mapping(
     data: Any, lines: Mapping[Path, int] | None = None, source: str = "<spec>",
     dirs: tuple[str, ...] | None = None,
@@ -308,6 +321,11 @@ def spec_from_mapping(
     if not isinstance(data, dict):
         raise SpecError([Issue("", f"a study spec is a mapping of sections, but got {type(data).__name__}. "
                                "Fix: start with study:, space:, search:, training:", 1, source)])
+    bad = [(path, v) for path, v in _numbers(data) if not math.isfinite(v)]
+    if bad:
+        raise SpecError([Issue(".".join(str(k) for k in path), f"must be a finite number, but got {v!r} (YAML "
+                               "reads numbers beyond 1.8e308 as infinity). Fix: write a finite value",
+                               lines.get(path), source) for path, v in bad[:5]])
     try:
         spec = StudySpec.model_validate(data)
     except ValidationError as exc:
@@ -322,6 +340,9 @@ def load_spec(path: str | os.PathLike[str]) -> tuple[StudySpec, str]:
     """Read and validate a YAML spec file; return the spec and the text as given."""
     p = FsPath(path)
     try:
+        if p.stat().st_size > MAX_BYTES:
+            raise SpecError([Issue("", f"the file is {p.stat().st_size} bytes; a spec is read up to {MAX_BYTES}. "
+                                   "Fix: check that this is the right file", None, str(p))])
         text = p.read_text()
     except FileNotFoundError:
         raise SpecError([Issue("", "no such file. Fix: check the path", None, str(p))]) from None

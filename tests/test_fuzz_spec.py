@@ -1,0 +1,124 @@
+"""Property-based fuzzing of `hpoflow validate`: mutated versions of every example spec end in exit 0
+or exit 2 with a one-line-per-problem message naming a key path or line, never a traceback, and each
+within bounded time and memory (the bounds are generous: the point is that nothing explodes)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpoflow.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = {p.name: p.read_text() for p in sorted((ROOT / "examples").glob("*.yaml"))}
+CASES = 1000
+MAX_SECONDS = 1.0
+MAX_BYTES = 200 * 2**20
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.sampled_from(["${lr}", "${nope}", "tpe", "median", "easgd", "local", "compss", "1e400", "-1", "0"]),
+)
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                      max_leaves=8)
+
+TEXT_ATTACKS = [
+    "bomb: &a [x, x, x, x, x, x, x, x, x]\nb2: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+    "b3: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nb4: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+    "b5: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n",
+    "x: !!python/object/apply:os.system ['true']\n",
+    "deep: " + "[" * 60 + "]" * 60 + "\n",
+    "\t- broken: [\n",
+    "study: {name: 'a b', metric: m, direction: sideways}\n",
+]
+
+
+def _paths(data: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _mutate(data: Any, draw: Any) -> Any:
+    paths = _paths(data)
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        parent = data
+        for key in path[:-1]:
+            parent = parent[key]
+        last = path[-1]
+        op = draw(st.sampled_from(["replace", "delete", "rename", "add"]))
+        if op == "replace":
+            parent[last] = draw(values)
+        elif op == "delete" and isinstance(parent, dict):
+            del parent[last]
+        elif op == "rename" and isinstance(parent, dict):
+            parent[str(last)[:-1] + draw(st.text(max_size=2))] = parent.pop(last)
+        elif op == "add" and isinstance(parent, dict):
+            parent[draw(st.text(min_size=1, max_size=10))] = draw(values)
+        paths = _paths(data)
+    return data
+
+
+@st.composite
+def spec_texts(draw: Any) -> str:
+    base = yaml.safe_load(EXAMPLES[draw(st.sampled_from(sorted(EXAMPLES)))])
+    if draw(st.integers(min_value=0, max_value=19)) == 0:
+        return yaml.safe_dump(base, sort_keys=False) + draw(st.sampled_from(TEXT_ATTACKS))
+    return yaml.safe_dump(_mutate(base, draw), sort_keys=False, allow_unicode=True)
+
+
+def _validate(path: Path) -> tuple[int, str, float, int]:
+    err, out = io.StringIO(), io.StringIO()
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code = main(["validate", str(path)])
+    finally:
+        elapsed = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return code, err.getvalue(), elapsed, peak
+
+
+def test_mutated_specs_end_cleanly(tmp_path_factory: Any) -> None:
+    path = tmp_path_factory.mktemp("fuzz") / "spec.yaml"
+    slow: list[float] = []
+
+    @settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(spec_texts())
+    def check(text: str) -> None:
+        path.write_text(text)
+        code, err, elapsed, peak = _validate(path)
+        assert code in (0, 2), (code, err, text)
+        assert "Traceback" not in err, (err, text)
+        if code == 2:
+            assert err.startswith("hpoflow: error: "), (err, text)
+            body = [ln for ln in err.splitlines()[1:] if ln.strip()] or err.splitlines()
+            assert all(str(path) in ln or ln.startswith("hpoflow: error:") for ln in body), (err, text)
+        assert peak < MAX_BYTES, (peak, text)
+        if elapsed > MAX_SECONDS:
+            slow.append(elapsed)
+
+    check()
+    # a shared, loaded machine can stall any single case; a real blow-up is slow every time
+    assert len(slow) <= CASES // 100, sorted(slow)[-5:]
