@@ -148,3 +148,13 @@ def behave_params(params: dict[str, Any], report: Any, rank: int = 0) -> dict[st
     if mode == "crash" and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     return {"value": float(params.get("value", 1.0)), "threads": float(os.environ.get("OMP_NUM_THREADS", "0"))}
+
+
+def hold_group(ctx: TrialContext) -> float:
+    """Holds the trial's process group for ``params['hold']`` seconds (writes its pid first), so a test
+    can look at what the ranks listen on."""
+    (ctx.trial_dir / f"pid{ctx.rank}").write_text(str(os.getpid()))
+    dist.barrier()
+    time.sleep(float(ctx.params.get("hold", 3.0)))
+    dist.barrier()
+    return 1.0

@@ -9,30 +9,32 @@ import os
 import torch
 import torch.distributed as dist
 
-from hpoflow.train.rendezvous import wait_for_master
+from hpoflow.train.rendezvous import LOOPBACK_ENV, wait_for_master
 
 __all__ = ["destroy", "init_process_group"]
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
-                       use_cuda: bool, timeout_s: float = 120.0) -> None:
-    """Join the trial's fresh process group over TCP at ``master_addr:master_port``."""
-    if rank != 0:
-        wait_for_master(master_addr, master_port, timeout_s)
-    os.environ.update(
-        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
+                       use_cuda: bool, timeout_s: float = 120.0, store_path: str = "") -> None:
+    """Join the trial's fresh process group: through the file store at ``store_path`` (a single-host
+    trial: no rendezvous socket; gloo/NCCL pairs on loopback), else over TCP at
+    ``master_addr:master_port`` (a multi-node trial)."""
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(0)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=_dt.timedelta(seconds=timeout_s),
-    )
+    timeout = _dt.timedelta(seconds=timeout_s)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    if store_path:
+        for key, value in LOOPBACK_ENV.items():
+            os.environ.setdefault(key, value)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    if rank != 0:
+        wait_for_master(master_addr, master_port, timeout_s)
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timeout)
 
 
 def destroy(leave_together: bool = True, leave_timeout_s: float = 5.0) -> None:

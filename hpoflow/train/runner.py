@@ -46,6 +46,7 @@ class RankJob:
     master_port: int = 29500
     threads: int = 1
     pg_timeout_s: float = 120.0
+    store_path: str = ""  # a single-host trial's file store (no rendezvous socket); "" for TCP
 
 
 def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[TrialContext], Any]:
@@ -109,7 +110,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         )
         if job.world_size > 1:
             hdist.init_process_group(job.rank, job.world_size, job.master_addr, job.master_port,
-                                     use_cuda, job.pg_timeout_s)
+                                     use_cuda, job.pg_timeout_s, job.store_path)
         fn = load_function(config.function, req.python_path) if config.function else train_builtin
         started_at = time.time()
         t0 = time.perf_counter()

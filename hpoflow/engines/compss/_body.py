@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +40,7 @@ from hpoflow.engines.compss.layout import (
 )
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.fileio import read_json, write_json_atomic
-from hpoflow.train.rendezvous import free_port
+from hpoflow.train.rendezvous import free_port, private_dir, store_path
 from hpoflow.train.transport import ReportReader, TrialFiles
 from hpoflow.trial import RankOutcome, TrialRequest, TrialResult, result_from_ranks
 
@@ -148,8 +149,9 @@ def _plan(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], env: dict[
     cli = [python, "-m", "hpoflow.engines.compss._rank_cli", "node", "--job", str(files.job)]
     if req.nodes == 1:
         cpus = bound_cpus(env)
-        job.update(master_addr="127.0.0.1", master_port=free_port("127.0.0.1") if req.processes > 1 else 0,
-                   cpus=cpus, gpus=bound_gpus(env), hosts=[])
+        # one node: the ranks meet through a file store in a private directory (no rendezvous socket)
+        store = store_path(private_dir(), req.number, req.attempt) if req.processes > 1 else ""
+        job.update(master_addr="127.0.0.1", master_port=0, store=store, cpus=cpus, gpus=bound_gpus(env), hosts=[])
         return [[*cli, "--node-index", "0"]], job
     hosts = ordered_hosts(env, req.nodes)
     master = str(opts.get("master_addr") or hosts[0])
@@ -247,6 +249,8 @@ def _run(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], t0: float, 
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
+        if job.get("store"):
+            shutil.rmtree(os.path.dirname(str(job["store"])), ignore_errors=True)
     if cancelled is None and failure is None and files.stop_requested() \
             and any(p.returncode not in (0, None) for p in procs):
         # the ranks' own STOP watcher ended them before this loop saw the file

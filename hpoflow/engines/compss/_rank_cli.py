@@ -247,7 +247,8 @@ def _rank(args: argparse.Namespace) -> int:
 
     request = _request(job)
     rj = RankJob(request, args.rank, int(job["world_size"]), args.local_rank, str(job["master_addr"]),
-                 int(job["master_port"]), max(1, len(cores)), float(job.get("pg_timeout_s", 120.0)))
+                 int(job["master_port"]), max(1, len(cores)), float(job.get("pg_timeout_s", 120.0)),
+                 str(job.get("store") or ""))
     channel: Channel = (FileChannel(files, float(job.get("answer_timeout_s", 600.0))) if args.rank == 0
                         else NullChannel())
     outcome = run_rank(rj, channel)

@@ -13,12 +13,13 @@ with their children and replaced.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -32,7 +33,7 @@ from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
-from hpoflow.train.rendezvous import free_port
+from hpoflow.train.rendezvous import private_dir, store_path
 from hpoflow.trial import RankOutcome, result_from_ranks
 
 __all__ = ["LocalEngine", "plan_placement"]
@@ -54,15 +55,6 @@ def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list
         out.append(Placement(r, tuple(free_cores[c0 : c0 + request.cpus_per_process]),
                              tuple(free_gpus[g0 : g0 + request.gpus_per_process])))
     return out
-
-
-def _free_port(recent: deque[int]) -> int:
-    for _ in range(50):
-        port = free_port()
-        if port not in recent:
-            recent.append(port)
-            return port
-    raise EngineError("could not find a free TCP port on 127.0.0.1 for a trial's rendezvous")
 
 
 @dataclass
@@ -92,6 +84,7 @@ class _Trial:
     cancel_reason: str | None = None
     failure: str | None = None
     retryable: bool = False
+    store: str = ""  # the rendezvous file store of a multi-rank trial
 
     @property
     def done(self) -> bool:
@@ -131,7 +124,7 @@ class LocalEngine(Engine):
         self._idle: list[_Worker] = []
         self._next_wid = 0
         self._events: list[Event] = []
-        self._ports: deque[int] = deque(maxlen=256)
+        self._rendezvous = private_dir()  # file stores of multi-rank trials: no rendezvous socket
         self._lock = threading.RLock()
         self._closed = False
         # Start the forkserver (its torch import) and one worker per core now, in the background,
@@ -222,12 +215,12 @@ class LocalEngine(Engine):
                 self.free_gpus.remove(g)
         trial_dir = Path(request.trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
-        port = _free_port(self._ports) if request.processes > 1 else 0
+        store = store_path(self._rendezvous, request.number, request.attempt) if request.processes > 1 else ""
         from hpoflow.train.runner import RankJob
 
         now = time.monotonic()
         trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
-                       submitted_wall=time.time())
+                       submitted_wall=time.time(), store=store)
         with self._lock:
             for p in placement:
                 w = self._acquire_worker(p.gpus)
@@ -241,8 +234,8 @@ class LocalEngine(Engine):
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.gpus)
                     if p.gpus:
                         w.gpus = p.gpus
-                job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", port, threads,
-                              self.pg_timeout_s)
+                job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", 0, threads,
+                              self.pg_timeout_s, store)
                 w.trial, w.rank = request.number, p.rank
                 trial.workers.append(w)
                 try:
@@ -321,6 +314,7 @@ class LocalEngine(Engine):
                 self._retire(w)
             self._idle.clear()
             self._trials.clear()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     # -- internals ------------------------------------------------------------------------------
     def _trial_of(self, w: _Worker) -> _Trial | None:
@@ -403,6 +397,9 @@ class LocalEngine(Engine):
                                  submitted_wall=t.submitted_wall)
 
     def _release(self, t: _Trial) -> None:
+        if t.store:
+            with contextlib.suppress(OSError):
+                os.unlink(t.store)
         for p in t.placement:
             self.free_cores.extend(c for c in p.cores if c not in self.free_cores)
             self.free_gpus.extend(g for g in p.gpus if g not in self.free_gpus)
