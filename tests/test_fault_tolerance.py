@@ -15,6 +15,7 @@ from typing import Any
 
 import optuna
 import psutil
+import pytest
 import yaml
 from conftest import ROOT
 from optuna.trial import TrialState
@@ -156,3 +157,42 @@ def test_a_trial_interrupted_by_a_driver_kill_resumes_from_its_checkpoint(tmp_pa
     assert rerun.user_attrs["hpoflow_replaces"] in {t.number for t in study.trials[:-1]}  # a rerun chain
     assert rerun.user_attrs["checkpoint_dir"] == str(ckpts)  # it inherited the killed trial's checkpoints
     assert rerun.user_attrs["metrics"]["resumed_from_epoch"] >= 1  # and resumed instead of starting over
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_any_process_of_the_engine_can_die(tmp_path: Path, seed: int) -> None:
+    """SIGKILL of random descendants of the driver (the forkserver, idle or busy workers, ranks) many
+    times: each death is detected, the process replaced, the affected trial retried, and the study
+    completes every trial."""
+    engine = LocalEngine()
+    kills: list[str] = []
+    done = threading.Event()
+    me = psutil.Process()
+
+    def killer() -> None:
+        rng = random.Random(seed)
+        while len(kills) < 6 and not done.is_set():
+            time.sleep(0.4 + rng.random() * 0.4)
+            victims = [p for p in me.children(recursive=True) if p.is_running()]
+            if not victims:
+                continue
+            victim = rng.choice(victims)
+            try:
+                name = " ".join(victim.cmdline()[:3]) or victim.name()
+                victim.kill()
+                kills.append(name)
+            except psutil.Error:
+                pass
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        result = optimize(spec(8, 1, 0.6, 8), tmp_path / "run", engine=engine, handle_signals=False)
+    finally:
+        done.set()
+        thread.join()
+        engine.close()
+    assert len(kills) >= 3, kills
+    trials = result.study.trials
+    assert result.summary.n_complete == 8 and result.summary.n_failed == 0, (kills, [t.user_attrs for t in trials])
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 8

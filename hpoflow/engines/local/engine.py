@@ -14,6 +14,7 @@ with their children and replaced.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -36,10 +37,13 @@ from hpoflow.errors import EngineError
 from hpoflow.train.rendezvous import private_dir, store_path
 from hpoflow.trial import RankOutcome, result_from_ranks
 
+log = logging.getLogger(__name__)
+
 __all__ = ["LocalEngine", "plan_placement"]
 
 PRELOAD = ["hpoflow.engines.local._worker", "sklearn.datasets", "sklearn.model_selection"]
 _KILL_GRACE_S = 2.0
+_SPAWN_TRIES = 5  # a forkserver killed (again) while it preloads torch answers EOF: start another
 
 
 def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[int]
@@ -149,8 +153,21 @@ class LocalEngine(Engine):
         parent, child = self._ctx.Pipe(duplex=True)
         wid = self._next_wid
         self._next_wid += 1
-        proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}", daemon=True)
-        proc.start()
+        for attempt in range(_SPAWN_TRIES):
+            proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}",
+                                     daemon=True)
+            try:
+                proc.start()
+                break
+            except (EOFError, ConnectionError, FileNotFoundError) as exc:
+                # the forkserver died (an OOM kill, a stray signal) between multiprocessing's liveness
+                # check and the fork request; the next start() notices and launches a new one
+                log.warning("the local engine's forkserver is gone (%s: %s); starting a new one",
+                            type(exc).__name__, exc)
+                if attempt == _SPAWN_TRIES - 1:
+                    raise EngineError(f"the local engine could not start a worker process: {exc}") from exc
+                _restart_forkserver()
+                time.sleep(0.2 * attempt)
         child.close()
         w = _Worker(wid, proc, parent)
         self._workers[wid] = w
@@ -415,6 +432,22 @@ class LocalEngine(Engine):
                     self._retire(w)
                 else:
                     self._idle.append(w)
+
+
+def _restart_forkserver() -> None:
+    """Stop multiprocessing's forkserver for good (it is dead or answers nothing), so the next
+    ``start()`` launches a new one with the same preload."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    stop = getattr(server, "_stop", None)
+    if callable(stop):
+        with contextlib.suppress(OSError, ChildProcessError):
+            stop()
 
 
 def _killpg(proc: BaseProcess) -> None:
