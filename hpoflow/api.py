@@ -156,6 +156,12 @@ def optimize(
     ``LocalEngine``). ``progress=True`` shows the live progress display on stderr.
     """
     parsed, text = prepare_spec(spec)
+    cap = os.environ.get("HPOFLOW_N_TRIALS", "").strip()
+    if n_trials is None and cap:
+        if not cap.isdigit() or int(cap) < 1:
+            raise HpoflowError(f"HPOFLOW_N_TRIALS must be a whole number >= 1, but got {cap!r}. Fix: unset it or "
+                               "set it to e.g. 2")
+        n_trials = min(int(cap), parsed.search.n_trials or int(cap))  # a cap: never more than the spec
     # Trials import training.function from the spec's directory, then the current one.
     dirs = search_dirs(spec) if isinstance(spec, str | os.PathLike) else search_dirs()
     rd = rundir.resolve(run_dir if run_dir is not None else Path("runs") / parsed.study.name, create=True)
