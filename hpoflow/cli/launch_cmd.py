@@ -19,7 +19,7 @@ from hpoflow.errors import EngineError
 __all__ = ["register"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "launch", help="run a study under COMPSs (runcompss here, enqueue_compss on a cluster)",
         description="Build and run the runcompss/enqueue_compss command of a study. --dry-run prints it.",

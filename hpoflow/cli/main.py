@@ -27,7 +27,7 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def _registrars(argv: Sequence[str]) -> list[Callable[[argparse._SubParsersAction], None]]:
+def _registrars(argv: Sequence[str]) -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
     first = next((a for a in argv if not a.startswith("-")), None)
     modules = [COMMANDS[first]] if first in COMMANDS else list(COMMANDS.values())
     regs = []

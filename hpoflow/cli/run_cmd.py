@@ -11,7 +11,7 @@ from hpoflow.cli._args import positive_int
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="run or resume a study",
                        description="Run a study; on an existing run directory, resume it.")
     p.add_argument("spec", help="study spec (YAML)")

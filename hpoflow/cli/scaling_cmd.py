@@ -43,7 +43,7 @@ def _param(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "scaling", help="measure throughput and scaling efficiency over world sizes",
         description="Train the spec's training with fixed parameters (the first choice or low end "

@@ -8,7 +8,7 @@ import json
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="show a study's progress and best trials")
     p.add_argument("run_dir", help="run directory of a study")
     p.add_argument("--json", action="store_true", help="one JSON object")

@@ -9,7 +9,7 @@ from hpoflow.spec import load_spec
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("validate", help="check a study spec without running it",
                        description="Check a study spec; errors give the key path, line, rule and fix.")
     p.add_argument("spec", help="study spec (YAML)")

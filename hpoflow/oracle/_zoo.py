@@ -11,6 +11,7 @@ The oracle builds them on the meta device, so no weights are ever allocated.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 
 import torch
@@ -43,7 +44,7 @@ class _Basic(nn.Module):
         self.act = nn.ReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.body(x) + self.skip(x))
+        return typing.cast(torch.Tensor, self.act(self.body(x) + self.skip(x)))
 
 
 class _Bottleneck(_Basic):
@@ -79,7 +80,7 @@ class _ResNet(nn.Module):
         self.fc = nn.Linear(channels, n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.flatten(self.pool(self.features(x))))
+        return typing.cast(torch.Tensor, self.fc(self.flatten(self.pool(self.features(x)))))
 
 
 def resnet18(input_shape: tuple[int, ...], n_classes: int) -> nn.Module:
@@ -127,7 +128,7 @@ class _Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-1, -2) / (h // self.heads) ** 0.5
         ctx = self.drop(self.softmax(scores)) @ v
-        return self.out(ctx.transpose(1, 2).reshape(b, s, h))
+        return typing.cast(torch.Tensor, self.out(ctx.transpose(1, 2).reshape(b, s, h)))
 
 
 class _EncoderLayer(nn.Module):
@@ -142,7 +143,7 @@ class _EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm1(x + self.attn(x))
-        return self.norm2(x + self.ffn(x))
+        return typing.cast(torch.Tensor, self.norm2(x + self.ffn(x)))
 
 
 class _Bert(nn.Module):
@@ -164,7 +165,7 @@ class _Bert(nn.Module):
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.tokens(ids) + self.positions(pos) + self.segments(torch.zeros_like(ids))
         x = self.layers(self.drop(self.norm(x)))
-        return self.head(self.pooler(x[:, 0]))
+        return typing.cast(torch.Tensor, self.head(self.pooler(x[:, 0])))
 
 
 def bert_base(input_shape: tuple[int, ...], n_classes: int, vocab: int = 30522,

@@ -44,11 +44,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from torch import nn
+from torch.multiprocessing import ProcessRaisedException, spawn  # type: ignore[attr-defined]
 from torch.utils.flop_counter import FlopCounterMode
 
+from hpoflow.fileio import write_atomic
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import OpCounter, count_step_ops
@@ -435,9 +436,8 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
         raise OracleError(f"processes must be >= 1, but got {processes}; use 2 on a laptop")
     with tempfile.TemporaryDirectory(prefix="hpoflow-calibrate-") as out:
         try:
-            mp.spawn(_worker, args=(processes, free_port(), out, scale), nprocs=processes,
-                     join=True)
-        except mp.ProcessRaisedException as exc:
+            spawn(_worker, args=(processes, free_port(), out, scale), nprocs=processes, join=True)
+        except ProcessRaisedException as exc:
             raise OracleError(
                 f"calibration with {processes} gloo processes on 127.0.0.1 failed: "
                 f"{str(exc).strip().splitlines()[-1]}; try --processes 1 to skip communication"
@@ -485,8 +485,5 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
 def write_cluster(spec: ClusterSpec, path: str | Path) -> Path:
     """Write ``spec`` as YAML that :func:`~hpoflow.oracle.cluster.load_cluster` reads back."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False), encoding="utf-8")
-    tmp.replace(target)
+    write_atomic(target, yaml.safe_dump(spec.model_dump(), sort_keys=False))
     return target

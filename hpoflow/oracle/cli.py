@@ -50,7 +50,7 @@ def _add_predict_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``oracle`` subcommand (default: predict; ``calibrate``) to ``subparsers``."""
     oracle = subparsers.add_parser(
         "oracle", help="predict step time, time-to-train, memory and bottleneck per strategy",

@@ -125,7 +125,7 @@ def optimizer_state_bytes(params: int, optimizer: str, momentum: float = 0.0) ->
 
 class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
         self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

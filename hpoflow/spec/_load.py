@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from hpoflow.errors import Issue, SpecError
+from hpoflow.errors import Issue, SpecError, did_you_mean
 from hpoflow.spec._models import (
     PLACEHOLDER,
     CategoricalParam,
@@ -27,7 +27,6 @@ from hpoflow.spec._models import (
     Param,
     StudySpec,
     TrainConfig,
-    did_you_mean,
 )
 from hpoflow.spec._yaml import MAX_BYTES, Path, load_yaml_with_lines
 

@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed import FileStore  # type: ignore[attr-defined]  # not re-exported in the stubs
 
 from hpoflow.train.rendezvous import LOOPBACK_ENV, wait_for_master
 
@@ -27,7 +28,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     if store_path:
         for key, value in LOOPBACK_ENV.items():
             os.environ.setdefault(key, value)
-        store = dist.FileStore(store_path, world_size)
+        store = FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         return
     if rank != 0:

@@ -14,6 +14,7 @@ import random
 import sys
 import time
 import traceback
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[Tria
     fn = getattr(module, attr)
     if not callable(fn):
         raise TypeError(f"{ref} is not callable")
-    return fn
+    return typing.cast("Callable[[TrialContext], Any]", fn)
 
 
 def _seed_everything(seed: int) -> None:

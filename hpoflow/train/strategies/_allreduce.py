@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed import GradBucket  # type: ignore[attr-defined]  # not re-exported in the stubs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -81,7 +81,7 @@ class AllReduce(Strategy):
         factor = _COMPRESSION_FACTOR.get(str(self.options.get("compression", "none")), 1.0)
         world = self.env.world_size
 
-        def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
+        def timed_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[Any]:
             t0 = time.perf_counter()
             buf = bucket.buffer()
             estimate = ring_allreduce_bytes(buf.numel() * buf.element_size() * factor, world)
