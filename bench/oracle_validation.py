@@ -1,6 +1,6 @@
 """Validate the oracle on this machine: predicted vs measured training step time.
 
-1. Calibrate (generic probes, see ``hpoflow.oracle.calibrate``) or load ``--calibration FILE``.
+1. Calibrate (generic probes, see ``hpoflow.oracle.calibration``) or load ``--calibration FILE``.
 2. Rounds of (measure, calibrate): each round is predicted from the calibrations just before and
    just after its measurements (geometric mean), so a drift of the shared machine's speed
    cancels to first order; the figure is each case's median ratio over the rounds.
@@ -32,7 +32,7 @@ from rich.table import Table
 from torch import nn
 
 from hpoflow.oracle import ClusterSpec, Plan, calibrate, load_cluster, model_facts, predict
-from hpoflow.oracle.calibrate import write_cluster
+from hpoflow.oracle.calibration import write_cluster
 from hpoflow.oracle.facts import resolve_model
 from hpoflow.train.dist import destroy
 from hpoflow.train.rendezvous import free_port

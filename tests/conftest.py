@@ -59,3 +59,9 @@ def calibration_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 
     spec = calibrate(2, scale=0.2)
     return spec, write_cluster(spec, tmp_path_factory.mktemp("calibration") / "cal.yaml")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fast tier first: a plain ``pytest`` runs every test not marked ``slow`` before the slow
+    ones, so a broken change fails within the first minutes (``-m "not slow"`` runs only those)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

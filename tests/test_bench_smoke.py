@@ -22,6 +22,8 @@ CASES = {
                       {"hpoflow_launch_s", "torchrun_launch_s", "hpoflow_first_step_s"}),
 }
 
+pytestmark = pytest.mark.slow  # runs the benchmark scripts
+
 
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> None:

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import yaml
-from conftest import ROOT
 
 from hpoflow.spec import spec_from_mapping
+from tests.conftest import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 
@@ -31,6 +32,7 @@ def write(tmp_path: Path, spec: dict[str, Any]) -> Path:
     return f
 
 
+@pytest.mark.slow
 def test_run_writes_a_complete_run_directory(tmp_path: Path, tiny_spec: dict[str, Any]) -> None:
     spec_file = write(tmp_path, tiny_spec)
     run_dir = tmp_path / "run"
@@ -71,6 +73,7 @@ def test_run_writes_a_complete_run_directory(tmp_path: Path, tiny_spec: dict[str
                for _, state, value, params in trials)
 
 
+@pytest.mark.slow
 def test_sqlite_storage_url(tmp_path: Path, tiny_spec: dict[str, Any]) -> None:
     tiny_spec["storage"] = f"sqlite:///{tmp_path / 'study.db'}"
     tiny_spec["search"]["n_trials"] = 2
@@ -82,6 +85,7 @@ def test_sqlite_storage_url(tmp_path: Path, tiny_spec: dict[str, Any]) -> None:
     assert len(optuna.load_study(study_name="tiny", storage=tiny_spec["storage"]).trials) == 2
 
 
+@pytest.mark.slow
 def test_sigterm_midway_then_rerun_finishes_exactly_n_trials(tmp_path: Path, tiny_spec: dict[str, Any]) -> None:
     tiny_spec["search"]["n_trials"] = 6
     tiny_spec["training"]["epochs"] = 6

@@ -17,14 +17,16 @@ import optuna
 import psutil
 import pytest
 import yaml
-from conftest import ROOT
 from optuna.trial import TrialState
 
 from hpoflow.api import optimize
 from hpoflow.engines.local import LocalEngine
 from hpoflow.search.driver import interrupted
+from tests.conftest import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+
+pytestmark = pytest.mark.slow  # kills and resumes real studies
 
 
 def spec(n_trials: int, processes: int, seconds: float, retries: int) -> dict[str, Any]:

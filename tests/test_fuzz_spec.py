@@ -11,6 +11,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -41,6 +42,8 @@ TEXT_ATTACKS = [
     "\t- broken: [\n",
     "study: {name: 'a b', metric: m, direction: sideways}\n",
 ]
+
+pytestmark = pytest.mark.slow  # 1,000 generated specs
 
 
 def _paths(data: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -100,6 +100,7 @@ def test_an_engine_registered_from_outside_runs_a_whole_study(tmp_path: Path, qu
     result = hpoflow.optimize(spec, tmp_path / "run", progress=False)
     assert result.summary.n_complete == 12
     assert result.best_value is not None and 0.99 < result.best_value <= 1.0
+    assert result.best_params is not None
     assert math.isclose(result.best_value, -((result.best_params["lr"] - 0.01) ** 2) + 1.0)
 
 

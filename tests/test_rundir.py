@@ -14,12 +14,15 @@ from typing import Any
 import optuna
 import pytest
 import yaml
+from optuna.storages.journal import JournalFileBackend
 
 from hpoflow.errors import RunDirError
 from hpoflow.rundir import RunLock, redact, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+
+pytestmark = pytest.mark.slow  # whole studies through the CLI
 
 
 def _spec(path: Path, **extra: Any) -> Path:
@@ -54,8 +57,8 @@ def test_a_relative_run_dir_is_one_place_and_every_spelling_resumes_it(tmp_path:
     info = json.loads((rd / "run.json").read_text())
     assert info["storage"] == str(rd / "study.journal") and len(info["run_id"]) == 32
     assert json.loads(first.stdout)["storage"] == info["storage"]
-    study = optuna.load_study(study_name="rd", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(rd / "study.journal"))))
+    backend = JournalFileBackend(str(rd / "study.journal"))
+    study = optuna.load_study(study_name="rd", storage=optuna.storages.JournalStorage(backend))
     assert len(study.trials) == 3
     before = _digests(rd)
     # status from inside the directory, as "."

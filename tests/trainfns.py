@@ -108,7 +108,14 @@ def allreduce_loop(ctx: TrialContext) -> dict[str, float]:
     """A DDP-like trial: collectives for ``options.seconds`` (a killed peer breaks them)."""
     t_end = time.monotonic() + float(ctx.options.get("seconds", 1.0))
     total = 0.0
-    while time.monotonic() < t_end:
+    while True:
+        # every rank agrees when to stop (the first one out of time), so all make the same number of
+        # collectives: ranks that start at different moments must not stop at different steps
+        go = torch.tensor([1.0 if time.monotonic() < t_end else 0.0])
+        if ctx.distributed:
+            dist.all_reduce(go, op=dist.ReduceOp.MIN)
+        if go.item() == 0.0:
+            break
         t = torch.ones(1)
         if ctx.distributed:
             dist.all_reduce(t)

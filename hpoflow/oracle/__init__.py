@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hpoflow.oracle.calibrate import calibrate, write_cluster
+    from hpoflow.oracle.calibration import calibrate, write_cluster
     from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
     from hpoflow.oracle.cluster import ClusterSpec, DeviceSpec, LinkSpec, Overheads, load_cluster
     from hpoflow.oracle.errors import OracleError
@@ -66,13 +66,13 @@ _WHERE = {
     'STRATEGIES': 'hpoflow.oracle.model',
     'StepCost': 'hpoflow.oracle.model',
     'Verdict': 'hpoflow.trial',
-    'calibrate': 'hpoflow.oracle.calibrate',
+    'calibrate': 'hpoflow.oracle.calibration',
     'check_trial': 'hpoflow.oracle.trial',
     'load_cluster': 'hpoflow.oracle.cluster',
     'model_facts': 'hpoflow.oracle.facts',
     'optimizer_state_bytes': 'hpoflow.oracle.facts',
     'predict': 'hpoflow.oracle.model',
-    'write_cluster': 'hpoflow.oracle.calibrate',
+    'write_cluster': 'hpoflow.oracle.calibration',
 }
 
 

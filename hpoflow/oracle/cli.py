@@ -165,7 +165,7 @@ def _print_table(p: dict[str, Any], f: dict[str, Any]) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from hpoflow.oracle.calibrate import calibrate, write_cluster
+    from hpoflow.oracle.calibration import calibrate, write_cluster
 
     spec = calibrate(args.processes, scale=0.3 if args.quick else 1.0)
     path = write_cluster(spec, args.out)

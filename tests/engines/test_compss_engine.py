@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ class FakeApi:
 
 
 @pytest.fixture
-def runtime(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[CompssEngine, FakeApi]:
+def runtime(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[CompssEngine, FakeApi]]:
     fake = FakeApi()
     monkeypatch.setattr(compss_mod, "runtime_active", lambda: True)
     monkeypatch.setattr(compss_mod, "api", lambda: fake)

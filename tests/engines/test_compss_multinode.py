@@ -6,14 +6,17 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hpoflow.engines.compss._body import run_trial
 from tests.engines._fakes import NetnsPair, make_request, rank_processes
 
+pytestmark = pytest.mark.slow  # two-node trials in network namespaces
 
-def _outcomes(trial_dir: Path) -> list[dict[str, object]]:
+
+def _outcomes(trial_dir: Path) -> list[dict[str, Any]]:
     return [json.loads((trial_dir / "attempt-0" / f"outcome-{r}.json").read_text()) for r in range(2)]
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.engines._fakes import ROOT
 
 SPEC = """\
@@ -20,6 +22,8 @@ training: {model: mlp, dataset: digits, epochs: 1, lr: "${lr}"}
 resources: {processes: 1, cpus_per_process: 1}
 engine: compss
 """
+
+pytestmark = pytest.mark.slow  # runs workflows/hpo.py studies
 
 
 def test_workflow_runs_a_two_trial_study_sequentially(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT
 
 from hpoflow.engines import Engine, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.compss import CompssEngine
@@ -23,6 +22,7 @@ from hpoflow.engines.local import LocalEngine
 from hpoflow.engines.threads import Reporter, ThreadEngine
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
+from tests.conftest import ROOT
 
 ENGINES = ["threads", "local", "compss"]
 PYPATH = (str(ROOT / "tests"),)
@@ -31,7 +31,7 @@ if PYPATH[0] not in sys.path:  # the threads engine imports trainfns in this pro
 
 
 def _thread_objective(params: dict[str, Any], reporter: Reporter) -> Any:
-    from trainfns import behave_params
+    from tests.trainfns import behave_params
 
     return behave_params(params, lambda step, **m: reporter.report(step, **m))
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import ROOT, descendants
 
 from hpoflow.engines import TrialRequest, TrialResult
 from hpoflow.engines.local import LocalEngine, plan_placement
 from hpoflow.engines.machine import check_fits
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
+from tests.conftest import ROOT, descendants
 
 PYPATH = (str(ROOT / "tests"),)
 
@@ -97,7 +97,7 @@ def test_cancel_kills_rank_and_its_children(engine: LocalEngine, tmp_path: Path)
     grandchild = int(pid_file.read_text())
     assert psutil.pid_exists(grandchild)
     engine.cancel(0, "test")
-    results = []
+    results: list[TrialResult] = []
     while not results:
         results = [e for e in engine.poll(1.0) if isinstance(e, TrialResult)]
     assert results[0].status == "cancelled"

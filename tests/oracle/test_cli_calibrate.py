@@ -44,6 +44,7 @@ def test_register_user_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None
 
 
 @pytest.mark.skipif(not (ROOT / "hpoflow" / "__main__.py").exists(), reason="no __main__ yet")
+@pytest.mark.slow
 def test_python_m_hpoflow_oracle(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: 0\n")
@@ -59,13 +60,14 @@ def test_python_m_hpoflow_oracle(tmp_path: Path) -> None:
     assert json.loads(r.stdout)["bottleneck"]
 
 
+@pytest.mark.slow
 def test_calibrate_real_gloo_two_processes(tmp_path: Path, calibration_2: tuple[Any, Path]) -> None:
     spec = calibration_2[0]
     assert spec.devices_per_node == 2
     assert spec.device.peak_flops["fp32"] > 1e8
     assert spec.intra_node.bandwidth > 0 and spec.intra_node.latency >= 0
     # the generic memory-bound layer, optimizer and skew probes all landed in the spec
-    from hpoflow.oracle.calibrate import ELEMENT_GRID, LAYER_KINDS
+    from hpoflow.oracle.calibration import ELEMENT_GRID, LAYER_KINDS
     assert set(spec.device.layer_cost or {}) == set(LAYER_KINDS)
     assert all(len(rows) == len(ELEMENT_GRID) for rows in (spec.device.layer_cost or {}).values())
     opt = spec.overheads.optimizer_per_param_s

@@ -39,8 +39,9 @@ def test_log_space_interpolation_and_clamping() -> None:
 
 
 def test_bad_tables_are_rejected() -> None:
-    for bad in ({"conv": [(1e7, 0.1), (1e5, 0.01)]}, {"conv": [(1e5, 1.5)]}, {"gemm": [(1.0, 0.5)]},
-                {"conv": []}):
+    tables: list[dict[str, list[tuple[float, float]]]] = [
+        {"conv": [(1e7, 0.1), (1e5, 0.01)]}, {"conv": [(1e5, 1.5)]}, {"gemm": [(1.0, 0.5)]}, {"conv": []}]
+    for bad in tables:
         with pytest.raises(OracleError, match="efficiency_table"):
             _cluster(bad)
 
@@ -60,7 +61,7 @@ def test_layer_pricing_matches_hand_computation() -> None:
     b = 32
     cost = step_cost(f, c, Plan(batch_size=b, devices=1).validate(c), 1, b)
     peak = c.device.peak_flops["fp32"]
-    want = sum(3 * fl * n * b / (peak * c.device.layer_efficiency(k, 3 * fl * b))  # type: ignore[operator]
+    want = sum(3 * fl * n * b / (peak * c.device.layer_efficiency(k, 3 * fl * b))
                for k, fl, n in f.layers)
     assert cost.flops_s == pytest.approx(want)
     # a conv table's efficiencies include the per-call fixed cost: per_conv_s is not added again
@@ -98,7 +99,7 @@ def test_without_table_behaves_exactly_as_before(tmp_path: Path) -> None:
 
 
 def test_table_round_trips_through_yaml(tmp_path: Path) -> None:
-    from hpoflow.oracle.calibrate import write_cluster
+    from hpoflow.oracle.calibration import write_cluster
 
     c = _cluster(TABLE)
     back = load_cluster(write_cluster(c, tmp_path / "t.yaml"))

@@ -70,7 +70,9 @@ def test_element_cost_interpolates_in_log_space_and_clamps() -> None:
 
 
 def test_bad_layer_cost_tables_are_rejected() -> None:
-    for bad in ({"relu": [(1e5, 1e-9), (1e3, 1e-8)]}, {"relu": [(1e3, 0.0)]}, {"relu": []}):
+    tables: list[dict[str, list[tuple[float, float]]]] = [
+        {"relu": [(1e5, 1e-9), (1e3, 1e-8)]}, {"relu": [(1e3, 0.0)]}, {"relu": []}]
+    for bad in tables:
         with pytest.raises(OracleError, match="layer_cost"):
             _cluster(bad)
     with pytest.raises(OracleError, match="optimizer_per_param_s"):
@@ -83,7 +85,7 @@ def test_priced_layers_replace_their_activation_traffic() -> None:
     w = plain.device.memory_bandwidth
     assert _cost(plain, f).memory_traffic_s == pytest.approx(ACTIVATION_TRAFFIC * f.activation_bytes * b / w)
     dev = priced.device
-    layer_s = sum(dev.element_cost(k, n_in * b) * n_in * calls * b  # type: ignore[operator]
+    layer_s = sum(dev.element_cost(k, n_in * b) * n_in * calls * b
                   for k, n_in, _, calls in f.other_layers if k in LAYER_COST)
     # relu and maxpool outputs are priced, flatten is a view: all three leave the traffic term
     left = f.activation_bytes - 4 * sum(n_out * calls for _, _, n_out, calls in f.other_layers)

@@ -26,6 +26,11 @@ BASE: dict[str, Any] = {
 }
 
 
+def _sleep_then(seconds: float, value: Any) -> Any:
+    time.sleep(seconds)
+    return value
+
+
 def make(overrides: dict[str, Any] | None = None, **search: Any) -> Any:
     data = copy.deepcopy(BASE)
     data["search"].update(search)
@@ -47,7 +52,7 @@ def run_driver(spec: Any, objective: Any, slots: int, tmp_path: Path, study: opt
 
 def test_exact_budget_and_concurrency(tmp_path: Path) -> None:
     spec = make()
-    driver, engine, study = run_driver(spec, lambda p, r: (time.sleep(0.01), p["x"])[1], 3, tmp_path)
+    driver, engine, study = run_driver(spec, lambda p, r: _sleep_then(0.01, p["x"]), 3, tmp_path)
     assert count_finished(study) == 12
     assert len(study.trials) == 12
     assert engine.max_in_flight == 3
@@ -73,7 +78,7 @@ def test_results_consumed_in_completion_order(tmp_path: Path) -> None:
 
 def test_wall_clock_budget_lets_running_trials_finish(tmp_path: Path) -> None:
     spec = make(n_trials=1000, max_concurrent=2, timeout=0.4)
-    driver, _, study = run_driver(spec, lambda p, r: (time.sleep(0.1), 1.0)[1], 2, tmp_path)
+    driver, _, study = run_driver(spec, lambda p, r: _sleep_then(0.1, 1.0), 2, tmp_path)
     assert driver.summary.stopped_by == "timeout"
     assert 1 <= count_finished(study) < 1000
     assert all(t.state == TrialState.COMPLETE for t in study.trials)  # nothing cancelled
@@ -93,7 +98,7 @@ def test_grid_covers_every_point_once_with_concurrency(tmp_path: Path) -> None:
     spec = spec_from_mapping(data)
     points = grid_points(spec.space)
     assert len(points) == (3 + 1) * 3  # sgd x 3 momenta + adam, times 3 widths
-    _, _, study = run_driver(spec, lambda p, r: (time.sleep(0.005), 1.0)[1], 3, tmp_path)
+    _, _, study = run_driver(spec, lambda p, r: _sleep_then(0.005, 1.0), 3, tmp_path)
     seen = sorted(tuple(sorted(t.params.items())) for t in study.trials)
     assert seen == sorted(tuple(sorted(p.items())) for p in points)
     assert len(study.trials) == len(points)

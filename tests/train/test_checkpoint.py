@@ -22,10 +22,10 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import ROOT, descendants
 
 from hpoflow.engines import TrialRequest, TrialResult
 from hpoflow.engines.local import LocalEngine
+from hpoflow.fileio import write_atomic
 from hpoflow.spec import TrainConfig
 from hpoflow.train.checkpoint import (
     MAGIC,
@@ -34,9 +34,9 @@ from hpoflow.train.checkpoint import (
     checkpoint_name,
     encode,
     read_checkpoint,
-    write_atomic,
 )
 from hpoflow.train.context import TrialContext
+from tests.conftest import ROOT, descendants
 
 # -- the file format, in-process ----------------------------------------------------------------------
 

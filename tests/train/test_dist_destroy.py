@@ -8,12 +8,15 @@ import multiprocessing as mp
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hpoflow.train.dist import destroy
 from hpoflow.train.rendezvous import free_port
+
+pytestmark = pytest.mark.slow  # many real gloo groups
 
 
 def _rank(rank: int, port: int, peer_vanishes: bool, out: mp.Queue) -> None:

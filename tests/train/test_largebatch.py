@@ -64,6 +64,7 @@ def test_lars_moves_each_matrix_by_lr_times_trust_times_norm() -> None:
     lr, trust = 0.5, 0.01
     opt = LARS(torch.optim.SGD(layer.parameters(), lr=lr), trust_coefficient=trust)
     (layer(torch.randn(8, 20)).pow(2).sum() * 1000).backward()  # a huge gradient
+    assert layer.bias.grad is not None
     bias_grad = layer.bias.grad.detach().clone()
     opt.step()
     moved = float(torch.linalg.vector_norm(layer.weight.detach() - w0))

@@ -15,14 +15,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT
 
 from hpoflow.engines.local import LocalEngine
 from hpoflow.spec import TrainConfig
 from hpoflow.train.rendezvous import private_dir, store_path
 from hpoflow.trial import TrialRequest, TrialResult
+from tests.conftest import ROOT
 
 HOST_IP, PEER_IP = "198.18.1.1", "198.18.1.2"
+
+pytestmark = pytest.mark.slow  # a network namespace and a DDP trial
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

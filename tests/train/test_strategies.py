@@ -28,6 +28,7 @@ from hpoflow.spec import TrainConfig
 from hpoflow.train.collectives import ring_allreduce_bytes
 from hpoflow.train.rendezvous import free_port
 from hpoflow.train.strategies import (
+    EASGD,
     Strategy,
     StrategyEnv,
     make_strategy,
@@ -41,14 +42,14 @@ WORLD = 2
 B = 8  # per-rank batch
 STEPS = 5
 LR = 0.1
-EQUIV = {  # name -> (strategy, options): must match one process with batch 2B
+EQUIV: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (strategy, options): must match one process with batch 2B
     "allreduce": ("allreduce", {}),
     "allreduce_small_buckets": ("allreduce", {"bucket_cap_mb": 0.001,
                                               "gradient_as_bucket_view": True}),
     "parameter_server": ("parameter_server", {"servers": 1}),
     "parameter_server_2": ("parameter_server", {"servers": 2}),
 }
-VOLUME = {  # name -> (strategy, options, steps)
+VOLUME: dict[str, tuple[str, dict[str, Any], int]] = {  # name -> (strategy, options, steps)
     "allreduce": ("allreduce", {}, 4),
     "allreduce_fp16": ("allreduce", {"compression": "fp16"}, 4),
     "parameter_server": ("parameter_server", {"servers": 1}, 4),
@@ -121,6 +122,7 @@ def _session_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             s = make_strategy("easgd", _options("easgd", {"tau": 2, "momentum": momentum}),
                               StrategyEnv(rank, world, LR))
             _train(s, _small_model(), x, y, 6, B, rank, world, momentum=0.0)
+            assert isinstance(s, EASGD)
             res[key] = {"center": s.center_vector(), "local": flat_params(s.params).clone()}
         xv, yv = _data(8, WORLD * 32)
         for key, (name, opts, steps) in VOLUME.items():
@@ -320,6 +322,7 @@ def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", list(TRIAL_STRATEGIES))
+@pytest.mark.slow
 def test_every_strategy_reaches_95_percent_on_digits_with_two_ranks(trials: dict[str, Any],
                                                                     name: str) -> None:
     result, _ = trials[name]

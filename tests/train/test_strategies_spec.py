@@ -92,6 +92,6 @@ def test_large_batch_fields_are_checked() -> None:
     with pytest.raises(ValidationError):
         TrainConfig(grad_accum_steps=0)
     with pytest.raises(ValidationError):
-        TrainConfig(lr_scaling="cubic")  # type: ignore[arg-type]
+        TrainConfig(lr_scaling="cubic")
     cfg = TrainConfig(lr_scaling="linear", base_batch_size=256, warmup_epochs=5, lars=True)
     assert cfg.lars_trust_coefficient == 0.001
