@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run, compss_args=[])
     p.usage = "hpoflow launch SPEC [options] [-- COMPSS_FLAG ...]"
     p.epilog = "Flags after -- go to runcompss/enqueue_compss unchanged, before the application."
-    p.parse_known_args = _split_at_double_dash(p.parse_known_args)
+    p.parse_known_args = _split_at_double_dash(p.parse_known_args)  # type: ignore[method-assign, assignment]
 
 
 def _split_at_double_dash(parse: Callable[..., tuple[argparse.Namespace, list[str]]]

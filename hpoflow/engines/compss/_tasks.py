@@ -59,7 +59,8 @@ def _decorated(shape: TaskShape) -> Callable[..., Any]:
     fn = on_failure(**(kw["on_failure"] or {}), returns=FAILED_DEFAULT)(fn)
     if kw["multinode"] is not None:
         fn = multinode(**kw["multinode"])(fn)
-    return constraint(**(kw["constraint"] or {}))(fn)
+    built: Callable[..., Any] = constraint(**(kw["constraint"] or {}))(fn)
+    return built
 
 
 def build(shape: TaskShape) -> Callable[..., Any]:
@@ -73,7 +74,8 @@ def build(shape: TaskShape) -> Callable[..., Any]:
             f"this COMPSs application registered its trial task for {_built.describe()}, but a trial asks "
             f"for {shape.describe()}; COMPSs cannot change a registered task's constraints. Fix: give every "
             "trial of a study the same resources (and run another shape as another study)")
-    return globals()[shape.variant]
+    fn: Callable[..., Any] = globals()[shape.variant]
+    return fn
 
 
 def __getattr__(name: str) -> Any:
