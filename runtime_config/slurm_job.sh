@@ -8,6 +8,12 @@
 # Nodes: one node runs the COMPSs master (no trials by default), the others run trials, so a study
 # whose trials span resources.nodes=2 needs NUM_NODES >= 3. Keep the run directory on the shared
 # file system (results, reports and STOP files travel through it).
+#
+# enqueue_compss pastes these values into the job script it generates, unquoted: the quotes below
+# do not survive it. Paths and names here must hold only letters, digits and . _ - / + , : = @ %;
+# `hpoflow launch` checks that, and encodes a spec path or run directory that does not qualify
+# (docs/cluster.md, "Arguments and COMPSs"). Add --sc_cfg=<your site> where COMPSs is installed
+# with its generic config (LSF, no --qos).
 set -euo pipefail
 
 SPEC=${SPEC:-examples/digits.yaml}

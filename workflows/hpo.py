@@ -8,6 +8,11 @@ With plain ``python workflows/hpo.py SPEC --run-dir DIR`` (no runtime, or pycomp
 the same study runs its trials one at a time in this process's sequential fallback. Rerunning the
 same command on the same run directory resumes the study. No ``assert`` here: runcompss runs
 ``python -O`` by default.
+
+SPEC and --run-dir accept ``b64:`` values (``hpoflow launch`` encodes paths that COMPSs would split:
+spaces, quotes, ``$``, non-ASCII; see docs/cluster.md). The study's trial shape (computing units,
+GPUs, nodes per trial) is derived from the spec *before* the task module is imported and given to
+the engine, which builds the PyCOMPSs task with those literal numbers.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from pathlib import Path
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    from hpoflow.engines.compss.launch import decode_app_value
+
     p = argparse.ArgumentParser(prog="workflows/hpo.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("spec", help="study spec (YAML)")
-    p.add_argument("--run-dir", help="run directory on a shared file system (default: runs/<study name>)")
+    p.add_argument("spec", type=decode_app_value, help="study spec (YAML; a path or b64:<encoded path>)")
+    p.add_argument("--run-dir", type=decode_app_value,
+                   help="run directory on a shared file system (default: runs/<study name>)")
     p.add_argument("--n-trials", type=int, help="override search.n_trials")
     return p.parse_args(argv)
 
@@ -29,7 +37,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     from hpoflow.api import optimize, prepare_spec
-    from hpoflow.engines.compss import CompssEngine, pycompss_available, runtime_active
+    from hpoflow.engines.compss import CompssEngine, CompssOptions, pycompss_available, runtime_active
     from hpoflow.errors import HpoflowError
 
     try:
@@ -41,7 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hpoflow: {why}: running the trials one at a time in this process (sequential "
                   "mode). Launch with runcompss/enqueue_compss (hpoflow launch) to run them as "
                   "COMPSs tasks.", file=sys.stderr, flush=True)
-        engine = CompssEngine(run_dir=run_dir, sequential=not in_runtime, **spec.engine_option_values())
+        options = spec.engine_option_values()
+        shape = CompssOptions.from_mapping(options).task_shape(spec.resources)  # before any task import
+        engine = CompssEngine(run_dir=run_dir, sequential=not in_runtime, shape=shape, **options)
         try:
             result = optimize(args.spec, run_dir, n_trials=args.n_trials, engine=engine)
         finally:

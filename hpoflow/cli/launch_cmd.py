@@ -3,14 +3,19 @@
 On one machine it runs ``runcompss``; on a batch system (``--nodes`` given, or a SLURM login node
 detected) ``enqueue_compss``. The command is built by ``hpoflow.engines.compss.launch`` from typed
 options, printed with ``--dry-run``, otherwise executed as an argv list (never through a shell).
+COMPSs re-splits arguments, so every value is checked or encoded (``hpoflow.engines.compss.launch``);
+flags after ``--`` go to runcompss/enqueue_compss unchanged (checked the same way).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpoflow.cli._args import non_negative_int, positive_int
@@ -32,8 +37,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="nodes of the batch job, including the COMPSs master node (implies enqueue_compss)")
     p.add_argument("--cpus-per-node", type=positive_int, help="CPU cores per node (enqueue_compss)")
     p.add_argument("--gpus-per-node", type=non_negative_int, help="GPUs per node (enqueue_compss)")
-    p.add_argument("--time", type=positive_int, metavar="MIN", help="wall time of the job in minutes")
-    p.add_argument("--qos", help="quality of service of the job")
+    p.add_argument("--time", type=positive_int, metavar="MIN",
+                   help="wall time of the batch job in minutes (default: from the study's budget, see "
+                        "docs/cluster.md)")
+    p.add_argument("--qos", help="quality of service of the job (warns when the site config drops it)")
+    p.add_argument("--sc-cfg", metavar="NAME|FILE",
+                   help="enqueue_compss site config (queue system and its flags; COMPSs's default is LSF)")
     p.add_argument("--queue", "--partition", dest="queue", help="queue / partition")
     p.add_argument("--project", "--account", dest="account", help="project / account to charge")
     p.add_argument("--job-name", help="batch job name (default: hpoflow-<study name>)")
@@ -46,11 +55,46 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--resources-xml", help="COMPSs resources.xml for runcompss")
     p.add_argument("--n-trials", type=positive_int, help="override search.n_trials")
     p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, compss_args=[])
+    p.usage = "hpoflow launch SPEC [options] [-- COMPSS_FLAG ...]"
+    p.epilog = "Flags after -- go to runcompss/enqueue_compss unchanged, before the application."
+    p.parse_known_args = _split_at_double_dash(p.parse_known_args)  # type: ignore[method-assign, assignment]
+
+
+def _split_at_double_dash(parse: Callable[..., tuple[argparse.Namespace, list[str]]]
+                          ) -> Callable[..., tuple[argparse.Namespace, list[str]]]:
+    """Everything after the first ``--`` becomes ``compss_args`` (argparse alone cannot take a
+    pass-through list after a positional in a subcommand: it would report them as unrecognized)."""
+
+    def parse_known_args(args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        items = list(sys.argv[1:] if args is None else args)
+        tail: list[str] = []
+        if "--" in items:
+            cut = items.index("--")
+            items, tail = items[:cut], items[cut + 1:]
+        ns, extras = parse(items, namespace)
+        ns.compss_args = tail
+        return ns, extras
+
+    return parse_known_args
+
+
+def _warn(message: str) -> None:
+    print(f"hpoflow: warning: {message}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpoflow.engines.compss.launch import LaunchOptions, build_command, default_workflow, describe, slurm_detected
+    from hpoflow.engines.compss.batch import job_time, qos_warning, sc_cfg_file
+    from hpoflow.engines.compss.launch import (
+        LaunchOptions,
+        build_command,
+        default_workflow,
+        describe,
+        is_safe,
+        slurm_detected,
+    )
+    from hpoflow.engines.compss.options import CompssOptions
     from hpoflow.spec import load_spec
 
     spec, _ = load_spec(args.spec)
@@ -62,17 +106,18 @@ def run(args: argparse.Namespace) -> int:
             f"{args.nodes - 1} worker node(s) (the COMPSs master node runs no tasks). Fix: --nodes "
             f"{res.nodes + 1} or more"
         )
-    ppn = max(1, res.processes // max(1, res.nodes))
-    if args.gpus_per_node is not None and ppn * res.gpus_per_process > args.gpus_per_node:
+    shape = CompssOptions.from_mapping(spec.engine_option_values()).task_shape(res)
+    if args.gpus_per_node is not None and shape.gpus > args.gpus_per_node:
         raise EngineError(
-            f"a trial needs {ppn} x {res.gpus_per_process} = {ppn * res.gpus_per_process} GPUs per node "
-            f"(processes per node x resources.gpus_per_process), but --gpus-per-node is "
-            f"{args.gpus_per_node}. Fix: raise --gpus-per-node or lower resources.gpus_per_process"
+            f"a trial needs {shape.gpus} GPUs per node (processes per node x resources.gpus_per_process), "
+            f"but --gpus-per-node is {args.gpus_per_node}. Fix: raise --gpus-per-node or lower "
+            "resources.gpus_per_process"
         )
-    if args.cpus_per_node is not None and ppn * res.cpus_per_process > args.cpus_per_node:
+    if args.cpus_per_node is not None and shape.computing_units > args.cpus_per_node:
         raise EngineError(
-            f"a trial needs {ppn * res.cpus_per_process} cores per node, but --cpus-per-node is "
-            f"{args.cpus_per_node}. Fix: raise --cpus-per-node or lower resources.cpus_per_process"
+            f"a trial needs {shape.computing_units} cores per node (processes per node x "
+            f"resources.cpus_per_process), but --cpus-per-node is {args.cpus_per_node}. Fix: raise "
+            "--cpus-per-node or lower resources.cpus_per_process"
         )
     workflow = default_workflow()
     if not workflow.exists():
@@ -81,30 +126,40 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / spec.study.name
     project_xml, resources_xml = args.project_xml, args.resources_xml
     repo = str(workflow.parent.parent)
-    if args.generate_resources:
-        from hpoflow.engines.compss.runtime_xml import detect_node, write_config
-
-        rpath, ppath = write_config(Path(args.generate_resources).resolve(),
-                                    [detect_node(pythonpath=(repo, os.getcwd()))])
-        print(f"wrote {rpath} and {ppath}", file=sys.stderr)
-        if not batch:
-            resources_xml, project_xml = str(rpath), str(ppath)
-    app_args = ("--n-trials", str(args.n_trials)) if args.n_trials else ()
+    # trials import the user's code from the spec's directory and the current one through the trial
+    # request; the current directory is also given to COMPSs's workers when it can pass through COMPSs
+    pythonpath = (repo, os.getcwd()) if is_safe(os.getcwd()) else (repo,)
+    time_minutes = args.time
+    if batch:
+        jt = job_time(args.time, search_timeout=spec.search.timeout, n_trials=args.n_trials or spec.search.n_trials,
+                      max_concurrent=spec.search.max_concurrent, trial_timeout=res.timeout)
+        time_minutes = jt.minutes
+        for w in jt.warnings:
+            _warn(w)
+        qos = qos_warning(args.qos, sc_cfg_file(args.sc_cfg))
+        if qos:
+            _warn(qos)
     opts = LaunchOptions(
         spec=str(Path(args.spec).resolve()), run_dir=str(run_dir.resolve()), workflow=str(workflow),
         batch=batch, nodes=args.nodes, cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node,
-        time_minutes=args.time, qos=args.qos, queue=args.queue, account=args.account,
-        job_name=args.job_name or (f"hpoflow-{spec.study.name}" if batch else None),
-        log_level=args.log_level, python=sys.executable, pythonpath=(repo, os.getcwd()),
+        time_minutes=time_minutes, qos=args.qos, queue=args.queue, account=args.account,
+        job_name=args.job_name or (f"hpoflow-{spec.study.name}" if batch else None), sc_cfg=args.sc_cfg,
+        log_level=args.log_level, python=sys.executable, pythonpath=pythonpath,
         project_xml=str(Path(project_xml).resolve()) if project_xml else None,
-        resources_xml=str(Path(resources_xml).resolve()) if resources_xml else None, app_args=app_args,
+        resources_xml=str(Path(resources_xml).resolve()) if resources_xml else None,
+        extra_args=tuple(args.compss_args), app_args=("--n-trials", str(args.n_trials)) if args.n_trials else (),
     )
+    if args.generate_resources:
+        from hpoflow.engines.compss.runtime_xml import detect_node, write_config
+
+        rpath, ppath = write_config(Path(args.generate_resources).resolve(), [detect_node(pythonpath=pythonpath)])
+        print(f"wrote {rpath} and {ppath}", file=sys.stderr)
+        if not batch:
+            opts = dataclasses.replace(opts, resources_xml=str(rpath), project_xml=str(ppath))
     argv = build_command(opts)
     if args.dry_run:
         print(describe(argv))
         return 0
-    import shutil
-
     if shutil.which(argv[0]) is None:
         raise EngineError(
             f"{argv[0]} is not on PATH, so COMPSs is not installed or not loaded here. Fix: `module load "

@@ -136,3 +136,37 @@ def rank_processes(marker: str) -> list[int]:
         except psutil.Error:
             continue
     return [pid for pid in out if pid != os.getpid()]
+
+
+# COMPSs's own argument handling, reduced to what matters for quoting (see docs/cluster.md): runcompss
+# keeps the application's arguments as one string and expands it unquoted (word splitting, globbing);
+# enqueue_compss pastes its flags and the application's arguments into a job script a shell runs.
+FAKE_RUNCOMPSS = r"""#!/bin/bash
+while [ $# -gt 0 ] && [[ "$1" == --* ]]; do shift; done
+app=$1; shift
+app_args="$*"
+exec "$FAKE_PY" "$FAKE_PRINTER" "$app" ${app_args}
+"""
+
+FAKE_ENQUEUE_COMPSS = r"""#!/bin/bash
+args_pass=""
+while [ $# -gt 0 ] && [[ "$1" == --* ]]; do args_pass="$args_pass $1"; shift; done
+args_pass="$args_pass $*"
+script="$FAKE_JOB_DIR/job.sh"
+printf '#!/bin/bash\nexec %s %s %s\n' "$FAKE_PY" "$FAKE_PRINTER" "${args_pass}" > "$script"
+exec bash "$script"
+"""
+
+ARGV_PRINTER = """\
+import json, os, sys
+with open(os.environ["FAKE_ARGV_OUT"], "w") as f:
+    json.dump(sys.argv[1:], f)
+"""
+
+
+def write_shell(bin_dir: Path, name: str, body: str) -> Path:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / name
+    path.write_text(body)
+    path.chmod(0o755)
+    return path

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.engines._fakes import FAKE_SRUN, FAKE_SSH, NetnsPair, write_script
+from tests.engines._fakes import (
+    ARGV_PRINTER,
+    FAKE_ENQUEUE_COMPSS,
+    FAKE_RUNCOMPSS,
+    FAKE_SRUN,
+    FAKE_SSH,
+    NetnsPair,
+    write_script,
+    write_shell,
+)
 
 
 @pytest.fixture
@@ -21,6 +31,24 @@ def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
     monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
     return bin_dir
+
+
+@pytest.fixture
+def fake_compss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``runcompss`` and ``enqueue_compss`` first on PATH that re-split arguments as COMPSs does and
+    run a printer instead of the application; returns the JSON file the printer writes its argv to."""
+    bin_dir = tmp_path / "compss-bin"
+    write_shell(bin_dir, "runcompss", FAKE_RUNCOMPSS)
+    write_shell(bin_dir, "enqueue_compss", FAKE_ENQUEUE_COMPSS)
+    printer = bin_dir / "printer.py"
+    printer.write_text(ARGV_PRINTER)
+    out = tmp_path / "app-argv.json"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("FAKE_PY", sys.executable)
+    monkeypatch.setenv("FAKE_PRINTER", str(printer))
+    monkeypatch.setenv("FAKE_JOB_DIR", str(bin_dir))
+    monkeypatch.setenv("FAKE_ARGV_OUT", str(out))
+    return out
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hpoflow.engines import TrialReport, TrialResult, make_engine
-from hpoflow.engines.compss import CompssEngine, shape_env
+from hpoflow.engines.compss import CompssEngine, TaskShape
 from hpoflow.engines.compss import CompssOptions as Opts
 from hpoflow.engines.compss import engine as compss_mod
 from hpoflow.errors import EngineError
@@ -64,7 +64,7 @@ def runtime(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[C
     monkeypatch.setattr(compss_mod, "runtime_active", lambda: True)
     monkeypatch.setattr(compss_mod, "api", lambda: fake)
     eng = CompssEngine(run_dir=tmp_path, sequential=False, poll_interval_s=0.02, heartbeat_timeout_s=1)
-    monkeypatch.setattr(eng, "_task_for", lambda req: (lambda *a: FakeFuture(a)))
+    monkeypatch.setattr(eng, "_task_for", lambda req, shape: (lambda *a: FakeFuture(a)))
     yield eng, fake
     eng._trials.clear()
     eng.close()
@@ -167,16 +167,15 @@ def test_pruning_answer_reaches_rank_zero_through_files(runtime: tuple[CompssEng
     assert got == [True]
 
 
-def test_shape_env_and_one_shape_per_application(tmp_path: Path) -> None:
+def test_one_shape_per_application(tmp_path: Path) -> None:
     req = make_request(tmp_path, 0, processes=8, nodes=2, cpus_per_process=3, gpus_per_process=1, timeout=100)
-    env = shape_env(req, Opts())
-    assert env == {"HPOFLOW_COMPSS_CUS": "12", "HPOFLOW_COMPSS_GPUS": "4", "HPOFLOW_COMPSS_NODES": "2",
-                   "HPOFLOW_COMPSS_TIME_OUT": "220"}
-    eng = CompssEngine(run_dir=tmp_path, sequential=True)
-    eng._shape = env
-    eng._tasks = {}
+    opts = Opts()
+    shape = opts.task_shape(req)
+    assert shape == TaskShape(nodes=2, computing_units=12, gpus=4, time_out=220)
+    eng = CompssEngine(run_dir=tmp_path, sequential=True, shape=shape)  # sequential: no task to build
+    other = make_request(tmp_path, 1, processes=2)
     with pytest.raises(EngineError, match="one COMPSs application runs one shape"):
-        eng._task_for(make_request(tmp_path, 1, processes=2))
+        eng._task_for(other, opts.task_shape(other))
     eng.close()
 
 
@@ -255,51 +254,3 @@ def test_sequential_engine_runs_prunes_and_cancels_real_trials(tmp_path: Path) -
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     finally:
         eng.close()
-
-
-def test_task_variants_get_their_resources_from_the_masters_environment(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The decorators as PyCOMPSs sees them (a recording stand-in for the binding): "$VAR" values
-    set by the engine before the import, camelCase processor keys, IGNORE-only failure handling."""
-    import types
-
-    calls: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-
-    def recorder(kind: str) -> Any:
-        def deco_factory(**kwargs: Any) -> Any:
-            def deco(fn: Any) -> Any:
-                calls.setdefault(fn.__name__, []).append((kind, kwargs))
-                return fn
-            return deco
-        return deco_factory
-
-    for mod, attr in (("pycompss.api.task", "task"), ("pycompss.api.constraint", "constraint"),
-                      ("pycompss.api.multinode", "multinode"), ("pycompss.api.on_failure", "on_failure")):
-        m = types.ModuleType(mod)
-        setattr(m, attr, recorder(attr))
-        monkeypatch.setitem(sys.modules, mod, m)
-    for pkg in ("pycompss", "pycompss.api"):
-        monkeypatch.setitem(sys.modules, pkg, types.ModuleType(pkg))
-    monkeypatch.delitem(sys.modules, "hpoflow.engines.compss._tasks", raising=False)
-    for k in ("HPOFLOW_COMPSS_CUS", "HPOFLOW_COMPSS_GPUS", "HPOFLOW_COMPSS_NODES", "HPOFLOW_COMPSS_TIME_OUT"):
-        monkeypatch.delenv(k, raising=False)
-    eng = CompssEngine(run_dir=tmp_path, sequential=True)
-    try:
-        req = make_request(tmp_path / "0", 0, processes=4, nodes=2, cpus_per_process=2, gpus_per_process=1,
-                           timeout=30)
-        fn = eng._task_for(req)
-        assert fn.__name__ == "trial_multinode_gpu"
-        assert os.environ["HPOFLOW_COMPSS_CUS"] == "4" and os.environ["HPOFLOW_COMPSS_NODES"] == "2"
-        deco = dict(calls["trial_multinode_gpu"])
-        assert deco["constraint"] == {"computing_units": "$HPOFLOW_COMPSS_CUS", "processors": [
-            {"processorType": "GPU", "computingUnits": "$HPOFLOW_COMPSS_GPUS"}]}
-        assert deco["multinode"] == {"computing_nodes": "$HPOFLOW_COMPSS_NODES"}
-        assert deco["on_failure"]["management"] == "IGNORE"
-        assert deco["task"] == {"returns": 1, "time_out": 150}  # read at import: timeout + grace
-        assert "processors" not in dict(calls["trial_cpu"])["constraint"]
-        assert "multinode" not in dict(calls["trial_gpu"])
-    finally:
-        eng.close()
-        sys.modules.pop("hpoflow.engines.compss._tasks", None)  # it holds the stand-in decorators
-        for k in ("HPOFLOW_COMPSS_CUS", "HPOFLOW_COMPSS_GPUS", "HPOFLOW_COMPSS_NODES", "HPOFLOW_COMPSS_TIME_OUT"):
-            os.environ.pop(k, None)

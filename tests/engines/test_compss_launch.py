@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hpoflow.cli.main import main
-from hpoflow.engines.compss.launch import LaunchOptions, build_command, slurm_detected
+from hpoflow.engines.compss.batch import FLOOR_MINUTES, MARGIN_MINUTES, job_time, qos_warning, sc_cfg_file
+from hpoflow.engines.compss.launch import (
+    LaunchOptions,
+    build_command,
+    decode_app_value,
+    encode_app_value,
+    is_safe,
+    slurm_detected,
+)
 from hpoflow.engines.compss.runtime_xml import (
     NIO_ADAPTOR,
     NodeConfig,
@@ -18,6 +28,7 @@ from hpoflow.engines.compss.runtime_xml import (
     to_text,
     write_config,
 )
+from hpoflow.errors import EngineError
 from tests.engines._fakes import ROOT
 
 DIGITS = str(ROOT / "examples" / "digits.yaml")
@@ -48,10 +59,127 @@ def test_enqueue_compss_command_for_a_batch_system() -> None:
 
 
 def test_launch_options_reject_bad_values() -> None:
-    with pytest.raises(ValueError, match="log level must be one of off, info"):
+    with pytest.raises(EngineError, match="log level must be one of off, info"):
         LaunchOptions(spec="s", run_dir="r", workflow="w", log_level="loud")
-    with pytest.raises(ValueError, match="nodes must be >= 1"):
+    with pytest.raises(EngineError, match="nodes must be >= 1"):
         LaunchOptions(spec="s", run_dir="r", workflow="w", nodes=0)
+    with pytest.raises(EngineError, match="--sc-cfg configures enqueue_compss"):
+        LaunchOptions(spec="s", run_dir="r", workflow="w", sc_cfg="mn5")
+
+
+NASTY = ["my runs", "it's", 'say "hi"', "$(touch pwned)", "a;b", "`id`", "*", "caf\u00e9", "b64:x", "~x", "a\tb"]
+
+
+@pytest.mark.parametrize("value", NASTY)
+def test_app_values_are_encoded_and_decode_back(value: str) -> None:
+    encoded = encode_app_value(f"/data/{value}")
+    assert is_safe(encoded) and decode_app_value(encoded) == f"/data/{value}"
+    assert encode_app_value("/data/plain-run_1") == "/data/plain-run_1"  # safe values stay readable
+
+
+@pytest.mark.parametrize("field", ["job_name", "queue", "qos", "account", "sc_cfg", "python", "workflow",
+                                   "resources_xml"])
+@pytest.mark.parametrize("value", ["my job", "a;b", "$(id)", "x'y", "caf\u00e9"])
+def test_values_compss_reads_itself_are_refused(field: str, value: str) -> None:
+    kw: dict[str, Any] = {"spec": "/s.yaml", "run_dir": "/r", "workflow": "/w/hpo.py", "batch": True, field: value}
+    with pytest.raises(EngineError) as err:
+        LaunchOptions(**kw)
+    msg = str(err.value)
+    assert repr(value) in msg and "split their arguments again" in msg and "Fix:" in msg
+
+
+def test_cli_run_dir_with_spaces_survives_runcompss_and_enqueue_compss(
+        fake_compss: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real CLI (not --dry-run) against stand-ins that re-split arguments as COMPSs does."""
+    monkeypatch.setattr("hpoflow.engines.compss.launch.slurm_detected", lambda *a, **k: False)
+    spec_dir = tmp_path / "my specs; $(touch pwned)"
+    spec_dir.mkdir()
+    spec = spec_dir / "digits 'v2' \u00e9.yaml"
+    spec.write_text(Path(DIGITS).read_text())
+    run_dir = tmp_path / 'runs "a b" `id` *'
+    workflow = _load_workflow()
+    for extra in ([], ["--nodes", "2", "--time", "30"]):
+        assert main(["launch", str(spec), "--run-dir", str(run_dir), "--n-trials", "3", *extra]) == 0
+        argv = json.loads(fake_compss.read_text())
+        app = argv[argv.index(str(ROOT / "workflows" / "hpo.py")) + 1:]
+        args = workflow._parse(app)
+        assert (args.spec, args.run_dir, args.n_trials) == (str(spec), str(run_dir), 3)
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+    # the stand-ins are faithful: a quoted value with a space does not survive them
+    import subprocess
+
+    subprocess.run(["runcompss", "--lang=python", "app.py", "a b"], check=True)
+    assert json.loads(fake_compss.read_text()) == ["app.py", "a", "b"]
+
+
+def _load_workflow() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hpo_workflow", ROOT / "workflows" / "hpo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_refuses_a_job_name_with_a_space(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["launch", DIGITS, "--nodes", "2", "--job-name", "my job", "--run-dir", str(tmp_path / "r x"),
+                 "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "the job name 'my job' cannot be passed through COMPSs" in err and "Traceback" not in err
+    assert not (tmp_path / "r x").exists()
+
+
+def test_job_time_from_the_study_budget() -> None:
+    t = job_time(None, search_timeout=3600, n_trials=None, max_concurrent=1, trial_timeout=600)
+    assert t.minutes == 60 + 10 + MARGIN_MINUTES and not t.warnings and "search.timeout" in t.source
+    t = job_time(None, search_timeout=None, n_trials=10, max_concurrent=4, trial_timeout=1200)
+    assert t.minutes == 3 * 20 + MARGIN_MINUTES and not t.warnings  # three waves of 20 minutes
+    assert job_time(None, search_timeout=None, n_trials=2, max_concurrent=2, trial_timeout=60).minutes == FLOOR_MINUTES
+    t = job_time(None, search_timeout=None, n_trials=None, max_concurrent=1, trial_timeout=None)
+    assert t.minutes == FLOOR_MINUTES and "no time budget" in t.warnings[0]
+    t = job_time(20, search_timeout=None, n_trials=5, max_concurrent=1, trial_timeout=3600)
+    assert t.minutes == 20 and "shorter than one trial's timeout" in t.warnings[0] and "--time 65" in t.warnings[0]
+
+
+def test_qos_warning_reads_the_site_config(tmp_path: Path) -> None:
+    off = tmp_path / "site_off.cfg"
+    off.write_text('QUEUE_SYSTEM="slurm"\nDISABLE_QARG_QOS=true\n')
+    on = tmp_path / "site_on.cfg"
+    on.write_text('QUEUE_SYSTEM="slurm"\nDISABLE_QARG_QOS=false\n')
+    assert sc_cfg_file(str(off), env={}) == off
+    assert "will be ignored" in (qos_warning("debug", off) or "")
+    assert qos_warning("debug", on) is None and qos_warning(None, off) is None
+    assert "may be ignored" in (qos_warning("debug", None) or "")
+    home = tmp_path / "COMPSs"
+    cfgs = home / "Runtime" / "scripts" / "queues" / "supercomputers"
+    cfgs.mkdir(parents=True)
+    (cfgs / "default.cfg").write_text("DISABLE_QARG_QOS=true\n")
+    (cfgs / "mn5.cfg").write_text("DISABLE_QARG_QOS=false\n")
+    assert sc_cfg_file(None, env={"COMPSS_HOME": str(home)}) == cfgs / "default.cfg"
+    assert sc_cfg_file("mn5", env={"COMPSS_HOME": str(home)}) == cfgs / "mn5.cfg"
+    exe = home / "Runtime" / "scripts" / "user" / "enqueue_compss"
+    assert sc_cfg_file("mn5", env={}, which=lambda name: str(exe)) == cfgs / "mn5.cfg"
+    assert sc_cfg_file("nowhere", env={}, which=lambda name: None) is None
+
+
+def test_cli_batch_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    spec = tmp_path / "budget.yaml"
+    spec.write_text(Path(DIGITS).read_text() + "\n")
+    text = Path(DIGITS).read_text()
+    spec.write_text(text.replace("resources:\n", "resources:\n  timeout: 1800\n", 1))
+    cfg = tmp_path / "site.cfg"
+    cfg.write_text("DISABLE_QARG_QOS=true\n")
+    assert main(["launch", str(spec), "--nodes", "2", "--qos", "debug", "--sc-cfg", str(cfg), "--dry-run",
+                 "--", "--worker_in_master_cpus=0", "--tracing=false"]) == 0
+    out, err = capsys.readouterr()
+    assert f"--sc_cfg={cfg}" in out and "--exec_time=" in out and "--qos=debug" in out
+    assert "--worker_in_master_cpus=0 --tracing=false " + str(ROOT / "workflows" / "hpo.py") in out
+    assert "will be ignored" in err
+    assert main(["launch", str(spec), "--nodes", "2", "--time", "10", "--dry-run"]) == 0
+    assert "shorter than one trial's timeout (resources.timeout = 1800 s)" in capsys.readouterr().err
+    assert main(["launch", str(spec), "--sc-cfg", "mn5", "--local", "--dry-run"]) == 2
+    assert "--sc-cfg configures enqueue_compss" in capsys.readouterr().err
 
 
 def test_slurm_detection() -> None:

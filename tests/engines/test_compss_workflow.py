@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpoflow.engines.compss.launch import encode_app_value
 from tests.engines._fakes import ROOT
 
 SPEC = """\
@@ -27,13 +28,13 @@ pytestmark = pytest.mark.slow  # runs workflows/hpo.py studies
 
 
 def test_workflow_runs_a_two_trial_study_sequentially(tmp_path: Path) -> None:
-    spec = tmp_path / "tiny.yaml"
+    spec = tmp_path / "tiny spec $(x).yaml"
     spec.write_text(SPEC)
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "my run; caf\u00e9"  # passed encoded, as `hpoflow launch` does
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPSS_", "SLURM_"))}
-    proc = subprocess.run([sys.executable, "-O", str(ROOT / "workflows" / "hpo.py"), str(spec),
-                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=180,
-                          cwd=tmp_path, env=env)
+    proc = subprocess.run([sys.executable, "-O", str(ROOT / "workflows" / "hpo.py"), encode_app_value(str(spec)),
+                           "--run-dir", encode_app_value(str(run_dir))], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sequential mode" in proc.stderr
     assert "2 complete, 0 pruned, 0 failed" in proc.stdout

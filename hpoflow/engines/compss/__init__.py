@@ -8,7 +8,8 @@ See docs/cluster.md.
 from __future__ import annotations
 
 from hpoflow.engines.compss._api import pycompss_available, runtime_active
-from hpoflow.engines.compss.engine import CompssEngine, shape_env
+from hpoflow.engines.compss.engine import CompssEngine
 from hpoflow.engines.compss.options import CompssOptions
+from hpoflow.engines.compss.shape import TaskShape
 
-__all__ = ["CompssEngine", "CompssOptions", "pycompss_available", "runtime_active", "shape_env"]
+__all__ = ["CompssEngine", "CompssOptions", "TaskShape", "pycompss_available", "runtime_active"]

@@ -1,28 +1,21 @@
-"""The PyCOMPSs task definitions of a compss study (imported only inside the runtime).
+"""The PyCOMPSs task of a compss study, built from the study's ``TaskShape`` (imported only with pycompss).
 
-Per-trial resources come from the study spec, but decorators are evaluated when this module is
-imported. So ``CompssEngine`` exports the trial shape as environment variables *before* it
-imports this module (at the first ``submit``), and the decorators use ``"$VAR"`` strings, which
-COMPSs expands from the master's environment when it registers the task:
+``build(shape)`` applies ``@constraint`` / ``@multinode`` / ``@on_failure`` / ``@task`` to a fresh
+function with the shape's *literal* values (``TaskShape.decorator_kwargs``) and binds it in this
+module under ``shape.variant`` (``trial_cpu``, ``trial_gpu``, ``trial_multinode_cpu``,
+``trial_multinode_gpu``). The binding registers the core element at the first call, with those
+numbers. One COMPSs application registers one shape: a second, different shape raises
+``EngineError`` (a core element's constraints cannot change once registered).
 
-- ``HPOFLOW_COMPSS_CUS``: CPU computing units per node (processes per node x cpus_per_process)
-- ``HPOFLOW_COMPSS_GPUS``: GPUs per node (processes per node x gpus_per_process)
-- ``HPOFLOW_COMPSS_NODES``: nodes of a multi-node trial
-- ``HPOFLOW_COMPSS_TIME_OUT``: ``time_out`` in seconds (read here at import: resources.timeout
-  plus a grace period; 0 = none). It is only a backstop: the task body enforces the trial's
-  timeout itself and kills the ranks, which COMPSs's SIGALRM would not.
-
-A study has one resource shape, so four variants cover every case (CPU/GPU x one/many nodes); the
-engine picks one per study. Worker processes import this module too: there the variables may be
-unset, which is harmless because workers do not register tasks.
-
-Failures: ``@on_failure(management="IGNORE")`` only (``RETRY`` stops the whole application after
-two retries, ``FAIL`` at once); the body catches everything anyway and returns a failed result.
+Workers: the runtime imports this module and looks the function up by name. ``__getattr__`` builds
+the named variant there with the same decorator stack (the worker never registers, so the numbers do
+not matter; ``on_failure`` does, and is the same). In the master, using a variant before
+``build`` is an error, so nothing is ever registered with a made-up shape.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from typing import Any
 
 from pycompss.api.constraint import constraint
@@ -30,9 +23,12 @@ from pycompss.api.multinode import multinode
 from pycompss.api.on_failure import on_failure
 from pycompss.api.task import task
 
+from hpoflow.engines.compss._api import runtime_active
 from hpoflow.engines.compss._body import run_trial
+from hpoflow.engines.compss.shape import TaskShape
+from hpoflow.errors import EngineError
 
-__all__ = ["FAILED_DEFAULT", "TASKS", "trial_cpu", "trial_gpu", "trial_multinode_cpu", "trial_multinode_gpu"]
+__all__ = ["FAILED_DEFAULT", "VARIANTS", "build", "built_shape"]
 
 FAILED_DEFAULT: dict[str, Any] = {
     "number": -1, "status": "failed", "retryable": True, "compss_default": True,
@@ -40,50 +36,54 @@ FAILED_DEFAULT: dict[str, Any] = {
              "job logs (.COMPSs/<app>/jobs) and the trial's rank logs",
 }
 
-
-def _time_out() -> int:
-    try:
-        return max(0, int(float(os.environ.get("HPOFLOW_COMPSS_TIME_OUT", "0"))))
-    except ValueError:
-        return 0
-
-
-_TIME_OUT = _time_out()
-
-
-@constraint(computing_units="$HPOFLOW_COMPSS_CUS")
-@on_failure(management="IGNORE", returns=FAILED_DEFAULT)
-@task(returns=1, time_out=_TIME_OUT)
-def trial_cpu(request_json: str, options_json: str) -> dict[str, Any]:
-    return run_trial(request_json, options_json)
-
-
-@constraint(computing_units="$HPOFLOW_COMPSS_CUS",
-            processors=[{"processorType": "GPU", "computingUnits": "$HPOFLOW_COMPSS_GPUS"}])
-@on_failure(management="IGNORE", returns=FAILED_DEFAULT)
-@task(returns=1, time_out=_TIME_OUT)
-def trial_gpu(request_json: str, options_json: str) -> dict[str, Any]:
-    return run_trial(request_json, options_json)
-
-
-@constraint(computing_units="$HPOFLOW_COMPSS_CUS")
-@multinode(computing_nodes="$HPOFLOW_COMPSS_NODES")
-@on_failure(management="IGNORE", returns=FAILED_DEFAULT)
-@task(returns=1, time_out=_TIME_OUT)
-def trial_multinode_cpu(request_json: str, options_json: str) -> dict[str, Any]:
-    return run_trial(request_json, options_json)
-
-
-@constraint(computing_units="$HPOFLOW_COMPSS_CUS",
-            processors=[{"processorType": "GPU", "computingUnits": "$HPOFLOW_COMPSS_GPUS"}])
-@multinode(computing_nodes="$HPOFLOW_COMPSS_NODES")
-@on_failure(management="IGNORE", returns=FAILED_DEFAULT)
-@task(returns=1, time_out=_TIME_OUT)
-def trial_multinode_gpu(request_json: str, options_json: str) -> dict[str, Any]:
-    return run_trial(request_json, options_json)
-
-
-TASKS = {
-    (False, False): trial_cpu, (False, True): trial_gpu,
-    (True, False): trial_multinode_cpu, (True, True): trial_multinode_gpu,
+# variant -> a shape with that decorator stack, for worker-side look-ups only
+VARIANTS: dict[str, TaskShape] = {
+    s.variant: s for s in (TaskShape(1, 1), TaskShape(1, 1, 1), TaskShape(2, 1), TaskShape(2, 1, 1))
 }
+
+_built: TaskShape | None = None
+
+
+def built_shape() -> TaskShape | None:
+    """The shape this application registered its task with (None before ``build``)."""
+    return _built
+
+
+def _decorated(shape: TaskShape) -> Callable[..., Any]:
+    def trial(request_json: str, options_json: str) -> dict[str, Any]:
+        return run_trial(request_json, options_json)
+
+    trial.__name__ = trial.__qualname__ = shape.variant  # the runtime's signature: <module>.<variant>
+    kw = shape.decorator_kwargs()
+    fn: Callable[..., Any] = task(**(kw["task"] or {}))(trial)
+    fn = on_failure(**(kw["on_failure"] or {}), returns=FAILED_DEFAULT)(fn)
+    if kw["multinode"] is not None:
+        fn = multinode(**kw["multinode"])(fn)
+    built: Callable[..., Any] = constraint(**(kw["constraint"] or {}))(fn)
+    return built
+
+
+def build(shape: TaskShape) -> Callable[..., Any]:
+    """The task function of ``shape`` (built once per application; see the module docstring)."""
+    global _built
+    if _built is None:
+        globals()[shape.variant] = _decorated(shape)
+        _built = shape
+    elif _built != shape:
+        raise EngineError(
+            f"this COMPSs application registered its trial task for {_built.describe()}, but a trial asks "
+            f"for {shape.describe()}; COMPSs cannot change a registered task's constraints. Fix: give every "
+            "trial of a study the same resources (and run another shape as another study)")
+    fn: Callable[..., Any] = globals()[shape.variant]
+    return fn
+
+
+def __getattr__(name: str) -> Any:
+    if name not in VARIANTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if runtime_active():
+        raise EngineError(f"{__name__}.{name} used before build(shape): the task would be registered without "
+                          "the study's resources. Fix: call build(TaskShape) first (CompssEngine does)")
+    fn = _decorated(VARIANTS[name])  # a worker: the runtime looks the task up by name
+    globals()[name] = fn
+    return fn

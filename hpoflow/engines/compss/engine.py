@@ -10,10 +10,11 @@ Modes
   the runtime and are refused with an ``EngineError``.
 - pycompss not installed and ``sequential`` not given: ``EngineError`` with the install steps.
 
-Per-trial resources (decorators are evaluated at import): at the first ``submit`` the engine
-exports the trial shape as ``HPOFLOW_COMPSS_CUS`` / ``_GPUS`` / ``_NODES`` / ``_TIME_OUT`` and only
-then imports ``_tasks``, whose decorators hold ``"$VAR"`` strings that COMPSs expands from
-the master's environment when it registers each task. A study has one shape, so this is exact.
+Per-trial resources: the study's ``TaskShape`` (``CompssOptions.task_shape``: literal computing
+units, GPUs, memory and nodes per trial, see ``shape``) is built into the task by ``_tasks.build``
+before the first call registers it: at construction when the caller knows the shape
+(``workflows/hpo.py`` derives it from the spec), else at the first ``submit``. A trial of another
+shape is refused with an ``EngineError``: one COMPSs application registers one shape.
 
 Results in completion order (PyCOMPSs has no wait-any): each task writes its ``TrialResult``
 atomically to ``<trial_dir>/attempt-<k>/result.json`` on the shared run directory; ``poll`` looks
@@ -43,27 +44,15 @@ from pydantic import BaseModel
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, runtime_active
 from hpoflow.engines.compss._body import HEARTBEAT_S, run_trial
-from hpoflow.engines.compss.layout import processes_per_node
 from hpoflow.engines.compss.options import CompssOptions
+from hpoflow.engines.compss.shape import TaskShape
 from hpoflow.errors import EngineError
 from hpoflow.fileio import read_json, write_json_atomic
 from hpoflow.train.transport import ReportReader, TrialFiles
 
-__all__ = ["CompssEngine", "CompssOptions", "pycompss_available", "runtime_active", "shape_env"]
+__all__ = ["CompssEngine", "CompssOptions", "TaskShape", "pycompss_available", "runtime_active"]
 
 _CANCEL_WAIT_S = 30.0
-
-
-def shape_env(request: TrialRequest, opts: CompssOptions) -> dict[str, str]:
-    """The ``HPOFLOW_COMPSS_*`` variables the task decorators expand (see the module docstring)."""
-    ppn = processes_per_node(request)
-    time_out = int(request.timeout + opts.time_out_grace_s) if request.timeout else 0
-    return {
-        "HPOFLOW_COMPSS_CUS": str(ppn * request.cpus_per_process),
-        "HPOFLOW_COMPSS_GPUS": str(ppn * request.gpus_per_process),
-        "HPOFLOW_COMPSS_NODES": str(request.nodes),
-        "HPOFLOW_COMPSS_TIME_OUT": str(time_out),
-    }
 
 
 @dataclass
@@ -95,7 +84,7 @@ class CompssEngine(Engine):
         return cls(run_dir, **options.model_dump())
 
     def __init__(self, run_dir: str | os.PathLike[str] | None = None, *, sequential: bool | None = None,
-                 **options: Any) -> None:
+                 shape: TaskShape | None = None, **options: Any) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.options = CompssOptions.from_mapping(options)
         if sequential is None:
@@ -116,11 +105,13 @@ class CompssEngine(Engine):
             )
         self.sequential = bool(sequential)
         self._pool: cf.ThreadPoolExecutor | None = None
-        self._tasks: dict[tuple[bool, bool], Any] | None = None
-        self._shape: dict[str, str] | None = None
+        self._task: Any = None
+        self._shape: TaskShape | None = None
         self._trials: dict[int, _Trial] = {}
         self._events: list[Event] = []
         self._closed = False
+        if shape is not None:
+            self._load_task(shape)
 
     # -- contract -------------------------------------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
@@ -131,10 +122,7 @@ class CompssEngine(Engine):
     def submit(self, request: TrialRequest) -> None:
         if self._closed:
             raise EngineError("the compss engine is closed")
-        try:
-            processes_per_node(request)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
+        shape = self.options.task_shape(request)
         if self.sequential and request.nodes > 1:
             raise EngineError(
                 f"trial {request.number} spans resources.nodes={request.nodes} nodes, which needs the COMPSs "
@@ -155,7 +143,7 @@ class CompssEngine(Engine):
                 self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpoflow-compss-seq")
             future: Any = self._pool.submit(run_trial, request.to_json(), opts_json)
         else:
-            task_fn = self._task_for(request)
+            task_fn = self._task_for(request, shape)
             with api().TaskGroup(group, implicit_barrier=False):
                 future = task_fn(request.to_json(), opts_json)
         self._trials[request.number] = _Trial(request, files, future, group, time.monotonic(),
@@ -225,24 +213,23 @@ class CompssEngine(Engine):
                 with contextlib.suppress(OSError):
                     p.unlink()
 
-    def _task_for(self, request: TrialRequest) -> Any:
-        shape = shape_env(request, self.options)
-        if self._shape is None:
-            os.environ.update(shape)  # before the import: the decorators expand "$VAR" from here
-            self._shape = shape
+    def _load_task(self, shape: TaskShape) -> None:
+        """Build the study's task with literal values (runtime mode only: it imports pycompss)."""
+        self._shape = shape
+        if not self.sequential:
             from hpoflow.engines.compss import _tasks as _compss_tasks
 
-            self._tasks = dict(_compss_tasks.TASKS)
-        elif {k: v for k, v in shape.items() if k != "HPOFLOW_COMPSS_TIME_OUT"} != {
-                k: v for k, v in self._shape.items() if k != "HPOFLOW_COMPSS_TIME_OUT"}:
+            self._task = _compss_tasks.build(shape)
+
+    def _task_for(self, request: TrialRequest, shape: TaskShape) -> Any:
+        if self._shape is None:
+            self._load_task(shape)
+        elif shape != self._shape:
             raise EngineError(
-                f"trial {request.number} has the resource shape {shape}, but this application registered "
-                f"its tasks for {self._shape}; one COMPSs application runs one shape. Fix: keep resources "
-                "equal for all trials of a study"
-            )
-        if self._tasks is None:  # pragma: no cover - set above
-            raise EngineError("compss tasks not loaded")
-        return self._tasks[(request.nodes > 1, request.gpus_per_process > 0)]
+                f"trial {request.number} asks for {shape.describe()}, but this COMPSs application registered "
+                f"its trial task for {self._shape.describe()}; one COMPSs application runs one shape. Fix: "
+                "keep resources equal for all trials of a study")
+        return self._task
 
     def _cancel_group(self, t: _Trial) -> None:
         if self.sequential or t.group_cancelled:

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import Field, ValidationError, field_validator
 
+from hpoflow.engines.compss.shape import TaskShape
 from hpoflow.errors import EngineError, did_you_mean
 from hpoflow.registry import LAUNCHERS, Options
 
-__all__ = ["CompssOptions"]
+__all__ = ["CompssOptions", "TrialResources"]
+
+
+class TrialResources(Protocol):
+    """A trial's resources: ``resources:`` of a spec (``ResourcesSpec``) or a ``TrialRequest``."""
+
+    @property
+    def processes(self) -> int: ...
+    @property
+    def cpus_per_process(self) -> int: ...
+    @property
+    def gpus_per_process(self) -> int: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def timeout(self) -> float | None: ...
 
 
 class CompssOptions(Options):
@@ -21,6 +37,8 @@ class CompssOptions(Options):
     from COMPSs). srun_args / mpirun_args / ssh_args: extra launcher arguments (srun: ``--overlap``
     so the step may share the nodes with the COMPSs worker; set ``[]`` on Slurm < 20.11).
     python: interpreter for rank processes on every node (default: this one).
+    memory_size_gb: memory (whole GB) each node of a trial needs; COMPSs places tasks by it.
+    time_out_grace_s: added to resources.timeout for the task's COMPSs ``time_out`` (a backstop).
     env: extra environment for every rank (e.g. ``NCCL_SOCKET_IFNAME``).
     socket_ifname: ``auto`` sets ``GLOO_SOCKET_IFNAME`` to the interface that routes to the
     rendezvous in multi-node trials; ``none`` leaves it alone.
@@ -41,6 +59,7 @@ class CompssOptions(Options):
     answer_timeout_s: float = Field(default=600.0, gt=0)
     pg_timeout_s: float = Field(default=120.0, gt=0)
     time_out_grace_s: float = Field(default=120.0, gt=0)
+    memory_size_gb: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1)
 
     @field_validator("env", mode="before")
@@ -82,6 +101,15 @@ class CompssOptions(Options):
                                   f"{', '.join(names)}. Fix: rename or remove it") from None
             msg = str(err["msg"]).removeprefix("Value error, ")
             raise EngineError(f"compss.{key}: {msg}, but got {err.get('input')!r}") from None
+
+    def task_shape(self, res: TrialResources) -> TaskShape:
+        """The literal shape COMPSs registers for trials with these resources (``EngineError`` if the
+        processes do not split evenly over the nodes)."""
+        try:
+            return TaskShape.of(res.processes, res.cpus_per_process, res.gpus_per_process, res.nodes, res.timeout,
+                                time_out_grace_s=self.time_out_grace_s, memory_gb=self.memory_size_gb)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
 
     def for_task(self) -> dict[str, Any]:
         """The options the task body needs (plain JSON)."""
