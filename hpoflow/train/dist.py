@@ -17,17 +17,18 @@ __all__ = ["destroy", "init_process_group"]
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        use_cuda: bool, timeout_s: float = 120.0, store_path: str = "") -> None:
-    """Join the trial's fresh process group: through the file store at ``store_path`` (a single-host
-    trial: no rendezvous socket; gloo/NCCL pairs on loopback), else over TCP at
-    ``master_addr:master_port`` (a multi-node trial)."""
+    """Join the trial's fresh process group: through the file store at ``store_path`` when given (no
+    rendezvous socket; with ``master_addr`` on loopback the gloo/NCCL pairs are bound to loopback
+    too), else over TCP at ``master_addr:master_port``."""
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(0)
     timeout = _dt.timedelta(seconds=timeout_s)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     if store_path:
-        for key, value in LOOPBACK_ENV.items():
-            os.environ.setdefault(key, value)
+        if master_addr in ("127.0.0.1", "::1", "localhost"):  # a single-host trial
+            for key, value in LOOPBACK_ENV.items():
+                os.environ.setdefault(key, value)
         store = FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         return

@@ -89,7 +89,8 @@ def test_multinode_plan_from_faked_compss_and_slurm_env(tmp_path: Path) -> None:
            "SLURM_NODELIST": "nodeA,nodeB", "SLURM_TASKS_PER_NODE": "1(x2)"}
     cmds, job = _plan(req, files, {"launcher": "srun", "env": {"NCCL_DEBUG": "WARN"}}, env)
     assert job["master_addr"] == "nodeB" and job["hosts"] == ["nodeB", "nodeA"]  # rendezvous: executing node
-    assert 0 < job["master_port"] < 65536 and job["ppn"] == 2 and job["world_size"] == 4
+    assert job["master_port"] == 0 and job["ppn"] == 2 and job["world_size"] == 4
+    assert job["store"].startswith(str(tmp_path / "0" / "attempt-0" / "rendezvous-"))  # on the shared fs, no port
     assert job["env"] == {"NCCL_DEBUG": "WARN"} and job["deadline"] is not None
     assert len(cmds) == 1 and cmds[0][0] == "srun" and "--cpus-per-task=4" in cmds[0]
     json.dumps(job)  # the job file is plain JSON

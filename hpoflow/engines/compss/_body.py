@@ -40,7 +40,7 @@ from hpoflow.engines.compss.layout import (
 )
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.fileio import read_json, write_json_atomic
-from hpoflow.train.rendezvous import free_port, private_dir, store_path
+from hpoflow.train.rendezvous import private_dir, store_path
 from hpoflow.train.transport import ReportReader, TrialFiles
 from hpoflow.trial import RankOutcome, TrialRequest, TrialResult, result_from_ranks
 
@@ -155,7 +155,11 @@ def _plan(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], env: dict[
         return [[*cli, "--node-index", "0"]], job
     hosts = ordered_hosts(env, req.nodes)
     master = str(opts.get("master_addr") or hosts[0])
-    job.update(master_addr=master, master_port=free_port(""), cpus=None, gpus=None, hosts=hosts)
+    # several nodes: the ranks meet through a file store in the attempt directory on the shared file
+    # system (torch's FileStore, fcntl-locked): no rendezvous socket and no port to race for; their
+    # gloo/NCCL pairs use the interface that routes to the master node (compss.socket_ifname)
+    store = str(files.dir / f"rendezvous-{os.urandom(4).hex()}.store")
+    job.update(master_addr=master, master_port=0, store=store, cpus=None, gpus=None, hosts=hosts)
     cmds = launcher_argv(
         str(opts.get("launcher", "srun")), hosts, ppn, req, str(files.job), python=python,
         srun_args=tuple(opts.get("srun_args", ("--overlap",))), mpirun_args=tuple(opts.get("mpirun_args", ())),
@@ -249,8 +253,11 @@ def _run(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], t0: float, 
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
-        if job.get("store"):
-            shutil.rmtree(os.path.dirname(str(job["store"])), ignore_errors=True)
+        if job.get("store") and req.nodes == 1:
+            shutil.rmtree(os.path.dirname(str(job["store"])), ignore_errors=True)  # the private directory
+        elif job.get("store"):
+            with contextlib.suppress(OSError):
+                os.unlink(str(job["store"]))
     if cancelled is None and failure is None and files.stop_requested() \
             and any(p.returncode not in (0, None) for p in procs):
         # the ranks' own STOP watcher ended them before this loop saw the file
