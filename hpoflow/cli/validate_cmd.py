@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from hpoflow.spec import load_spec
-
 __all__ = ["register"]
 
 
@@ -17,6 +15,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpoflow.spec import load_spec
+
     spec, _ = load_spec(args.spec)
     if spec.engine == "local":
         from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEVICES", "LINKS", "PRESETS"]
+__all__ = ["DEVICES", "LINKS", "PRECISION_BYTES", "PRESETS", "STRATEGIES"]
 
 _G = 1e9
+
+# bytes per value of each training precision (weights, gradients, activations)
+PRECISION_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+# how the oracle prices data parallelism (hpoflow.oracle.model); training strategies map onto these
+STRATEGIES = ("ring", "tree", "ps", "easgd", "pipeline")
 _T = 1e12
 _EFF = "estimate: typical sustained fraction of peak for CNN training; calibrate to replace"
 

@@ -16,17 +16,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpoflow.oracle.catalog import PRESETS
+from hpoflow.oracle.catalog import PRECISION_BYTES, PRESETS, STRATEGIES
 from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.facts import BUILTIN_MODELS, PRECISION_BYTES
 
 __all__ = ["register"]
 
 
 def _add_predict_args(p: argparse.ArgumentParser) -> None:
-    from hpoflow.oracle.model import STRATEGIES
-
-    p.add_argument("--model", help=f"built-in ({', '.join(BUILTIN_MODELS)}) or module:function")
+    p.add_argument("--model", help="a built-in model (mlp, cnn, resnet18, resnet50, vgg16, bert-base, ...; an "
+                                    "unknown name lists them all) or module:function")
     p.add_argument("--batch-size", type=int, default=32, help="samples per device (per replica "
                    "for pipeline); default 32")
     p.add_argument("--cluster", default="laptop",
@@ -100,6 +98,8 @@ def _predict(args: argparse.Namespace) -> int:
     from hpoflow.oracle.model import Plan, predict
 
     if not args.model:
+        from hpoflow.oracle.facts import BUILTIN_MODELS
+
         raise OracleError(
             "hpoflow oracle needs --model, but none was given; e.g. hpoflow oracle --model "
             f"resnet50 --cluster p100-cluster (models: {', '.join(BUILTIN_MODELS)})"

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpoflow.oracle._zoo import ZOO
+from hpoflow.oracle.catalog import PRECISION_BYTES
 from hpoflow.oracle.errors import OracleError
 
 __all__ = [
@@ -49,7 +50,6 @@ PROJECT_MODELS: dict[str, tuple[tuple[int, ...], int]] = {
     "mlp": ((1, 8, 8), 10), "cnn": ((1, 8, 8), 10),
 }
 BUILTIN_MODELS: tuple[str, ...] = (*PROJECT_MODELS, *ZOO)
-PRECISION_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 _CONV_OPS = ("convolution",)
 _PROBE_BATCH = 2  # batch norm in training mode needs more than one value per channel
 

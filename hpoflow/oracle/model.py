@@ -35,14 +35,14 @@ from functools import lru_cache
 from typing import Any
 
 from hpoflow.oracle import _comm
+from hpoflow.oracle.catalog import PRECISION_BYTES, STRATEGIES
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.facts import PRECISION_BYTES, ModelFacts, optimizer_state_bytes
+from hpoflow.oracle.facts import ModelFacts, optimizer_state_bytes
 
 __all__ = ["ACTIVATION_TRAFFIC", "STRATEGIES", "Plan", "Prediction", "StepCost", "predict",
            "step_cost"]
 
-STRATEGIES = ("ring", "tree", "ps", "easgd", "pipeline")
 ACTIVATION_TRAFFIC = 4  # forward write + read, backward gradient write + read
 #: layers whose output is a view of their input: no time and no traffic when a device has a
 #: ``layer_cost`` table (without one, every leaf output counts as traffic, as before)
