@@ -3,18 +3,22 @@
 The oracle runs in a helper process (it needs torch; the driver does not import it), started on
 first use from the ``forkserver`` context (the local engine's forkserver already holds torch) and
 asked once per distinct trial shape: verdicts are cached. Only trials of the built-in trainer are
-checked; a user's ``training.function`` is opaque to the oracle.
+checked; a user's ``training.function`` is opaque to the oracle. A service that dies is restarted
+(up to ``max_restarts`` times); one that hangs, or dies again and again, leaves the trials unchecked.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from hpoflow.trial import TrialRequest, Verdict
+
+log = logging.getLogger(__name__)
 
 __all__ = ["OraclePrecheck"]
 
@@ -28,13 +32,15 @@ def _serve(conn: Connection, cluster: str | None) -> None:
 class OraclePrecheck:
     """Callable ``(request) -> Verdict | None``; ``None`` for trials the oracle does not judge."""
 
-    def __init__(self, cluster: str | None = None, timeout_s: float = 120.0) -> None:
+    def __init__(self, cluster: str | None = None, timeout_s: float = 120.0, max_restarts: int = 2) -> None:
         self.cluster = cluster
         self.timeout_s = timeout_s
         self._conn: Connection | None = None
         self._proc: BaseProcess | None = None
         self._cache: dict[str, Verdict] = {}
         self._broken: str | None = None
+        self.restarts = 0
+        self.max_restarts = max_restarts
 
     def __call__(self, request: TrialRequest) -> Verdict | None:
         if request.train.get("function"):
@@ -48,23 +54,30 @@ class OraclePrecheck:
         return self._cache[key]
 
     def _ask(self, train: dict[str, Any], processes: int, gpus: int) -> Verdict:
-        if self._broken is not None:
-            return Verdict(True, f"not checked: {self._broken}", {})
-        try:
-            if self._conn is None:
-                self._start()
-            conn = self._conn
-            if conn is None:  # _start either sets it or raises
-                raise OSError("oracle service did not start")
-            conn.send((train, processes, gpus))
-            if not conn.poll(self.timeout_s):
-                raise TimeoutError(f"no answer in {self.timeout_s:g} s")
-            data = conn.recv()
-        except (OSError, EOFError, TimeoutError) as exc:
-            self._broken = f"the oracle service failed ({type(exc).__name__}: {exc}); trials run unchecked"
-            self.close()
-            return Verdict(True, f"not checked: {self._broken}", {})
-        return Verdict(bool(data["feasible"]), str(data["reason"]), dict(data.get("predicted") or {}))
+        while self._broken is None:
+            try:
+                if self._conn is None:
+                    self._start()
+                conn = self._conn
+                if conn is None:  # _start either sets it or raises
+                    raise OSError("oracle service did not start")
+                conn.send((train, processes, gpus))
+                if not conn.poll(self.timeout_s):
+                    raise TimeoutError(f"no answer in {self.timeout_s:g} s")
+                data = conn.recv()
+            except (OSError, EOFError) as exc:  # the service died (a kill, an OOM): start a new one
+                self.close()
+                self.restarts += 1
+                log.warning("the oracle service died (%s: %s); restart %d of %d", type(exc).__name__, exc,
+                            self.restarts, self.max_restarts)
+                if self.restarts > self.max_restarts:
+                    self._broken = f"the oracle service died {self.restarts} times ({exc}); trials run unchecked"
+            except TimeoutError as exc:  # a hung service is not restarted: it would hang again
+                self._broken = f"the oracle service failed ({exc}); trials run unchecked"
+                self.close()
+            else:
+                return Verdict(bool(data["feasible"]), str(data["reason"]), dict(data.get("predicted") or {}))
+        return Verdict(True, f"not checked: {self._broken}", {})
 
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
