@@ -1,5 +1,5 @@
-"""Light commands stay light: `hpoflow --help` (every subcommand's help), `validate`, `status` and
-`launch --dry-run` never import torch, in a fresh interpreter (torch alone costs seconds to import)."""
+"""Light commands stay light: `hpoflow --help` (every subcommand's help), `validate`, `status`,
+`schema` and `launch --dry-run` never import torch, in a fresh interpreter (torch alone costs seconds to import)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _heavy(args: list[str], cwd: Path) -> tuple[bool, int]:
     return bool(torch_loaded), int(code)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["oracle", "--help"], ["run", "--help"],
+@pytest.mark.parametrize("args", [["--help"], ["oracle", "--help"], ["run", "--help"], ["schema"],
                                   ["validate", str(ROOT / "examples" / "digits.yaml")],
                                   ["launch", str(ROOT / "examples" / "digits.yaml"), "--engine", "compss",
                                    "--dry-run"]])

@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "launch": "hpoflow.cli.launch_cmd",
     "scaling": "hpoflow.cli.scaling_cmd",
     "oracle": "hpoflow.oracle.cli",
+    "schema": "hpoflow.cli.schema_cmd",
 }
 
 
