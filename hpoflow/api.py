@@ -34,7 +34,7 @@ from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.storage import open_storage, storage_label
 from hpoflow.spec import StudySpec, load_spec, resolve_training, search_dirs, spec_from_mapping
 
-__all__ = ["StudyResult", "load_run", "optimize", "prepare_spec", "run_budget"]
+__all__ = ["StudyResult", "load_run", "open_run_storage", "optimize", "prepare_spec", "run_budget"]
 
 _RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
                    ("search", "max_failures"), ("search", "fail_fast"), ("resources", "timeout"),
@@ -261,11 +261,11 @@ def _write_outputs(study: optuna.Study, spec: StudySpec, text: str, run_dir: Pat
     write_best_yaml(study, data, run_dir / "best.yaml")
 
 
-def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tuple[optuna.Study, str]:
-    """Open a run directory's study for reading (status, tables): creates and changes nothing.
-
-    ``storage`` overrides the stored one (needed when the run's storage URL has a password, which
-    hpoflow never writes down, and the spec names no ``storage_env``)."""
+def open_run_storage(run_dir: str | os.PathLike[str], storage: str | None = None
+                     ) -> tuple[optuna.storages.BaseStorage, str, str]:
+    """A run directory's storage, opened for reading: (storage, study name, redacted label). Creates
+    and changes nothing. ``storage`` overrides the stored one (needed when the run's storage URL has
+    a password, which hpoflow never writes down, and the spec names no ``storage_env``)."""
     rd = rundir.resolve(run_dir, create=False)
     info_path = rd / "run.json"
     try:
@@ -291,13 +291,19 @@ def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tup
         opened = open_storage(storage, rd, create=False)
     except FileNotFoundError as exc:
         raise RunDirError(f"{rd}: {exc}. Fix: pass the --run-dir of a run that has started") from None
+    return opened, study_name, redact(storage_label(storage, rd)) or ""
+
+
+def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tuple[optuna.Study, str]:
+    """Open a run directory's study for reading (status, tables): creates and changes nothing."""
+    opened, study_name, label = open_run_storage(run_dir, storage)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = optuna.load_study(study_name=study_name, storage=opened)
     except KeyError:
-        raise RunDirError(f"{rd}: its storage holds no study {study_name!r}. Fix: pass the --run-dir of a "
+        raise RunDirError(f"{run_dir}: its storage holds no study {study_name!r}. Fix: pass the --run-dir of a "
                           "run that has started") from None
-    return study, redact(storage_label(storage, rd)) or ""
+    return study, label
 
 
 def run_budget(run_dir: str | os.PathLike[str]) -> int | None:

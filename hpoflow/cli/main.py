@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "scaling": "hpoflow.cli.scaling_cmd",
     "oracle": "hpoflow.oracle.cli",
     "schema": "hpoflow.cli.schema_cmd",
+    "dashboard": "hpoflow.cli.dashboard_cmd",
 }
 
 
