@@ -35,6 +35,7 @@ __all__ = ["ATTR_REPLACES", "Driver", "DriverListener", "DriverSummary", "count_
 ATTR_REPLACES = "hpoflow_replaces"
 _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
 ATTR_GRID = "grid_index"
+ATTR_ENQUEUED = "hpoflow_enqueued"  # user attr: index in search.enqueue of a known configuration
 ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -163,6 +164,7 @@ class Driver:
         t_start = time.monotonic()
         overhead = 0.0
         self._reconcile()
+        self._enqueue_known()
         summary = self.summary
         if self.listener:
             self.listener.on_start(self.n_trials, self._finished)
@@ -240,6 +242,14 @@ class Driver:
                     self.summary.n_complete += 1
                 else:
                     self.summary.n_pruned += 1
+
+    def _enqueue_known(self) -> None:
+        """``search.enqueue``: known configurations, evaluated first; each once per study (a resumed
+        study does not enqueue again what it already holds)."""
+        done = {t.user_attrs.get(ATTR_ENQUEUED) for t in self.study.get_trials(deepcopy=False)}
+        for i, point in enumerate(self.spec.search.enqueue):
+            if i not in done:
+                self.study.enqueue_trial(point, user_attrs={ATTR_ENQUEUED: i}, skip_if_exists=False)
 
     def _carry_over(self, number: int, user_attrs: dict[str, Any]) -> dict[str, Any]:
         """User attrs for the rerun of an interrupted trial: its grid point, and the checkpoint

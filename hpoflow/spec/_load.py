@@ -148,6 +148,23 @@ def _candidates(param: Param) -> list[Any]:
     return [param.low, param.high]
 
 
+def _outside(param: Param, value: Any) -> str:
+    """Why ``value`` is not a value ``param`` can take ('' if it is)."""
+    if isinstance(param, CategoricalParam):
+        return "" if any(value == c and type(value) is type(c) for c in param.choices) else \
+            f"choose one of {param.choices}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "it must be a number"
+    if isinstance(param, IntParam) and not isinstance(value, int):
+        return "it must be a whole number"
+    if not param.low <= value <= param.high:
+        return f"it must lie in [{param.low}, {param.high}]"
+    step = param.step
+    if step and abs((value - param.low) / step - round((value - param.low) / step)) > 1e-9:
+        return f"it must be low + k x step (step {step})"
+    return ""
+
+
 def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
                      search_dirs: tuple[str, ...]) -> list[Issue]:
     issues: list[Issue] = []
@@ -157,6 +174,14 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
         issues.append(Issue(path, msg, line, source))
 
     names = list(spec.space)
+    for i, point in enumerate(spec.search.enqueue):
+        for key, value in point.items():
+            at = ("search", "enqueue", i, key)
+            if key not in spec.space:
+                add(at, f"unknown parameter {key!r}{did_you_mean(key, names)}; parameters: {', '.join(names)}")
+            elif why := _outside(spec.space[key], value):
+                add(at, f"{value!r} is not a value of parameter {key!r}: {why}. Fix: use a value the space can "
+                        "suggest")
     # Conditions: refer to a parameter defined earlier, with values it can take.
     for i, (name, param) in enumerate(spec.space.items()):
         for parent, values in (param.when or {}).items():

@@ -205,6 +205,9 @@ class SearchSpec(_Strict):
         default=3, ge=0, description="Stop when the first K finished trials all failed with the same error "
                                      "(0: never).")
     sampler_options: dict[str, Any] = Field(default_factory=dict)
+    enqueue: list[dict[str, Any]] = Field(
+        default_factory=list, description="Known configurations evaluated first, in order (params not given "
+                                          "are sampled); checked against the space.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 
     @model_validator(mode="after")

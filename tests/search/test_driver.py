@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 
 from hpoflow.api import optimize
 from hpoflow.engines.threads import Reporter, ThreadEngine
+from hpoflow.errors import SpecError
 from hpoflow.search.driver import Driver, count_finished, interrupted
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.space import grid_points
@@ -282,3 +283,30 @@ def test_fail_fast_lets_different_errors_and_any_success_go_on(tmp_path: Path) -
     s = driver.summary
     assert s.stopped_by == "budget" and s.n_failed == 4 and s.n_complete == 4 and s.exit_code == 0
     assert len(s.errors) == 4
+
+
+def test_known_configurations_run_first_and_once(tmp_path: Path) -> None:
+    from hpoflow.api import optimize
+
+    data = copy.deepcopy(BASE)
+    data["search"].update(n_trials=5, enqueue=[{"x": 0.25, "k": 2}, {"x": 0.75}])
+    first = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 1), n_trials=3)
+    trials = sorted(first.study.trials, key=lambda t: t.number)
+    assert trials[0].params == {"x": 0.25, "k": 2} and trials[1].params["x"] == 0.75
+    again = optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 1))
+    xs = [t.params["x"] for t in again.study.trials]
+    assert xs.count(0.25) == 1 and xs.count(0.75) == 1 and len(xs) == 5  # not enqueued again on resume
+
+
+@pytest.mark.parametrize(("point", "words"), [
+    ({"x": 2.0}, "it must lie in [0.0, 1.0]"),
+    ({"k": 4}, "choose one of [1, 2, 3]"),
+    ({"y": 1}, "unknown parameter 'y'"),
+])
+def test_known_configurations_are_checked_against_the_space(point: dict[str, Any], words: str) -> None:
+    data = copy.deepcopy(BASE)
+    data["search"]["enqueue"] = [point]
+    with pytest.raises(SpecError) as info:
+        spec_from_mapping(data)
+    issue = info.value.issues[0]
+    assert issue.path.startswith("search.enqueue.0.") and words in issue.message, str(issue)
