@@ -42,6 +42,8 @@ __all__ = [
     "Options",
     "PluginError",
     "Registry",
+    "check_class",
+    "is_class_path",
     "resolve",
 ]
 
@@ -79,6 +81,36 @@ def resolve(ref: Any) -> Any:
         except AttributeError:
             raise PluginError(f"module {module!r} has no attribute {attr!r} (plug-in {ref!r})") from None
     return obj
+
+
+def is_class_path(name: str) -> bool:
+    """``pkg.mod.Class`` or ``pkg.mod:Class`` (a class by import path, not a registered name)."""
+    return ":" in name or "." in name.strip(".")
+
+
+def check_class(path: str, options: Mapping[str, Any], base: str, at: str) -> type:
+    """Import the class at ``path`` (``pkg.mod.Class`` or ``pkg.mod:Class``), check it subclasses
+    ``base`` (an import path too) and accepts ``options`` as keyword arguments; a
+    ``PydanticCustomError`` (with ``at``) says what is wrong."""
+    ref = path if ":" in path else ":".join(path.rsplit(".", 1))
+    try:
+        cls = resolve(ref)
+        base_cls = resolve(base)
+    except PluginError as exc:
+        raise PydanticCustomError("bad_class", "{msg}. Fix: give an importable class, e.g. "
+                                  "optuna.samplers.QMCSampler or mypkg.search:MySampler", {"msg": str(exc)}) from None
+    if not (isinstance(cls, type) and issubclass(cls, base_cls)):
+        raise PydanticCustomError("bad_class", "{path} must be a subclass of {base}, but it is {what}",
+                                  {"path": path, "base": base.replace(":", "."), "what": repr(cls)})
+    import inspect
+
+    try:
+        inspect.signature(cls).bind_partial(**dict(options))
+    except TypeError as exc:
+        raise PydanticCustomError("bad_plugin_option", "{at}: {msg} ({path} takes: {params})",
+                                  {"at": at, "msg": str(exc), "path": path,
+                                   "params": ", ".join(inspect.signature(cls).parameters)}) from None
+    return cls
 
 
 @dataclass

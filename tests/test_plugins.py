@@ -165,3 +165,21 @@ def test_the_oracle_prices_the_trials_own_strategy(strategy: str, options: dict[
              "strategy_options": options}
     verdict = check_trial(train, processes=2, gpus_per_process=0, cluster=None)
     assert verdict.feasible and verdict.predicted["strategy"] == priced_as[0], verdict
+
+
+def test_any_optuna_sampler_or_pruner_by_import_path(tmp_path: Path) -> None:
+    from hpoflow.search.samplers import make_pruner, make_sampler
+
+    spec, _ = load_spec(_spec(tmp_path, search={
+        "algorithm": {"class": "optuna.samplers.QMCSampler", "options": {"qmc_type": "halton"}}, "n_trials": 4,
+        "seed": 3, "pruner": {"class": "optuna.pruners.ThresholdPruner", "options": {"upper": 5.0}}}))
+    sampler = make_sampler(spec.search)
+    assert type(sampler).__name__ == "QMCSampler" and sampler._qmc_type == "halton"
+    assert type(make_pruner(spec.search.pruner)).__name__ == "ThresholdPruner"
+    with pytest.raises(SpecError, match=r"search.sampler_options: got an unexpected keyword argument 'qmc'"):
+        load_spec(_spec(tmp_path, search={"algorithm": {"class": "optuna.samplers.QMCSampler",
+                                                        "options": {"qmc": "x"}}, "n_trials": 2}))
+    with pytest.raises(SpecError, match=r"must be a subclass of optuna\.samplers\.BaseSampler"):
+        load_spec(_spec(tmp_path, search={"algorithm": "collections.OrderedDict", "n_trials": 2}))
+    with pytest.raises(SpecError, match=r"cannot import 'nopkg\.mod'"):
+        load_spec(_spec(tmp_path, search={"algorithm": "nopkg.mod:Sampler", "n_trials": 2}))

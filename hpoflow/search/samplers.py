@@ -10,12 +10,13 @@ ask/tell with trials in flight); the driver enqueues grid points itself and a se
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import optuna
 from pydantic import BaseModel
 
-from hpoflow.registry import PRUNERS, SAMPLERS
+from hpoflow.registry import PRUNERS, SAMPLERS, resolve
 from hpoflow.search.options import (
     AshaPrunerOptions,
     CmaEsOptions,
@@ -38,6 +39,9 @@ def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers
     ``seed + resumed_trials``: still reproducible, never a repeat of the first run's stream.
     """
     seed = None if search.seed is None else search.seed + resumed_trials
+    if search.algorithm not in SAMPLERS:  # a sampler class by import path (checked by the spec)
+        made: optuna.samplers.BaseSampler = _from_class(search.algorithm, search.sampler_options, seed)
+        return made
     options = SAMPLERS.options(search.algorithm, search.sampler_options)
     sampler: optuna.samplers.BaseSampler = SAMPLERS.get(search.algorithm)(options, seed, search.max_concurrent)
     return sampler
@@ -45,8 +49,20 @@ def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers
 
 def make_pruner(p: PrunerSpec) -> optuna.pruners.BasePruner:
     """The Optuna pruner for ``p.type`` (``none`` gives a pruner that never prunes)."""
+    if p.type not in PRUNERS:  # a pruner class by import path (checked by the spec)
+        pruner_made: optuna.pruners.BasePruner = _from_class(p.type, p.options, None)
+        return pruner_made
     pruner: optuna.pruners.BasePruner = PRUNERS.get(p.type)(PRUNERS.options(p.type, p.options))
     return pruner
+
+
+def _from_class(path: str, options: dict[str, Any], seed: int | None) -> Any:
+    """An instance of the class at ``path`` with ``options``, seeded when it takes a ``seed``."""
+    cls = resolve(path if ":" in path else ":".join(path.rsplit(".", 1)))
+    kwargs = dict(options)
+    if seed is not None and "seed" in inspect.signature(cls).parameters:
+        kwargs.setdefault("seed", seed)
+    return cls(**kwargs)
 
 
 # -- the built-in factories (registered in hpoflow.registry) ---------------------------------------

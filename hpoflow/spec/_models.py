@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import did_you_mean
-from hpoflow.registry import ENGINES, MODELS, PRUNERS, SAMPLERS, STRATEGIES, Registry
+from hpoflow.registry import ENGINES, MODELS, PRUNERS, SAMPLERS, STRATEGIES, Registry, check_class, is_class_path
 
 __all__ = [
     "PLACEHOLDER",
@@ -175,12 +175,17 @@ class PrunerSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _split_flat(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "class" in data:  # {class: optuna.pruners.ThresholdPruner, options: {}}
+            return {"type": data["class"], "options": data.get("options") or {}}
         if isinstance(data, dict) and "options" not in data:
             return {"type": data.get("type", "none"), "options": {k: v for k, v in data.items() if k != "type"}}
         return data
 
     @model_validator(mode="after")
     def _check(self) -> PrunerSpec:
+        if self.type not in PRUNERS and is_class_path(self.type):
+            check_class(self.type, self.options, "optuna.pruners:BasePruner", "options")
+            return self
         _checked_name(PRUNERS, self.type, "type")
         full = PRUNERS.check(self.type, self.options, at="")
         if full != self.options:
@@ -193,7 +198,8 @@ class PrunerSpec(_Strict):
 
 
 class SearchSpec(_Strict):
-    algorithm: str = Field(default="tpe", description="A registered sampler: grid, random, tpe, gp, cmaes, ...")
+    algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, ...) or "
+                                                      "any Optuna sampler class by import path")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
     seed: int | None = None
@@ -210,12 +216,30 @@ class SearchSpec(_Strict):
                                           "are sampled); checked against the space.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _class_form(cls, data: Any) -> Any:
+        """``algorithm: {class: optuna.samplers.QMCSampler, options: {...}}`` is the class path plus
+        ``sampler_options``."""
+        algo = data.get("algorithm") if isinstance(data, dict) else None
+        if isinstance(algo, dict):
+            unknown = sorted(set(algo) - {"class", "options"})
+            if unknown or not isinstance(algo.get("class"), str):
+                raise PydanticCustomError(
+                    "bad_class", "algorithm: a sampler class is written {{class: pkg.mod.Class, options: {{...}}}}, "
+                    "but got {value}", {"value": algo})
+            data = {**data, "algorithm": algo["class"], "sampler_options": algo.get("options") or {}}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> SearchSpec:
-        _checked_name(SAMPLERS, self.algorithm, "algorithm")
-        full = SAMPLERS.check(self.algorithm, self.sampler_options, at="sampler_options")
-        if full != self.sampler_options:
-            object.__setattr__(self, "sampler_options", full)
+        if self.algorithm not in SAMPLERS and is_class_path(self.algorithm):
+            check_class(self.algorithm, self.sampler_options, "optuna.samplers:BaseSampler", "sampler_options")
+        else:
+            _checked_name(SAMPLERS, self.algorithm, "algorithm")
+            full = SAMPLERS.check(self.algorithm, self.sampler_options, at="sampler_options")
+            if full != self.sampler_options:
+                object.__setattr__(self, "sampler_options", full)
         if self.n_trials is None and self.algorithm != "grid":
             raise PydanticCustomError(
                 "missing_n_trials",
