@@ -174,7 +174,7 @@ def test_any_optuna_sampler_or_pruner_by_import_path(tmp_path: Path) -> None:
         "algorithm": {"class": "optuna.samplers.QMCSampler", "options": {"qmc_type": "halton"}}, "n_trials": 4,
         "seed": 3, "pruner": {"class": "optuna.pruners.ThresholdPruner", "options": {"upper": 5.0}}}))
     sampler = make_sampler(spec.search)
-    assert type(sampler).__name__ == "QMCSampler" and sampler._qmc_type == "halton"
+    assert type(sampler).__name__ == "QMCSampler" and getattr(sampler, "_qmc_type", None) == "halton"
     assert type(make_pruner(spec.search.pruner)).__name__ == "ThresholdPruner"
     with pytest.raises(SpecError, match=r"search.sampler_options: got an unexpected keyword argument 'qmc'"):
         load_spec(_spec(tmp_path, search={"algorithm": {"class": "optuna.samplers.QMCSampler",
