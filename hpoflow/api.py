@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -32,7 +33,9 @@ from hpoflow.rundir import redact
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.storage import open_storage, storage_label
-from hpoflow.spec import StudySpec, load_spec, resolve_training, search_dirs, spec_from_mapping
+from hpoflow.spec import StudySpec, load_spec, outside, resolve_training, search_dirs, spec_from_mapping
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StudyResult", "load_run", "open_run_storage", "optimize", "prepare_spec", "run_budget"]
 
@@ -208,7 +211,9 @@ def _open_run(rd: Path, parsed: StudySpec, text: str, url: str | None) -> tuple[
         raise RunDirError(f"cannot open the study's storage {label}: {type(exc).__name__}: {why[:300]}. Fix: check "
                           "the URL, that the database answers, and that its Python driver is installed") from None
     existing = len(study.get_trials(deepcopy=False))
-    if existing:
+    if not existing and parsed.search.warm_start:
+        _warm_start(study, parsed, rd)
+    elif existing:
         study.sampler = make_sampler(parsed.search, resumed_trials=existing)
     if not (rd / "run.json").exists():
         from hpoflow import __version__
@@ -259,6 +264,39 @@ def _write_outputs(study: optuna.Study, spec: StudySpec, text: str, run_dir: Pat
     if isinstance(data, dict) and data.get("storage"):
         data["storage"] = redact(data["storage"])
     write_best_yaml(study, data, run_dir / "best.yaml")
+
+
+def _warm_start(study: optuna.Study, spec: StudySpec, rd: Path) -> None:
+    """Import the completed trials of the run in ``search.warm_start`` as prior knowledge: same metric
+    and direction required; values outside this space are dropped (said once); imported trials never
+    count against ``n_trials`` and are never the best trial."""
+    from optuna.trial import TrialState, create_trial
+
+    from hpoflow.search.driver import ATTR_IMPORTED
+    from hpoflow.search.space import distribution
+
+    source = str(spec.search.warm_start)
+    other, label = load_run(source)
+    try:
+        other_spec = yaml.safe_load((rundir.resolve(source, create=False) / "spec.yaml").read_text()) or {}
+        other_metric = (other_spec.get("study") or {}).get("metric")
+    except (OSError, yaml.YAMLError, AttributeError):
+        other_metric = None
+    if other_metric != spec.study.metric or other.direction != study.direction:
+        raise RunDirError(f"search.warm_start: {source} optimised {other_metric!r} ({other.direction.name.lower()}), "
+                          f"this study {spec.study.metric!r} ({spec.study.direction}); only a study of the same "
+                          "metric and direction can warm-start it. Fix: point warm_start at such a run, or remove it")
+    dists = {name: distribution(p) for name, p in spec.space.items()}
+    imported, dropped = [], 0
+    for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        params = {k: v for k, v in t.params.items() if k in dists and not outside(spec.space[k], v)}
+        dropped += len(t.params) - len(params)
+        if params and t.value is not None:
+            imported.append(create_trial(params=params, distributions={k: dists[k] for k in params}, value=t.value,
+                                         user_attrs={ATTR_IMPORTED: f"{label}#{t.number}"}))
+    study.add_trials(imported)
+    log.warning("warm start: imported %d completed trial(s) of %s%s", len(imported), source,
+                f"; dropped {dropped} parameter value(s) outside this space" if dropped else "")
 
 
 def open_run_storage(run_dir: str | os.PathLike[str], storage: str | None = None

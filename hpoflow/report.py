@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hpoflow.fileio import write_atomic
-from hpoflow.search.driver import DriverSummary, is_counted
+from hpoflow.search.driver import ATTR_IMPORTED, DriverSummary, is_counted
 from hpoflow.trial import TrialResult
 
 __all__ = [
@@ -54,7 +54,7 @@ _TIMING_KEYS = ("duration_s", "to_first_report_s", "launch_s", "run_s")
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.value is not None]
+            if t.value is not None and ATTR_IMPORTED not in t.user_attrs]  # imported: prior knowledge only
     if not done:
         return None
     pick = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min

@@ -27,8 +27,8 @@ from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
 
-__all__ = ["ATTR_REPLACES", "Driver", "DriverListener", "DriverSummary", "count_finished", "interrupted",
-           "is_counted"]
+__all__ = ["ATTR_IMPORTED", "ATTR_REPLACES", "Driver", "DriverListener", "DriverSummary", "count_finished",
+           "interrupted", "is_counted"]
 
 # An interrupted trial (a stop signal, a crashed driver, a cancel) is told FAIL and rerun as a new
 # trial whose user attr ATTR_REPLACES holds its number: the interrupted one does not count.
@@ -36,6 +36,7 @@ ATTR_REPLACES = "hpoflow_replaces"
 _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
 ATTR_GRID = "grid_index"
 ATTR_ENQUEUED = "hpoflow_enqueued"  # user attr: index in search.enqueue of a known configuration
+ATTR_IMPORTED = "hpoflow_warm_start"  # user attr: a completed trial imported from another study (a prior)
 ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -106,9 +107,10 @@ def interrupted(trials: list[FrozenTrial]) -> set[int]:
 
 
 def is_counted(trials: list[FrozenTrial]) -> Callable[[FrozenTrial], bool]:
-    """A predicate: does this trial count (it was not interrupted and rerun)?"""
+    """A predicate: does this trial count (it was not interrupted and rerun, nor imported by a warm
+    start)?"""
     skip = interrupted(trials)
-    return lambda t: t.number not in skip
+    return lambda t: t.number not in skip and ATTR_IMPORTED not in t.user_attrs
 
 
 def count_finished(study: optuna.Study) -> int:

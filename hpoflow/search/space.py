@@ -39,6 +39,15 @@ def suggest(trial: optuna.trial.BaseTrial, space: Mapping[str, Param]) -> dict[s
     return values
 
 
+def distribution(p: Param) -> optuna.distributions.BaseDistribution:
+    """The Optuna distribution ``suggest`` draws ``p`` from."""
+    if isinstance(p, FloatParam):
+        return optuna.distributions.FloatDistribution(p.low, p.high, log=p.log, step=p.step)
+    if isinstance(p, IntParam):
+        return optuna.distributions.IntDistribution(p.low, p.high, log=p.log, step=p.step)
+    return optuna.distributions.CategoricalDistribution(p.choices)
+
+
 def _grid_values(p: Param) -> list[Any]:
     if isinstance(p, CategoricalParam):
         return list(p.choices)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hpoflow.spec._load import (
     BUILTIN_METRICS,
     load_spec,
+    outside,
     placeholders,
     resolve_training,
     search_dirs,
@@ -40,6 +41,7 @@ __all__ = [
     "StudySpec",
     "TrainConfig",
     "load_spec",
+    "outside",
     "placeholders",
     "resolve_training",
     "search_dirs",

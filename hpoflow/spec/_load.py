@@ -148,7 +148,7 @@ def _candidates(param: Param) -> list[Any]:
     return [param.low, param.high]
 
 
-def _outside(param: Param, value: Any) -> str:
+def outside(param: Param, value: Any) -> str:
     """Why ``value`` is not a value ``param`` can take ('' if it is)."""
     if isinstance(param, CategoricalParam):
         return "" if any(value == c and type(value) is type(c) for c in param.choices) else \
@@ -179,7 +179,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
             at = ("search", "enqueue", i, key)
             if key not in spec.space:
                 add(at, f"unknown parameter {key!r}{did_you_mean(key, names)}; parameters: {', '.join(names)}")
-            elif why := _outside(spec.space[key], value):
+            elif why := outside(spec.space[key], value):
                 add(at, f"{value!r} is not a value of parameter {key!r}: {why}. Fix: use a value the space can "
                         "suggest")
     # Conditions: refer to a parameter defined earlier, with values it can take.

@@ -214,6 +214,9 @@ class SearchSpec(_Strict):
     enqueue: list[dict[str, Any]] = Field(
         default_factory=list, description="Known configurations evaluated first, in order (params not given "
                                           "are sampled); checked against the space.")
+    warm_start: str | None = Field(
+        default=None, description="Run directory of an earlier, compatible study (same metric and direction) whose "
+                                  "completed trials the sampler learns from before the first trial.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
 
     @model_validator(mode="before")

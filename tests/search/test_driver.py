@@ -310,3 +310,44 @@ def test_known_configurations_are_checked_against_the_space(point: dict[str, Any
         spec_from_mapping(data)
     issue = info.value.issues[0]
     assert issue.path.startswith("search.enqueue.0.") and words in issue.message, str(issue)
+
+
+def test_a_warm_started_study_learns_from_the_earlier_one(tmp_path: Path) -> None:
+    from hpoflow.api import optimize
+
+    def peaked(p: dict[str, Any], r: Reporter) -> float:
+        return -abs(p["x"] - 0.8)
+
+    prior = copy.deepcopy(BASE)
+    prior["search"].update(algorithm="random", n_trials=30, max_concurrent=1)
+    optimize(prior, tmp_path / "prior", engine=ThreadEngine(peaked, 1))
+
+    def first_suggestion(warm: bool, name: str) -> tuple[float, Any]:
+        data = copy.deepcopy(BASE)
+        data["search"] = {"algorithm": "tpe", "n_trials": 1, "max_concurrent": 1, "seed": 11,
+                          "sampler_options": {"n_startup_trials": 5},
+                          **({"warm_start": str(tmp_path / "prior")} if warm else {})}
+        result = optimize(data, tmp_path / name, engine=ThreadEngine(peaked, 1))
+        own = [t for t in result.study.trials if "hpoflow_warm_start" not in t.user_attrs]
+        return own[0].params["x"], result
+
+    cold, _ = first_suggestion(False, "cold")
+    warm, result = first_suggestion(True, "warm")
+    assert warm != cold  # the prior changed TPE's first suggestion (same seed)
+    assert abs(warm - 0.8) < 0.2  # towards the earlier study's optimum
+    assert result.summary.n_complete == 1 and result.summary.n_trials == 1  # imports do not count
+    assert len(result.study.trials) == 31 and result.best_params is not None
+
+
+def test_a_warm_start_needs_the_same_metric_and_direction(tmp_path: Path) -> None:
+    from hpoflow.api import optimize
+    from hpoflow.errors import RunDirError
+
+    prior = copy.deepcopy(BASE)
+    prior["search"].update(n_trials=2)
+    optimize(prior, tmp_path / "prior", engine=ThreadEngine(lambda p, r: p["x"], 1))
+    data = copy.deepcopy(BASE)
+    data["study"]["direction"] = "minimize"
+    data["search"]["warm_start"] = str(tmp_path / "prior")
+    with pytest.raises(RunDirError, match="only a study of the same metric and direction"):
+        optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 1))
