@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,32 +40,47 @@ def spec(n_trials: int, processes: int, seconds: float, retries: int) -> dict[st
     }
 
 
-def test_ten_killed_ranks_lose_no_trial(tmp_path: Path) -> None:
+def _study_under_fire(tmp_path: Path, data: dict[str, Any], kill: Callable[[LocalEngine, random.Random], str],
+                      n_kills: int, seed: int, pause_s: Callable[[random.Random], float]) -> tuple[Any, list[str]]:
+    """Run ``data`` on a local engine while a thread calls ``kill(engine, rng)`` up to ``n_kills`` times
+    (each returns what it killed, '' for nothing); the study's result and the kills."""
     engine = LocalEngine()
-    kills: list[int] = []
+    kills: list[str] = []
     done = threading.Event()
 
     def killer() -> None:
-        rng = random.Random(0)
-        while len(kills) < 10 and not done.is_set():
-            time.sleep(0.35)
-            busy = [w.proc.pid for w in list(engine._workers.values()) if w.trial is not None and w.proc.pid]
-            if busy:
-                pid = rng.choice(busy)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    kills.append(pid)
-                except ProcessLookupError:
-                    pass
+        rng = random.Random(seed)
+        while len(kills) < n_kills and not done.is_set():
+            time.sleep(pause_s(rng))
+            victim = kill(engine, rng)
+            if victim:
+                kills.append(victim)
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     try:
-        result = optimize(spec(8, 2, 0.8, 10), tmp_path / "run", engine=engine, handle_signals=False)
+        result = optimize(data, tmp_path / "run", engine=engine, handle_signals=False)
     finally:
         done.set()
         thread.join()
         engine.close()
+    return result, kills
+
+
+def _kill_a_busy_rank(engine: LocalEngine, rng: random.Random) -> str:
+    busy = [w.proc.pid for w in list(engine._workers.values()) if w.trial is not None and w.proc.pid]
+    if not busy:
+        return ""
+    pid = rng.choice(busy)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return ""
+    return str(pid)
+
+
+def test_ten_killed_ranks_lose_no_trial(tmp_path: Path) -> None:
+    result, kills = _study_under_fire(tmp_path, spec(8, 2, 0.8, 10), _kill_a_busy_rank, 10, 0, lambda rng: 0.35)
     assert len(kills) == 10
     trials = result.study.trials
     assert result.summary.n_complete == 8 and result.summary.n_failed == 0
@@ -166,34 +182,22 @@ def test_any_process_of_the_engine_can_die(tmp_path: Path, seed: int) -> None:
     """SIGKILL of random descendants of the driver (the forkserver, idle or busy workers, ranks) many
     times: each death is detected, the process replaced, the affected trial retried, and the study
     completes every trial."""
-    engine = LocalEngine()
-    kills: list[str] = []
-    done = threading.Event()
     me = psutil.Process()
 
-    def killer() -> None:
-        rng = random.Random(seed)
-        while len(kills) < 6 and not done.is_set():
-            time.sleep(0.4 + rng.random() * 0.4)
-            victims = [p for p in me.children(recursive=True) if p.is_running()]
-            if not victims:
-                continue
-            victim = rng.choice(victims)
-            try:
-                name = " ".join(victim.cmdline()[:3]) or victim.name()
-                victim.kill()
-                kills.append(name)
-            except psutil.Error:
-                pass
+    def kill_any_descendant(engine: LocalEngine, rng: random.Random) -> str:
+        victims = [p for p in me.children(recursive=True) if p.is_running()]
+        if not victims:
+            return ""
+        victim = rng.choice(victims)
+        try:
+            name = " ".join(victim.cmdline()[:3]) or victim.name()
+            victim.kill()
+        except psutil.Error:
+            return ""
+        return name
 
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    try:
-        result = optimize(spec(8, 1, 0.6, 8), tmp_path / "run", engine=engine, handle_signals=False)
-    finally:
-        done.set()
-        thread.join()
-        engine.close()
+    result, kills = _study_under_fire(tmp_path, spec(8, 1, 0.6, 8), kill_any_descendant, 6, seed,
+                                      lambda rng: 0.4 + rng.random() * 0.4)
     assert len(kills) >= 3, kills
     trials = result.study.trials
     assert result.summary.n_complete == 8 and result.summary.n_failed == 0, (kills, [t.user_attrs for t in trials])
