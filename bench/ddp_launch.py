@@ -35,7 +35,7 @@ def run_hpoflow(n: int) -> tuple[list[float], list[float]]:
     from hpoflow.trial import TrialRequest, TrialResult
 
     engine = LocalEngine(cores=_two_cores())
-    engine._warm.join()  # forkserver start and worker forks are one-time costs, not per trial
+    engine.wait_warm()  # forkserver start and worker forks are one-time costs, not per trial
     train = TrainConfig(function="bench_objectives:ddp_first_step").model_dump(mode="json")
     launch, first_step = [], []
     try:

@@ -27,7 +27,7 @@ def run(example: str, seed: int) -> tuple[float, float, int]:
     spec = yaml.safe_load((ROOT / "examples" / example).read_text())
     spec["search"]["seed"] = seed
     engine = LocalEngine()
-    engine._warm.join()  # both arms start warm
+    engine.wait_warm()  # both arms start warm
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         res = optimize(spec, Path(d) / "run", engine=engine)

@@ -33,7 +33,7 @@ def run_hpoflow(n: int, slots: int) -> tuple[float, float]:
     from hpoflow.engines.local import LocalEngine
 
     engine = LocalEngine()
-    engine._warm.join()  # the forkserver's one-time start is reported separately
+    engine.wait_warm()  # the forkserver's one-time start is reported separately
     with tempfile.TemporaryDirectory() as d:
         spec = function_spec("overhead", "bench_objectives:sleep50", n, slots)
         t0 = time.perf_counter()

@@ -145,7 +145,7 @@ def main() -> None:
           f"max {max(durations):.2f} s; zero-overhead busy: async {ideal_async:.3f}, batches {ideal_batch:.3f}",
           flush=True)
     engine = LocalEngine(cores=cores[: a.slots])
-    engine._warm.join()  # one-time start, not part of any makespan
+    engine.wait_warm()  # one-time start, not part of any makespan
     hp, bt, eng = [], [], []
     try:
         for r in range(a.repeats):

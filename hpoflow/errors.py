@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-__all__ = ["EngineError", "HpoflowError", "Issue", "RunDirError", "SpecError", "did_you_mean"]
+__all__ = ["EngineError", "HpoflowError", "Issue", "NonFiniteLoss", "RunDirError", "SpecError", "did_you_mean"]
 
 
 class HpoflowError(Exception):
@@ -56,3 +56,7 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
     """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class NonFiniteLoss(RuntimeError):
+    """A trial's loss or metric became NaN or infinite: the configuration diverged (not retried)."""

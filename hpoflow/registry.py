@@ -57,7 +57,7 @@ class PluginError(HpoflowError):
 class Options(BaseModel):
     """Base of every options model: frozen, unknown keys rejected."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 class NoOptions(Options):

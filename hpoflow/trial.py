@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-__all__ = ["Event", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus",
-           "Verdict", "result_from_ranks"]
+__all__ = ["Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus",
+           "Verdict", "needs_torch", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 # How one rank ended: ok / pruned / error (an exception, sent by the rank itself), or as its engine
@@ -64,6 +64,28 @@ class TrialRequest:
         data = json.loads(text)
         data["python_path"] = tuple(data.get("python_path", ()))
         return cls(**data)
+
+
+def needs_torch(function: str | None, processes: int, gpus_per_process: int) -> bool:
+    """Whether a trial's ranks need torch before its training code runs: the built-in trainer
+    (``function`` None), a process group (several ranks) or a GPU do; one CPU rank of a user function
+    does not (if the function imports torch itself, it is seeded then; see ``hpoflow.train.runner``)."""
+    return function is None or processes > 1 or gpus_per_process > 0
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """One rank's share of a ``TrialRequest``: where it sits and how to reach rank 0."""
+
+    request: TrialRequest
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    threads: int = 1
+    pg_timeout_s: float = 120.0
+    store_path: str = ""  # a single-host trial's file store (no rendezvous socket); "" for TCP
 
 
 @dataclass(frozen=True)
@@ -138,6 +160,7 @@ def result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], *,
     chief = outcomes.get(0)
     if chief is not None and chief.started_at is not None and submitted_wall is not None:
         timings["launch_s"] = chief.started_at - submitted_wall  # submit -> training starts
+        timings["started_at"] = chief.started_at  # wall clock (epoch seconds) when training started
         if chief.run_s is not None:
             timings["run_s"] = chief.run_s
     if cancelled is not None:

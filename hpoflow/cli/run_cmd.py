@@ -22,7 +22,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+def _prestart(spec_path: str) -> None:
+    """Boot the local engine's processes first, so they start while the rest of hpoflow imports and
+    the study opens: the forkserver's torch preload, and light workers when the trials need no torch
+    (``hpoflow.engines.local.engine.prestart``). An invalid spec starts nothing: ``optimize`` says why."""
+    from hpoflow.errors import HpoflowError
+    from hpoflow.spec import load_spec, resolve_training
+
+    try:
+        spec, _ = load_spec(spec_path)
+    except HpoflowError:
+        return
+    if spec.engine != "local":
+        return
+    from hpoflow.engines.local.engine import prestart
+    from hpoflow.engines.machine import machine_cores
+    from hpoflow.trial import needs_torch
+
+    res = spec.resources
+    function = resolve_training(spec.training, {}).function if "${" not in str(spec.training) else None
+    light = 0
+    if function is not None and not needs_torch(function, res.processes, res.gpus_per_process):
+        light = min(spec.search.max_concurrent, len(machine_cores()) // (res.processes * res.cpus_per_process))
+    prestart(light=light)
+
+
 def run(args: argparse.Namespace) -> int:
+    _prestart(args.spec)
     from hpoflow.api import optimize
     from hpoflow.report import ProgressListener, status_dict, trials_table
     from hpoflow.term import console as make_console

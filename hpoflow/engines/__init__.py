@@ -2,17 +2,20 @@
 plus ``threads`` for tests and driver benchmarks.
 
 Only ``hpoflow.engines.compss`` imports pycompss; machine detection is ``machine``, process helpers ``proc``.
+Importing a submodule stays light (a light worker of the local engine imports ``local._worker`` only):
+the names below load their modules on first use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
 from hpoflow.errors import EngineError
-from hpoflow.registry import ENGINES, PluginError
+
+if TYPE_CHECKING:
+    from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
 
 __all__ = [
     "Engine",
@@ -25,9 +28,12 @@ __all__ = [
     "make_engine",
 ]
 
+
 def make_engine(name: str, options: Mapping[str, Any] | None = None, run_dir: Path | None = None) -> Engine:
     """Build the engine registered as ``name`` (``hpoflow.registry.ENGINES``) with its option bag;
     unknown names list the valid ones."""
+    from hpoflow.registry import ENGINES, PluginError
+
     if name not in ENGINES:
         raise EngineError(ENGINES.unknown(name))
     try:
@@ -36,3 +42,13 @@ def make_engine(name: str, options: Mapping[str, Any] | None = None, run_dir: Pa
         raise EngineError(str(exc)) from None
     engine: Engine = ENGINES.get(name)(opts, run_dir)
     return engine
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Engine", "Event", "Placement", "TrialReport", "TrialRequest", "TrialResult"):
+        from hpoflow.engines import base
+
+        value = getattr(base, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hpoflow.engines' has no attribute {name!r}")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig
 from hpoflow.train.context import TrialContext
 from hpoflow.train.data import load_dataset
@@ -49,10 +50,6 @@ from hpoflow.train.strategies import OptimizerLike, Strategy, StrategyEnv, make_
 log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteLoss", "evaluate", "make_optimizer", "train_builtin", "weights_digest"]
-
-
-class NonFiniteLoss(RuntimeError):
-    """The training loss became NaN or infinite: the configuration diverged (not retried)."""
 
 
 def make_optimizer(name: str, params: object, lr: float, momentum: float, weight_decay: float

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from hpoflow.spec import TrainConfig
-from hpoflow.train.checkpoint import Checkpointer, capture_rng
-from hpoflow.train.checkpoint import restore_rng as restore_rng_state
 from hpoflow.train.transport import Channel, NullChannel
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpoflow.train.checkpoint import Checkpointer
 
 __all__ = ["TrialContext"]
 
@@ -36,7 +37,7 @@ class TrialContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device_name: str = "cpu"  # the rank's device: "cpu" or "cuda:0" (see ``device``)
     metric: str = "val_accuracy"
     pruning: bool = False
     channel: Channel = field(default_factory=NullChannel)
@@ -49,12 +50,23 @@ class TrialContext:
     _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     @property
+    def device(self) -> torch.device:
+        """The rank's ``torch.device`` (its GPU when it has one, else the CPU)."""
+        import torch
+
+        return torch.device(self.device_name)
+
+    @property
     def is_chief(self) -> bool:
         return self.rank == 0
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if self.world_size <= 1 or "torch.distributed" not in sys.modules:  # no group without torch
+            return False
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
 
     @property
     def options(self) -> dict[str, Any]:
@@ -74,6 +86,9 @@ class TrialContext:
         """Whether the trial has been pruned. Collective in a DDP trial: every rank must call it."""
         flag = self._prune
         if self.distributed:
+            import torch
+            import torch.distributed as dist
+
             t = torch.tensor([1 if flag else 0], dtype=torch.int32)
             dist.broadcast(t, src=0)
             flag = bool(t.item())
@@ -85,6 +100,8 @@ class TrialContext:
     def checkpoints(self) -> Checkpointer:
         """This rank's checkpoint manager (``training.checkpoint.keep`` and ``async``)."""
         if self._checkpointer is None:
+            from hpoflow.train.checkpoint import Checkpointer
+
             ck = self.config.checkpoint
             directory = self.checkpoint_dir or self.trial_dir / "checkpoints"
             world = self.world_size if self.distributed else 1
@@ -105,6 +122,8 @@ class TrialContext:
             step = 1 if cp.last_step is None else cp.last_step + 1
         payload: dict[str, Any] = {"user": state}
         if rng:
+            from hpoflow.train.checkpoint import capture_rng
+
             payload["rng"] = capture_rng()
         cp.save(payload, int(step))
         self.checkpoint_s += time.perf_counter() - t0
@@ -121,6 +140,8 @@ class TrialContext:
         gather = None
         if self.distributed:
             def gather(mine: list[int]) -> list[list[int]]:
+                import torch.distributed as dist
+
                 out: list[Any] = [None] * self.world_size
                 dist.all_gather_object(out, mine)
                 return [list(x) for x in out]
@@ -130,6 +151,8 @@ class TrialContext:
             return None
         step, payload = found
         if restore_rng and "rng" in payload:
+            from hpoflow.train.checkpoint import restore_rng as restore_rng_state
+
             restore_rng_state(payload["rng"])
         self.resumed_step = step
         user: dict[str, Any] = payload["user"]

@@ -3,11 +3,19 @@
 ``run_rank`` sets up threads, devices and the process group, runs the training function (the
 built-in trainer or the user's ``module:function``), and always destroys the process group. It
 returns the rank's outcome as plain data; it raises nothing.
+
+torch is imported only by what needs it: the built-in trainer, a process group (several ranks), a
+GPU, or the user's own code. A process that has not imported torch yet (a light worker of the local
+engine) runs a torch-free function at once; if the function imports torch later, torch is seeded
+and given the rank's thread count the moment its import completes (``_when_imported``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import math
 import random
@@ -16,38 +24,21 @@ import time
 import traceback
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
-import torch
 
+from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig
-from hpoflow.train import dist as hdist
-from hpoflow.train.builtin import NonFiniteLoss, train_builtin
 from hpoflow.train.context import TrialContext
 from hpoflow.train.transport import Channel, NullChannel
-from hpoflow.trial import RankOutcome, TrialRequest
+from hpoflow.trial import RankJob, RankOutcome
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankJob", "RankOutcome", "load_function", "log_to_stderr", "run_rank"]
-
-
-@dataclass(frozen=True)
-class RankJob:
-    """One rank's share of a ``TrialRequest``: where it sits and how to reach rank 0."""
-
-    request: TrialRequest
-    rank: int
-    world_size: int
-    local_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    threads: int = 1
-    pg_timeout_s: float = 120.0
-    store_path: str = ""  # a single-host trial's file store (no rendezvous socket); "" for TCP
+__all__ = ["load_function", "log_to_stderr", "run_rank"]
 
 
 def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[TrialContext], Any]:
@@ -63,10 +54,63 @@ def load_function(ref: str, python_path: tuple[str, ...] = ()) -> Callable[[Tria
     return typing.cast("Callable[[TrialContext], Any]", fn)
 
 
-def _seed_everything(seed: int) -> None:
+class _WhenImported(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A one-shot import hook: run ``then(module)`` right after module ``name`` has been imported."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+        self._loader: importlib.abc.Loader | None = None
+
+    def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        self.remove()
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec) if self._loader is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        if self._loader is None:  # pragma: no cover - find_spec always sets it first
+            raise ImportError(f"no loader for {self.name}")
+        if module.__spec__ is not None:  # later reloads go straight to the real loader
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self.then(module)
+
+    def install(self) -> None:
+        sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def _torch_setup(seed: int, threads: int) -> Callable[[ModuleType], None]:
+    def setup(torch: ModuleType) -> None:
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+    return setup
+
+
+def _seed_everything(seed: int, threads: int) -> _WhenImported | None:
+    """Seed Python's, NumPy's and torch's generators and give torch the rank's threads; when torch
+    is not imported yet, do torch's part the moment it is (the hook returned, to remove after)."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
+    setup = _torch_setup(seed, max(1, threads))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        setup(torch)
+        return None
+    hook = _WhenImported("torch", setup)
+    hook.install()
+    return hook
 
 
 def _final_metrics(ret: Any, ctx: TrialContext) -> dict[str, float]:
@@ -95,24 +139,34 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     log_to_stderr()
     req = job.request
     channel = channel or NullChannel()
-    torch.set_num_threads(max(1, job.threads))
-    use_cuda = req.gpus_per_process > 0 and torch.cuda.is_available()
-    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-    _seed_everything(req.seed)
+    use_cuda = False
+    if req.gpus_per_process > 0:
+        import torch
+
+        use_cuda = torch.cuda.is_available()
+    hook = _seed_everything(req.seed, job.threads)
     ctx: TrialContext | None = None
     finished = False  # every rank that ends without an exception leaves the group with its peers
     try:
         config = TrainConfig.model_validate(req.train)
         ctx = TrialContext(
             params=dict(req.params), config=config, trial_number=req.number, trial_dir=Path(req.trial_dir),
-            rank=job.rank, world_size=job.world_size, local_rank=job.local_rank, device=device,
+            rank=job.rank, world_size=job.world_size, local_rank=job.local_rank,
+            device_name="cuda:0" if use_cuda else "cpu",
             metric=req.metric, pruning=req.pruning, channel=channel, attempt=req.attempt,
             checkpoint_dir=Path(req.checkpoints),
         )
         if job.world_size > 1:
+            from hpoflow.train import dist as hdist
+
             hdist.init_process_group(job.rank, job.world_size, job.master_addr, job.master_port,
                                      use_cuda, job.pg_timeout_s, job.store_path)
-        fn = load_function(config.function, req.python_path) if config.function else train_builtin
+        if config.function:
+            fn = load_function(config.function, req.python_path)
+        else:
+            from hpoflow.train.builtin import train_builtin
+
+            fn = train_builtin
         started_at = time.time()
         t0 = time.perf_counter()
         ret = fn(ctx)
@@ -145,6 +199,11 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
                 ctx.flush_checkpoints()  # an async save still being written must land first
             except Exception as exc:  # a failed write is reported, never raised from here
                 log.warning("rank %d: last checkpoint not written: %s", job.rank, exc)
-        hdist.destroy(leave_together=finished)
+        if hook is not None:
+            hook.remove()
+        if "torch.distributed" in sys.modules:  # else no process group can exist
+            from hpoflow.train import dist as hdist
+
+            hdist.destroy(leave_together=finished)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -177,3 +177,34 @@ def test_pruning_decision_reaches_every_rank_at_the_same_step(engine: LocalEngin
     assert result.status == "pruned", result
     assert asked == [1, 2, 3]  # rank 0 waited for each decision; nothing ran past the prune
     assert [(tmp_path / "0" / f"stopped{r}.txt").read_text() for r in (0, 1)] == ["3", "3"]
+
+
+def test_a_torch_free_trial_runs_on_a_light_worker_and_torch_is_seeded_when_it_is_imported(
+        tmp_path: Path) -> None:
+    import torch
+
+    from hpoflow.engines.local.engine import prestart
+
+    prestart(light=1)  # as `hpoflow run` does first thing for a study of torch-free trials
+    eng = LocalEngine(cores=[0], prestart=False)  # no warm pool: the second trial forks a warm worker
+    try:
+        res = run_all(eng, [request(tmp_path, 0, "trainfns_light:torch_probe", metric="value", seed=123)])[0]
+        again = run_all(eng, [request(tmp_path, 1, "trainfns_light:torch_probe", metric="value", seed=123)])[1]
+    finally:
+        eng.close()
+    torch.manual_seed(123)
+    expected = float(torch.rand(1).item())
+    assert res.status == "complete" and again.status == "complete", (res, again)
+    assert res.metrics["torch_was_loaded"] == 0.0  # the light worker had not imported torch
+    assert again.metrics["torch_was_loaded"] == 1.0  # a warm worker (forkserver preload) had
+    assert res.metrics["draw"] == again.metrics["draw"] == expected  # seeded alike either way
+    assert res.metrics["threads"] == 1.0
+
+
+def test_only_torch_free_single_cpu_rank_trials_may_skip_the_torch_preload() -> None:
+    from hpoflow.trial import needs_torch
+
+    assert not needs_torch("m:f", 1, 0)
+    assert needs_torch(None, 1, 0)  # the built-in trainer
+    assert needs_torch("m:f", 2, 0)  # a process group
+    assert needs_torch("m:f", 1, 1)  # a GPU

@@ -242,8 +242,9 @@ def _rank(args: argparse.Namespace) -> int:
             os.sched_setaffinity(0, cores)
         except OSError as exc:
             _log(f"could not pin rank {args.rank} to cores {cores}: {exc}")
-    from hpoflow.train.runner import RankJob, run_rank
+    from hpoflow.train.runner import run_rank
     from hpoflow.train.transport import Channel, FileChannel, NullChannel
+    from hpoflow.trial import RankJob
 
     request = _request(job)
     rj = RankJob(request, args.rank, int(job["world_size"]), args.local_rank, str(job["master_addr"]),

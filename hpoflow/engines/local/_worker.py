@@ -1,6 +1,8 @@
-"""A warm worker process of the local engine: torch imported once, many trials run in it.
+"""A worker process of the local engine: many trials run in it, one after the other.
 
-A worker is forked from the engine's forkserver (torch and hpoflow preloaded), then loops: receive a
+A warm worker is forked from the engine's forkserver (torch and hpoflow preloaded by ``_preload``);
+a light worker is a fresh interpreter without torch, ready in a fraction of a second, that runs
+torch-free trials while the forkserver still preloads (see ``engine``). Either loops: receive a
 rank job, run it, send the outcome, and reset the state a trial may have changed before the next:
 environment, working directory, ``sys.path``, user modules (dropped from ``sys.modules`` so module
 globals start fresh), torch global settings, thread counts and affinity (set per trial), signal
@@ -23,35 +25,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from hpoflow.train.runner import RankJob, run_rank
+from hpoflow.train.runner import run_rank
 from hpoflow.train.transport import NullChannel, PipeChannel
+from hpoflow.trial import RankJob
 
 log = logging.getLogger(__name__)
 
-__all__ = ["warm_up", "worker_main"]
+__all__ = ["worker_main"]
 
-
-def warm_up() -> None:
-    """Pay, once in the forkserver, the lazy imports torch makes on first use (an optimizer's
-    constructor alone imports ``torch._dynamo``: ~800 modules, ~2 s). No tensor op runs here that
-    could start a thread pool, so forking afterwards stays safe."""
-    import torch
-    import torch.distributed
-    import torch.nn.parallel
-    import torch.utils.data
-
-    p = [torch.nn.Parameter(torch.zeros(1))]
-    torch.optim.SGD(p, lr=0.1)
-    torch.optim.Adam(p)
-    torch.optim.AdamW(p)
-    # Move everything preloaded out of the collector's reach: a collection after each trial then
-    # walks only what the trial created (a full walk of torch's heap costs ~0.3 s).
-    gc.collect()
-    gc.freeze()
-
-
-if os.environ.get("HPOFLOW_NO_WARMUP") != "1":
-    warm_up()
 
 _HPOFLOW_DIR = str(Path(__file__).resolve().parent.parent)
 _LIBRARY_DIRS = tuple(
@@ -101,8 +82,6 @@ class _Snapshot:
 
 def _reset(snap: _Snapshot) -> None:
     """Undo what a trial may have changed in this process (see the module docstring)."""
-    import torch
-
     for name in [n for n in sys.modules if n not in snap.modules]:
         if _is_user_module(sys.modules[name]):
             del sys.modules[name]
@@ -113,12 +92,14 @@ def _reset(snap: _Snapshot) -> None:
         os.chdir(snap.cwd)
     except OSError:
         pass
-    torch.set_default_dtype(torch.float32)
-    torch.set_grad_enabled(True)
-    torch.use_deterministic_algorithms(False)
-    torch.autograd.set_detect_anomaly(False)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = False
+    torch = sys.modules.get("torch")
+    if torch is not None:  # a light worker whose trials never imported torch has nothing to reset
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        torch.use_deterministic_algorithms(False)
+        torch.autograd.set_detect_anomaly(False)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = False
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.alarm(0)

@@ -1,8 +1,12 @@
 """The local engine: trials as ranks on warm worker processes of this machine.
 
 Start-up: a ``multiprocessing`` forkserver with torch and hpoflow preloaded starts once per engine and
-forks one worker per core; workers run trial after trial (no interpreter start, no torch import, no
-fork per trial), resetting what a trial may change in between (see ``_worker``).
+forks one warm worker per core; workers run trial after trial (no interpreter start, no torch import,
+no fork per trial), resetting what a trial may change in between (see ``_worker``). The forkserver's
+preload takes seconds (torch); a trial that needs no torch (a user function of one rank, no GPU) does
+not wait for it: submitted before a warm worker is free, it runs on a *light* worker, a fresh
+interpreter without torch that is ready in a fraction of a second. Light workers retire once warm
+ones are up.
 Placement: CPU cores and GPU ids are slots; a trial takes ``processes * cpus_per_process`` cores
 and ``processes * gpus_per_process`` GPUs, each rank pinned to its cores with its own
 ``CUDA_VISIBLE_DEVICES`` and thread count. Nothing is oversubscribed.
@@ -35,15 +39,50 @@ from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.train.rendezvous import private_dir, store_path
-from hpoflow.trial import RankOutcome, result_from_ranks
+from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalEngine", "plan_placement"]
+__all__ = ["LocalEngine", "plan_placement", "prestart"]
 
-PRELOAD = ["hpoflow.engines.local._worker", "sklearn.datasets", "sklearn.model_selection"]
+PRELOAD = ["hpoflow.engines.local._preload", "sklearn.datasets", "sklearn.model_selection"]
 _KILL_GRACE_S = 2.0
 _SPAWN_TRIES = 5  # a forkserver killed (again) while it preloads torch answers EOF: start another
+
+
+# Processes started by ``prestart`` before any engine exists; the next LocalEngine adopts them.
+_PRESTARTED: list[tuple[BaseProcess, Connection]] = []
+
+
+def _light_context() -> Any:
+    return mp.get_context("spawn")
+
+
+def _start_light(ctx: Any, wid: int) -> tuple[BaseProcess, Connection]:
+    from hpoflow.engines.local._worker import worker_main
+
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}", daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+def prestart(light: int, preload: list[str] | None = None) -> None:
+    """Start the local engine's processes before the engine itself, so they boot while the caller
+    still imports and opens the study: ``light`` light workers for trials that need no torch, or else
+    the forkserver (its torch preload takes seconds; started with light workers it would take a core
+    from them and the driver just when they are needed). The next ``LocalEngine`` created in this
+    process adopts them; ``hpoflow run`` calls this first thing."""
+    if light <= 0:
+        from multiprocessing import forkserver
+
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD if preload is None else preload)
+        forkserver.ensure_running()
+        return
+    ctx = _light_context()
+    for i in range(light):
+        _PRESTARTED.append(_start_light(ctx, -1 - i))
 
 
 def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[int]
@@ -73,6 +112,7 @@ class _Worker:
     trial: int | None = None
     rank: int = -1
     trials_run: int = 0
+    light: bool = False  # a fresh interpreter without torch preloaded (see the module docstring)
 
 
 @dataclass
@@ -123,6 +163,8 @@ class LocalEngine(Engine):
         self.max_trials_per_worker = max_trials_per_worker
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD if preload is None else preload)
+        self._light_ctx = _light_context()
+        self._warm_ready = threading.Event()  # a warm worker has been forked: the preload is done
         self._trials: dict[int, _Trial] = {}
         self._workers: dict[int, _Worker] = {}
         self._idle: list[_Worker] = []
@@ -131,6 +173,15 @@ class LocalEngine(Engine):
         self._rendezvous = private_dir()  # file stores of multi-rank trials: no rendezvous socket
         self._lock = threading.RLock()
         self._closed = False
+        while _PRESTARTED:  # light workers started by prestart() before this engine existed
+            proc, conn = _PRESTARTED.pop()
+            w = _Worker(self._next_wid, proc, conn, light=True)
+            self._next_wid += 1
+            self._workers[w.wid] = w
+            if len(self._idle) < len(self.cores):
+                self._idle.append(w)
+            else:
+                self._retire(w)
         # Start the forkserver (its torch import) and one worker per core now, in the background,
         # while the driver sets up the study; the first submit waits only for what is not ready.
         self._warm = threading.Thread(target=self._prestart, args=(len(self.cores) if prestart else 0,),
@@ -138,21 +189,49 @@ class LocalEngine(Engine):
         self._warm.start()
 
     def _prestart(self, n: int) -> None:
+        """Start the forkserver and fork ``n`` warm workers (in the background: a fork waits for the
+        preload, which must never hold the lock a submit needs); retire idle light workers as warm
+        ones come up."""
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
-        for _ in range(n):
+        while True:
             with self._lock:
-                if self._closed or len(self._workers) >= n:
-                    return
-                self._idle.append(self._spawn_worker())
+                if self._closed or sum(not w.light for w in self._workers.values()) >= n:
+                    break
+            try:
+                w = self._spawn_worker()  # blocks until the forkserver has preloaded
+            except EngineError:  # closed meanwhile; or no forkserver would start: submit says so
+                break
+            self._warm_ready.set()
+            with self._lock:
+                if self._closed:
+                    self._retire(w)
+                    break
+                self._idle.append(w)
+                light = [x for x in self._idle if x.light]
+                if light:
+                    self._idle.remove(light[0])
+                    self._retire(light[0])
+        self._warm_ready.set()
 
-    def _spawn_worker(self) -> _Worker:
+    def _spawn_worker(self, light: bool = False) -> _Worker:
+        with self._lock:
+            wid = self._next_wid
+            self._next_wid += 1
+        if light:
+            proc, parent = _start_light(self._light_ctx, wid)
+        else:
+            proc, parent = self._fork_warm(wid)
+        w = _Worker(wid, proc, parent, light=light)
+        with self._lock:
+            self._workers[wid] = w
+        return w
+
+    def _fork_warm(self, wid: int) -> tuple[BaseProcess, Connection]:
         from hpoflow.engines.local._worker import worker_main
 
         parent, child = self._ctx.Pipe(duplex=True)
-        wid = self._next_wid
-        self._next_wid += 1
         for attempt in range(_SPAWN_TRIES):
             proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}",
                                      daemon=True)
@@ -160,6 +239,8 @@ class LocalEngine(Engine):
                 proc.start()
                 break
             except (EOFError, ConnectionError, FileNotFoundError) as exc:
+                if self._closed:  # close() stopped a forkserver still preloading: nothing to start
+                    raise EngineError("the engine is closed") from exc
                 # the forkserver died (an OOM kill, a stray signal) between multiprocessing's liveness
                 # check and the fork request; the next start() notices and launches a new one
                 log.warning("the local engine's forkserver is gone (%s: %s); starting a new one",
@@ -169,12 +250,12 @@ class LocalEngine(Engine):
                 _restart_forkserver()
                 time.sleep(0.2 * attempt)
         child.close()
-        w = _Worker(wid, proc, parent)
-        self._workers[wid] = w
-        return w
+        return proc, parent
 
-    def _acquire_worker(self, gpus: tuple[int, ...]) -> _Worker:
-        """An idle worker that may use ``gpus`` (same binding, or never bound), else a new one."""
+    def _acquire_worker(self, gpus: tuple[int, ...], needs_torch: bool) -> _Worker:
+        """An idle worker that may use ``gpus`` (same binding, or never bound): a warm one if any; a
+        light one for a rank that ``needs_torch`` not, also started anew while no warm worker
+        exists yet; else a new warm one."""
         want = gpus or None
 
         def fits(w: _Worker, exact: bool) -> bool:
@@ -185,11 +266,14 @@ class LocalEngine(Engine):
         for w in [w for w in self._idle if w.proc.exitcode is not None]:  # died while idle (killed)
             self._idle.remove(w)
             self._retire(w)
-        for exact in (True, False):
-            for i, w in enumerate(self._idle):
-                if fits(w, exact):
-                    return self._idle.pop(i)
-        # None fits: retire an idle worker bound elsewhere (keep the pool size bounded), start anew.
+        for light in (False, True) if not needs_torch else (False,):
+            for exact in (True, False):
+                for i, w in enumerate(self._idle):
+                    if w.light == light and fits(w, exact):
+                        return self._idle.pop(i)
+        if not needs_torch and not self._warm_ready.is_set():
+            return self._spawn_worker(light=True)
+        # None fits: retire an idle worker bound elsewhere or light (keep the pool bounded), start anew.
         if self._idle and len(self._workers) >= len(self.cores):
             self._retire(self._idle.pop(0))
         return self._spawn_worker()
@@ -233,14 +317,13 @@ class LocalEngine(Engine):
         trial_dir = Path(request.trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
         store = store_path(self._rendezvous, request.number, request.attempt) if request.processes > 1 else ""
-        from hpoflow.train.runner import RankJob
-
         now = time.monotonic()
         trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
                        submitted_wall=time.time(), store=store)
+        torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)
         with self._lock:
             for p in placement:
-                w = self._acquire_worker(p.gpus)
+                w = self._acquire_worker(p.gpus, torch_first)
                 threads = max(1, len(p.cores))
                 env = {
                     "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -314,11 +397,21 @@ class LocalEngine(Engine):
     def running(self) -> list[int]:
         return sorted(self._trials)
 
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until the warm workers are up (the forkserver has preloaded and forked one per core);
+        True if they are. Benchmarks call it to keep the one-time start out of per-trial figures."""
+        self._warm.join(timeout)
+        return not self._warm.is_alive()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        if not self._warm_ready.is_set():
+            # Closed before the forkserver finished its preload (a short study of light trials): stop
+            # it rather than wait seconds for a torch import nothing needs any more.
+            _restart_forkserver()
         self._warm.join()
         with self._lock:
             for w in list(self._workers.values()):
@@ -428,7 +521,8 @@ class LocalEngine(Engine):
                     continue  # killed: already retired
                 w.trial, w.rank = None, -1
                 w.trials_run += 1
-                if self.max_trials_per_worker and w.trials_run >= self.max_trials_per_worker:
+                recycle = self.max_trials_per_worker and w.trials_run >= self.max_trials_per_worker
+                if recycle or (w.light and self._warm_ready.is_set()):
                     self._retire(w)
                 else:
                     self._idle.append(w)

@@ -1,0 +1,16 @@
+"""Training functions that do not import torch at module level (for the local engine's light workers)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def torch_probe(ctx: Any) -> dict[str, float]:
+    """Whether torch was loaded before this function ran; then a draw from torch's generator and its
+    thread count (seeded and set by the runner the moment torch is imported)."""
+    loaded_before = "torch" in sys.modules
+    import torch
+
+    return {"value": 0.0, "torch_was_loaded": float(loaded_before), "draw": float(torch.rand(1).item()),
+            "threads": float(torch.get_num_threads())}
