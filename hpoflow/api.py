@@ -32,7 +32,7 @@ from hpoflow.fileio import write_atomic
 from hpoflow.rundir import redact
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
-from hpoflow.search.storage import open_storage, storage_label
+from hpoflow.search.storage import DEFAULT_JOURNAL, open_storage, storage_label
 from hpoflow.spec import StudySpec, load_spec, outside, resolve_training, search_dirs, spec_from_mapping
 
 log = logging.getLogger(__name__)
@@ -252,14 +252,19 @@ def _run(study: optuna.Study, label: str, rd: Path, parsed: StudySpec, text: str
             precheck.close()
         if own_engine:
             eng.close()
-        _write_outputs(study, parsed, text, rd)
+        _write_outputs(study, parsed, text, rd, label, journal=parsed.storage_url() is None)
     return StudyResult(rd, study, summary, label)
 
 
-def _write_outputs(study: optuna.Study, spec: StudySpec, text: str, run_dir: Path) -> None:
-    from hpoflow.report import write_best_yaml, write_trials_csv
+def _write_outputs(study: optuna.Study, spec: StudySpec, text: str, run_dir: Path, label: str, *,
+                   journal: bool) -> None:
+    """trials.csv, best.yaml and, for the run's own journal, the status snapshot (``rundir``)."""
+    from hpoflow.report import best_rows, status_dict, write_best_yaml, write_trials_csv
 
     write_trials_csv(study, run_dir / "trials.csv")
+    if journal:
+        rundir.write_status_snapshot(run_dir, run_dir / DEFAULT_JOURNAL,
+                                     status_dict(study, label, budget=run_budget(run_dir)), best_rows(study))
     data = yaml.safe_load(text) if text.strip() else spec.model_dump(mode="json")
     if isinstance(data, dict) and data.get("storage"):
         data["storage"] = redact(data["storage"])

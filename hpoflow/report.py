@@ -22,10 +22,12 @@ from rich.table import Table
 
 from hpoflow.fileio import write_atomic
 from hpoflow.search.driver import ATTR_IMPORTED, DriverSummary, is_counted
+from hpoflow.term import render_table
 from hpoflow.trial import TrialResult
 
 __all__ = [
     "ProgressListener",
+    "best_rows",
     "best_trial",
     "status_dict",
     "trials_table",
@@ -130,23 +132,25 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -> Table:
-    """The ``top`` best complete trials, best first."""
+def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> dict[str, Any]:
+    """The ``top`` best complete trials, best first, as plain strings: ``{"title", "columns",
+    "rows"}`` (what ``trials_table`` draws and the status snapshot stores)."""
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     rev = study.direction == optuna.study.StudyDirection.MAXIMIZE
     done.sort(key=lambda t: t.value if t.value is not None else 0.0, reverse=rev)
     params = sorted({k for t in done for k in t.params})
-    table = Table(title=title or f"best trials of {study.study_name}")
-    table.add_column("trial", justify="right")
-    table.add_column("value", justify="right")
-    for p in params:
-        table.add_column(p)
-    table.add_column("time s", justify="right")
+    rows = []
     for t in done[:top]:
         dur = _timings(t).get("duration_s")
-        table.add_row(str(t.number), _fmt(t.value), *[_fmt(t.params.get(p, "-")) for p in params],
-                      "" if dur is None else f"{dur:.1f}")
-    return table
+        rows.append([str(t.number), _fmt(t.value), *[_fmt(t.params.get(p, "-")) for p in params],
+                     "" if dur is None else f"{dur:.1f}"])
+    return {"title": title or f"best trials of {study.study_name}", "columns": ["trial", "value", *params, "time s"],
+            "rows": rows}
+
+
+def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -> Table:
+    """The ``top`` best complete trials, best first."""
+    return render_table(best_rows(study, top, title))
 
 
 class ProgressListener:

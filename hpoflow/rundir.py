@@ -3,22 +3,30 @@
 ``resolve(path)`` turns any spelling (relative, absolute, ``.``, ``~``, through a symlink) into one
 absolute path, checked usable (a directory, writable), and every file of the run is located from that
 path. ``RunLock`` keeps a second ``hpoflow run`` off a directory that one is using. ``redact`` keeps
-passwords of storage URLs out of everything hpoflow writes or prints.
+passwords of storage URLs out of everything hpoflow writes or prints. ``status.json`` is a snapshot of
+``hpoflow status`` written when a run ends: read back while the journal has not changed since, it
+answers ``status`` without opening the storage (Optuna's import alone takes longer than the answer).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from hpoflow.errors import RunDirError
+from hpoflow.fileio import write_atomic
 
-__all__ = ["LOCK_FILE", "RunLock", "redact", "resolve"]
+__all__ = ["LOCK_FILE", "STATUS_FILE", "RunLock", "read_status_snapshot", "redact", "resolve",
+           "write_status_snapshot"]
 
 LOCK_FILE = ".hpoflow.lock"
+STATUS_FILE = "status.json"
+_SNAPSHOT_FORMAT = 1
 
 
 def resolve(path: str | os.PathLike[str], *, create: bool) -> Path:
@@ -91,3 +99,30 @@ def redact(url: str | None) -> str | None:
         host = f"{host}:{parts.port}"
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def write_status_snapshot(rd: Path, journal: Path, status: dict[str, Any], table: dict[str, Any]) -> None:
+    """Record what ``hpoflow status`` shows (``status``: its JSON; ``table``: title, columns, rows of
+    strings) with the size of the study's ``journal`` file now; nothing for other storages."""
+    try:
+        size = journal.stat().st_size
+    except OSError:
+        return
+    doc = {"format": _SNAPSHOT_FORMAT, "journal": journal.name, "journal_bytes": size, "status": status,
+           "table": table}
+    write_atomic(rd / STATUS_FILE, json.dumps(doc))
+
+
+def read_status_snapshot(rd: Path) -> dict[str, Any] | None:
+    """The run's status snapshot if it is current (the journal it names has exactly the size it had
+    when the snapshot was written: no trial has started, reported or ended since), else None."""
+    try:
+        doc = json.loads((rd / STATUS_FILE).read_text())
+        journal = rd / str(doc["journal"])
+        if (doc.get("format") != _SNAPSHOT_FORMAT or Path(doc["journal"]).name != doc["journal"]
+                or journal.stat().st_size != doc["journal_bytes"]):
+            return None
+        status, table = doc["status"], doc["table"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {"status": status, "table": table} if isinstance(status, dict) and isinstance(table, dict) else None

@@ -6,9 +6,13 @@ file; here a non-terminal console is as wide as its widest line (up to ``PIPE_WI
 
 from __future__ import annotations
 
-from rich.console import Console
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["PIPE_WIDTH", "console"]
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["PIPE_WIDTH", "console", "render_table"]
 
 PIPE_WIDTH = 1000
 
@@ -19,3 +23,15 @@ def console(stderr: bool = False) -> Console:
     if not c.is_terminal:
         c = Console(stderr=stderr, width=PIPE_WIDTH, soft_wrap=True)
     return c
+
+
+def render_table(table: Mapping[str, Any]) -> Table:
+    """A rich table of plain rows: ``{"title", "columns", "rows"}`` (``hpoflow.report.best_rows``;
+    the first two and the last columns right-aligned)."""
+    out = Table(title=str(table["title"]))
+    columns = [str(c) for c in table["columns"]]
+    for i, c in enumerate(columns):
+        out.add_column(c, justify="right" if i < 2 or i == len(columns) - 1 else "left")
+    for row in table["rows"]:
+        out.add_row(*[str(v) for v in row])
+    return out

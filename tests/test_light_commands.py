@@ -8,21 +8,24 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ("import runpy, sys, json\nsys.argv = ['hpoflow', *json.loads(sys.argv[1])]\ncode = 0\ntry:\n"
+PROBE = ("import runpy, sys, json\nmodule = sys.argv[2]\n"
+         "sys.argv = ['hpoflow', *json.loads(sys.argv[1])]\ncode = 0\ntry:\n"
          "    runpy.run_module('hpoflow', run_name='__main__')\nexcept SystemExit as e:\n"
-         "    code = e.code or 0\nprint(json.dumps(['torch' in sys.modules, code]), file=sys.stderr)\n")
+         "    code = e.code or 0\nprint(json.dumps([module in sys.modules, code]), file=sys.stderr)\n")
 
 
-def _heavy(args: list[str], cwd: Path) -> tuple[bool, int]:
+def _heavy(args: list[str], cwd: Path, module: str = "torch") -> tuple[bool, int]:
+    """(whether ``module`` was imported, exit code) of ``hpoflow ARGS`` in a fresh interpreter."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=120)
-    torch_loaded, code = json.loads(r.stderr.strip().splitlines()[-1])
-    return bool(torch_loaded), int(code)
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), module], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=120)
+    loaded, code = json.loads(r.stderr.strip().splitlines()[-1])
+    return bool(loaded), int(code)
 
 
 @pytest.mark.parametrize("args", [["--help"], ["oracle", "--help"], ["run", "--help"], ["schema"],
@@ -46,3 +49,44 @@ def test_status_does_not_import_torch(tmp_path: Path, monkeypatch: pytest.Monkey
     hpoflow.optimize(spec, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 1))
     torch_loaded, code = _heavy(["status", str(tmp_path / "run")], tmp_path)
     assert code == 0 and not torch_loaded
+
+
+def test_status_of_a_finished_run_answers_from_its_snapshot_until_the_journal_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import optuna
+
+    import hpoflow
+    from hpoflow.api import load_run
+    from hpoflow.engines.threads import ThreadEngine
+
+    spec = {"study": {"name": "snap", "metric": "x", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": 3, "seed": 0},
+            "training": {"function": "tests.trainfns:behave"}, "oracle": {"enabled": False}}
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "run"
+    hpoflow.optimize(spec, run, engine=ThreadEngine(lambda p, r: p["x"], 1))
+    assert (run / "status.json").exists()
+
+    def status() -> dict[str, Any]:
+        r = subprocess.run([sys.executable, "-m", "hpoflow", "status", str(run), "--json"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr
+        return dict(json.loads(r.stdout))
+
+    optuna_loaded, code = _heavy(["status", str(run)], tmp_path, module="optuna")
+    assert code == 0 and not optuna_loaded  # answered from the snapshot: the storage is not opened
+    fast = status()
+    assert fast["n_complete"] == 3 and fast["n_trials"] == 3
+    # The same answer as from the storage itself:
+    from hpoflow.report import status_dict
+
+    study, label = load_run(run)
+    assert fast == json.loads(json.dumps(status_dict(study, label, budget=3)))
+    # Another process adds a trial to the study: the snapshot is stale, status reads the storage.
+    study.add_trial(optuna.trial.create_trial(params={"x": 0.99}, distributions={
+        "x": optuna.distributions.FloatDistribution(0.0, 1.0)}, value=0.99))
+    optuna_loaded, code = _heavy(["status", str(run)], tmp_path, module="optuna")
+    assert code == 0 and optuna_loaded
+    assert status()["n_complete"] == 4

@@ -27,7 +27,7 @@ def _prestart(spec_path: str) -> None:
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
     (``hpoflow.engines.local.engine.prestart``). An invalid spec starts nothing: ``optimize`` says why."""
     from hpoflow.errors import HpoflowError
-    from hpoflow.spec import load_spec, resolve_training
+    from hpoflow.spec import load_spec
 
     try:
         spec, _ = load_spec(spec_path)
@@ -40,9 +40,10 @@ def _prestart(spec_path: str) -> None:
     from hpoflow.trial import needs_torch
 
     res = spec.resources
-    function = resolve_training(spec.training, {}).function if "${" not in str(spec.training) else None
+    function = spec.training.get("function")  # a ${param} placeholder: known per trial only
     light = 0
-    if function is not None and not needs_torch(function, res.processes, res.gpus_per_process):
+    if isinstance(function, str) and "${" not in function and not needs_torch(function, res.processes,
+                                                                                res.gpus_per_process):
         light = min(spec.search.max_concurrent, len(machine_cores()) // (res.processes * res.cpus_per_process))
     prestart(light=light)
 

@@ -18,17 +18,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpoflow.api import load_run, run_budget
-    from hpoflow.report import status_dict, trials_table
-    from hpoflow.term import console as make_console
+    from hpoflow import rundir
 
-    study, label = load_run(args.run_dir, args.storage)
-    status = status_dict(study, label, budget=run_budget(args.run_dir))
+    snapshot = None
+    if args.storage is None and args.top == 10:  # a finished run's own snapshot, if still current
+        snapshot = rundir.read_status_snapshot(rundir.resolve(args.run_dir, create=False))
+    if snapshot is not None:
+        status, table = snapshot["status"], snapshot["table"]
+    else:
+        from hpoflow.api import load_run, run_budget
+        from hpoflow.report import best_rows, status_dict
+
+        study, label = load_run(args.run_dir, args.storage)
+        status = status_dict(study, label, budget=run_budget(args.run_dir))
+        table = None if args.json else best_rows(study, top=args.top)
     if args.json:
         print(json.dumps(status))
         return 0
+    from hpoflow.term import console as make_console
+    from hpoflow.term import render_table
+
     console = make_console()
-    console.print(trials_table(study, top=args.top))
+    if table is not None:
+        console.print(render_table(table))
     console.print(", ".join(f"{k}={v}" for k, v in status.items() if k != "best_params"), highlight=False)
     console.print(f"best_params={status['best_params']}", highlight=False)
     return 0
