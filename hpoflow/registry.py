@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 from hpoflow.errors import HpoflowError, did_you_mean
 
 __all__ = [
+    "ELASTIC",
     "ENGINES",
     "LAUNCHERS",
     "MODELS",
@@ -242,12 +243,20 @@ LAUNCHERS: Registry[Any] = Registry(
     "launcher", "a callable (plan, python, job_path, options) -> list of argv lists, one per launcher process")
 MODELS: Registry[Any] = Registry(
     "model", "a callable (input_shape, n_classes, **options) -> torch.nn.Module")
+ELASTIC: Registry[Any] = Registry(
+    "elastic policy", "a callable (candidates: list[hpoflow.engines.elastic.Candidate], direction: str) -> the "
+                      "candidates in the order they should grow", "elastic policies")
 
 # -- built-in plug-ins: one line each ------------------------------------------------------------
 ENGINES.register("local", "hpoflow.engines.local:LocalEngine.from_options",
                  "hpoflow.engines.local.options:LocalOptions", summary="warm worker processes on this machine")
 ENGINES.register("compss", "hpoflow.engines.compss:CompssEngine.from_options",
                  "hpoflow.engines.compss.options:CompssOptions", summary="PyCOMPSs tasks on a cluster")
+ENGINES.register("simulated", "hpoflow.engines.simulated.engine:SimulatedEngine.from_options",
+                 "hpoflow.engines.simulated.options:SimulatedOptions",
+                 summary="a virtual clock and a cost model, for planning and driver tests (trains nothing)")
+for _name in ("longest_remaining", "most_promising", "fifo"):
+    ELASTIC.register(_name, f"hpoflow.engines.elastic:{_name}")
 
 for _name, _cls in [("grid", "Grid"), ("random", "Random"), ("tpe", "TPE"), ("gp", "GP"), ("cmaes", "CmaEs")]:
     SAMPLERS.register(_name, f"hpoflow.search.samplers:make_{_name}",

@@ -184,9 +184,11 @@ class LocalEngine(Engine):
                 self._retire(w)
         # Start the forkserver (its torch import) and one worker per core now, in the background,
         # while the driver sets up the study; the first submit waits only for what is not ready.
+        # With light workers prestarted (a study of torch-free trials), only when a trial needs torch.
         self._warm = threading.Thread(target=self._prestart, args=(len(self.cores) if prestart else 0,),
                                       daemon=True)
-        self._warm.start()
+        if not self._workers:
+            self._warm.start()
 
     def _prestart(self, n: int) -> None:
         """Start the forkserver and fork ``n`` warm workers (in the background: a fork waits for the
@@ -321,6 +323,8 @@ class LocalEngine(Engine):
         trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
                        submitted_wall=time.time(), store=store)
         torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)
+        if torch_first and self._warm.ident is None:  # light so far: now a trial needs the preload
+            self._warm.start()
         with self._lock:
             for p in placement:
                 w = self._acquire_worker(p.gpus, torch_first)
@@ -400,6 +404,8 @@ class LocalEngine(Engine):
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until the warm workers are up (the forkserver has preloaded and forked one per core);
         True if they are. Benchmarks call it to keep the one-time start out of per-trial figures."""
+        if self._warm.ident is None:
+            self._warm.start()
         self._warm.join(timeout)
         return not self._warm.is_alive()
 
@@ -408,11 +414,12 @@ class LocalEngine(Engine):
             if self._closed:
                 return
             self._closed = True
-        if not self._warm_ready.is_set():
+        if self._warm.ident is not None and not self._warm_ready.is_set():
             # Closed before the forkserver finished its preload (a short study of light trials): stop
             # it rather than wait seconds for a torch import nothing needs any more.
             _restart_forkserver()
-        self._warm.join()
+        if self._warm.ident is not None:
+            self._warm.join()
         with self._lock:
             for w in list(self._workers.values()):
                 try:

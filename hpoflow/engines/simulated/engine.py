@@ -1,0 +1,395 @@
+"""The simulated engine: trials on a virtual clock, so the real driver can be run at cluster scale.
+
+Nothing trains. A trial of the cost model's duration takes ``resources.processes`` of ``slots``
+virtual slots; its per-epoch metrics are reported at evenly spaced points of its work, so pruners
+see learning curves and a pruned trial frees its slots early. ``poll`` jumps the clock to the next
+event (no waiting), so 10,000 trials on 4,096 slots take as long as the driver's own work.
+
+Elastic (``elastic`` option): at each ``poll`` the driver has submitted everything it could, so idle
+slots are lent to running trials chosen by the policy (``hpoflow.engines.elastic``), applied at each
+one's next epoch boundary (plus ``resize_s``); a submitted trial that finds no free slot takes lent
+ones back at once (the lender pays ``resize_s``). The work left runs at ``speedup(slots)``.
+
+Results carry virtual timings: ``started_at`` (the engine's epoch plus virtual seconds), ``duration_s``
+and ``slot_seconds``; ``stats()`` gives the makespan and busy fraction (slot-seconds used / slots x
+makespan).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.elastic import Candidate, speedup
+from hpoflow.engines.simulated.options import SimulatedOptions
+from hpoflow.errors import EngineError
+
+__all__ = ["SimulatedEngine", "TrialCost"]
+
+
+@dataclass(frozen=True)
+class TrialCost:
+    """What the cost model says of one trial: its duration on its own slots, final metrics, the study
+    metric's value after each epoch (``curve``), and whether it fails."""
+
+    duration_s: float
+    metrics: dict[str, float]
+    curve: list[dict[str, float]] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class _Sim:
+    request: TrialRequest
+    cost: TrialCost
+    start: float
+    base: int  # slots it asked for
+    slots: int  # slots it runs on now
+    work: float  # seconds on ``base`` slots
+    done: float = 0.0  # work done, in the same unit
+    at: float = 0.0  # virtual time ``done`` was last brought up to date
+    epoch: int = 0  # epochs finished
+    version: int = 0  # invalidates queued events when the trial's speed changes
+    waiting: bool = False  # a report waits for the driver's pruning answer
+    grow_to: int = 0  # lent slots to take at the next epoch boundary (reserved already)
+    pause_until: float = 0.0  # a resize in progress
+    last_value: float | None = None
+    slot_seconds: float = 0.0  # slot-seconds held
+    busy: float = 0.0  # slot-seconds used (held, not waiting, not pausing for a resize)
+
+    @property
+    def epochs(self) -> int:
+        return max(1, len(self.cost.curve))
+
+    def boundary(self, k: int) -> float:
+        return self.work * k / self.epochs
+
+
+class SimulatedEngine(Engine):
+    """See the module docstring. ``cost(request) -> TrialCost`` overrides the options' cost model."""
+
+    name = "simulated"
+
+    @classmethod
+    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> SimulatedEngine:
+        """The registry's constructor (``hpoflow.registry.ENGINES``): from a ``SimulatedOptions``."""
+        if not isinstance(options, SimulatedOptions):
+            raise TypeError(f"SimulatedEngine.from_options needs SimulatedOptions, got {type(options).__name__}")
+        return cls(options)
+
+    def __init__(self, options: SimulatedOptions | None = None,
+                 cost: Callable[[TrialRequest], TrialCost] | None = None) -> None:
+        self.options = options or SimulatedOptions(lognormal={})
+        self.slots = self.options.slots
+        self._cost = cost or _cost_model(self.options)
+        self.clock = 0.0
+        self.epoch_wall = time.time()  # virtual t=0 as a wall-clock time (for started_at)
+        self._running: dict[int, _Sim] = {}
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._ready: list[Event] = []
+        self._busy_slot_s = 0.0  # of finished trials
+        self._held_total = 0  # slots held (or reserved to grow into) by running trials
+        self._resizes = 0
+        self._finished = 0
+        elastic = self.options.elastic
+        if elastic is not None:
+            from hpoflow.registry import ELASTIC
+
+            self._policy: Callable[..., list[Candidate]] | None = ELASTIC.get(elastic.policy)
+        else:
+            self._policy = None
+        self.direction = "minimize"
+
+    # -- contract -------------------------------------------------------------------------------
+    def capacity(self, request: TrialRequest) -> int:
+        return self.slots // max(1, request.processes)
+
+    def submit(self, request: TrialRequest) -> None:
+        need = max(1, request.processes)
+        if need > self.slots:
+            raise EngineError(f"a trial of {need} processes cannot fit {self.slots} simulated slots. Fix: raise "
+                              "engine_options.slots or lower resources.processes")
+        self.direction = request.direction or self.direction
+        self._reclaim(need)
+        try:
+            cost = self._cost(request)
+        except Exception as exc:  # a cost function that raises: the trial fails, as in any engine
+            cost = TrialCost(0.0, {}, error=f"cost model: {type(exc).__name__}: {exc}")
+        sim = _Sim(request, cost, self.clock, need, need, max(0.0, cost.duration_s), at=self.clock)
+        self._running[request.number] = sim
+        self._held_total += need
+        self._schedule(sim)
+
+    def poll(self, timeout: float | None) -> list[Event]:
+        if self._ready:
+            out, self._ready = self._ready, []
+            return out
+        self._lend_idle()
+        while self._heap:
+            t, _, number, version = heapq.heappop(self._heap)
+            sim = self._running.get(number)
+            if sim is None or version != sim.version:
+                continue
+            self.clock = max(self.clock, t)
+            self._progress(sim, self.clock)
+            events = self._on_boundary(sim)
+            if events:
+                return events
+        return []
+
+    def answer(self, number: int, prune: bool) -> None:
+        sim = self._running.get(number)
+        if sim is None or not sim.waiting:
+            return
+        self._progress(sim, self.clock)
+        sim.waiting = False
+        if prune:
+            self._finish(sim, "pruned")
+        else:
+            self._schedule(sim)
+
+    def cancel(self, number: int, reason: str) -> None:
+        sim = self._running.get(number)
+        if sim is not None:
+            self._finish(sim, "cancelled", error=reason)
+
+    def running(self) -> list[int]:
+        return sorted(self._running)
+
+    def close(self) -> None:
+        for n in list(self._running):
+            self.cancel(n, "engine closed")
+
+    # -- figures --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Virtual makespan, busy fraction (slot-seconds of running trials / slots x makespan) and
+        the number of resizes of elastic trials."""
+        span = self.clock
+        busy = self._busy_slot_s + sum(s.busy for s in self._running.values())
+        return {"makespan_s": span, "busy": busy / (self.slots * span) if span > 0 else 0.0,
+                "resizes": float(self._resizes), "finished": float(self._finished)}
+
+    # -- internals ------------------------------------------------------------------------------
+    def _speed(self, sim: _Sim) -> float:
+        """Work (seconds on the base slots) done per virtual second on the current slots."""
+        e = self.options.elastic
+        if e is None or sim.slots == sim.base:
+            return 1.0
+        return speedup(sim.slots, e.scaling, e.efficiency) / speedup(sim.base, e.scaling, e.efficiency)
+
+    def _progress(self, sim: _Sim, t: float) -> None:
+        """Bring one trial up to virtual time ``t`` (trials are updated only at their own events: a
+        clock step costs nothing per running trial)."""
+        if t <= sim.at:
+            return
+        sim.slot_seconds += (t - sim.at) * sim.slots
+        if not sim.waiting:
+            begin = max(sim.at, min(t, sim.pause_until))  # a resize pause holds slots without using them
+            sim.done = min(sim.work, sim.done + (t - begin) * self._speed(sim))
+            sim.busy += (t - begin) * sim.slots
+        sim.at = t
+
+    def _hold(self, sim: _Sim, slots: int | None = None, grow_to: int | None = None) -> None:
+        before = max(sim.slots, sim.grow_to)
+        if slots is not None:
+            sim.slots = slots
+        if grow_to is not None:
+            sim.grow_to = grow_to
+        self._held_total += max(sim.slots, sim.grow_to) - before
+
+    def _schedule(self, sim: _Sim) -> None:
+        """Queue the trial's next epoch boundary at its current speed."""
+        sim.version += 1
+        target = sim.boundary(sim.epoch + 1)
+        begin = max(self.clock, sim.pause_until)
+        t = begin + max(0.0, target - sim.done) / self._speed(sim)
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, sim.request.number, sim.version))
+
+    def _on_boundary(self, sim: _Sim) -> list[Event]:
+        sim.done = sim.boundary(sim.epoch + 1)
+        sim.epoch += 1
+        req = sim.request
+        if sim.cost.error is not None:
+            return self._finish(sim, "failed", error=sim.cost.error, now=True)
+        if sim.epoch >= sim.epochs:
+            return self._finish(sim, "complete", now=True)
+        metrics = dict(sim.cost.curve[sim.epoch - 1]) if sim.cost.curve else {}
+        if req.metric in metrics:
+            sim.last_value = metrics[req.metric]
+        if sim.grow_to:  # lent slots reserved earlier: taken now, at the epoch boundary
+            self._resize(sim, sim.grow_to)
+            self._hold(sim, grow_to=0)
+        if not metrics:
+            self._schedule(sim)
+            return []
+        wants = req.pruning and req.metric in metrics
+        if wants:
+            sim.waiting = True
+        else:
+            self._schedule(sim)
+        return [TrialReport(req.number, sim.epoch, metrics, wants)]
+
+    def _resize(self, sim: _Sim, slots: int) -> None:
+        if slots == sim.slots:
+            return
+        self._progress(sim, self.clock)
+        self._hold(sim, slots=slots)
+        self._resizes += 1
+        e = self.options.elastic
+        if e is not None and e.resize_s:
+            sim.pause_until = max(sim.pause_until, self.clock) + e.resize_s
+
+    def _finish(self, sim: _Sim, status: str, error: str | None = None, now: bool = False) -> list[Event]:
+        req = sim.request
+        self._progress(sim, self.clock)
+        del self._running[req.number]
+        self._held_total -= max(sim.slots, sim.grow_to)
+        self._busy_slot_s += sim.busy
+        self._finished += 1
+        duration = self.clock - sim.start
+        timings = {"duration_s": duration, "started_at": self.epoch_wall + sim.start, "launch_s": 0.0,
+                   "run_s": duration, "slot_seconds": sim.slot_seconds}
+        if status == "complete":
+            metrics = dict(sim.cost.metrics)
+            res = TrialResult(req.number, "complete", value=metrics.get(req.metric), metrics=metrics, timings=timings)
+            if res.value is None or not math.isfinite(res.value):
+                res = TrialResult(req.number, "failed", error=f"the cost model gave no finite {req.metric!r}",
+                                  timings=timings)
+        elif status == "pruned":
+            res = TrialResult(req.number, "pruned", metrics=dict(sim.cost.curve[sim.epoch - 1])
+                              if sim.cost.curve and sim.epoch else {}, timings=timings)
+        else:
+            res = TrialResult(req.number, status, error=error, timings=timings)  # type: ignore[arg-type]
+        if now:
+            return [res]
+        self._ready.append(res)
+        return []
+
+    def _held(self, sim: _Sim) -> int:
+        return max(sim.slots, sim.grow_to)
+
+    def _lend_idle(self) -> None:
+        """Idle slots at a poll (the driver submitted all it could) go to trials the policy picks."""
+        e = self.options.elastic
+        if e is None or self._policy is None:
+            return
+        free = self.slots - self._held_total
+        if free <= 0:
+            return
+        cands = [Candidate(s.request.number, self._held(s), max(e.max_slots, s.base),
+                           max(0.0, s.work - s.done) / self._speed(s), s.start, s.last_value)
+                 for s in self._running.values() if self._held(s) < max(e.max_slots, s.base)
+                 and s.epoch + 1 < s.epochs]
+        for c in self._policy(cands, self.direction):
+            if free <= 0:
+                break
+            sim = self._running[c.number]
+            extra = min(free, c.max_slots - c.slots)
+            self._hold(sim, grow_to=c.slots + extra)
+            free -= extra
+
+    def _reclaim(self, need: int) -> None:
+        """Free ``need`` slots for a new trial: first lent slots not yet taken, then grown trials."""
+        free = self.slots - self._held_total
+        if free >= need:
+            return
+        for sim in sorted(self._running.values(), key=lambda s: -(self._held(s) - s.base)):
+            if free >= need:
+                break
+            if sim.grow_to:
+                free += sim.grow_to - sim.slots
+                self._hold(sim, grow_to=0)
+            if free < need and sim.slots > sim.base:
+                give = min(sim.slots - sim.base, need - free)
+                self._resize(sim, sim.slots - give)
+                free += give
+                if not sim.waiting:
+                    self._schedule(sim)
+        if free < need:  # pragma: no cover - the driver submits within capacity()
+            raise EngineError(f"trial submitted with {free} of the {need} simulated slots it needs free; the "
+                              "driver must not submit more than capacity() trials at once")
+
+
+# -- cost models ------------------------------------------------------------------------------------
+def _cost_model(options: SimulatedOptions) -> Callable[[TrialRequest], TrialCost]:
+    if options.lognormal is not None:
+        ln, epochs = options.lognormal, options.epochs
+
+        def lognormal(req: TrialRequest) -> TrialCost:
+            rng = random.Random(ln.seed * 1_000_003 + req.number)
+            duration = ln.median_s * math.exp(ln.sigma * rng.gauss(0.0, 1.0))
+            value = rng.random()
+            curve = [{req.metric: value * (1.0 - 0.5 ** (k + 1))} for k in range(epochs)]
+            return TrialCost(duration, {req.metric: value}, curve)
+
+        return lognormal
+    if options.function is not None:
+        return _function_cost(options.function, options.epochs)
+    if options.replay is not None:
+        return _replay_cost(Path(options.replay))
+    raise EngineError("the simulated engine needs a cost model: lognormal, function or replay")
+
+
+def _function_cost(ref: str, epochs: int) -> Callable[[TrialRequest], TrialCost]:
+    import importlib
+    import sys
+
+    def cost(req: TrialRequest) -> TrialCost:
+        for p in reversed(req.python_path):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        module, _, attr = ref.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+        out = fn(dict(req.params), req.number)
+        if not isinstance(out, Mapping) or "duration_s" not in out:
+            raise TypeError(f"{ref} must return a mapping with duration_s, got {out!r}")
+        duration = float(out["duration_s"])
+        if not math.isfinite(duration) or duration < 0:
+            raise ValueError(f"{ref} returned duration_s={duration}; it must be a finite number >= 0")
+        metrics = {k: float(v) for k, v in out.items() if k not in ("duration_s", "curve")
+                   and isinstance(v, int | float)}
+        raw = out.get("curve") or []
+        curve = [dict(v) if isinstance(v, Mapping) else {req.metric: float(v)} for v in raw]
+        return TrialCost(duration, metrics, curve)
+
+    return cost
+
+
+def _replay_cost(run_dir: Path) -> Callable[[TrialRequest], TrialCost]:
+    """Trial i replays the recorded trial i mod n of ``run_dir`` (its ``trials/*/result.json``, in trial
+    order): duration, metrics, and failure; curves are not in those files, so no reports."""
+    recorded = []
+    for p in sorted((run_dir / "trials").glob("*/result.json"), key=lambda p: int(p.parent.name)
+                    if p.parent.name.isdigit() else -1):
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("status") in ("complete", "failed", "pruned") and "duration_s" in (data.get("timings") or {}):
+            recorded.append(data)
+    if not recorded:
+        raise EngineError(f"engine_options.replay: {run_dir} holds no finished trials (trials/*/result.json). "
+                          "Fix: point replay at the run directory of a study that ran")
+
+    def cost(req: TrialRequest) -> TrialCost:
+        data = recorded[req.number % len(recorded)]
+        duration = float(data["timings"]["duration_s"])
+        metrics = {k: float(v) for k, v in (data.get("metrics") or {}).items() if isinstance(v, int | float)}
+        if data.get("status") == "failed":
+            return TrialCost(duration, {}, error=str(data.get("error") or "failed (replayed)"))
+        if data.get("status") == "complete" and data.get("value") is not None:
+            metrics[req.metric] = float(data["value"])
+        return TrialCost(duration, metrics)
+
+    return cost

@@ -1,0 +1,74 @@
+"""Options of the simulated engine (``engine_options:`` when ``engine: simulated``); pydantic only."""
+
+from __future__ import annotations
+
+import itertools
+
+from pydantic import Field, field_validator, model_validator
+
+from hpoflow.registry import Options
+
+__all__ = ["ElasticOptions", "LogNormalCost", "SimulatedOptions"]
+
+
+class LogNormalCost(Options):
+    """Synthetic trials: durations log-normal around ``median_s`` (spread ``sigma``), the metric a
+    seeded uniform draw in [0, 1) approached over the epochs; the same for the same seed and trial."""
+
+    median_s: float = Field(default=60.0, gt=0)
+    sigma: float = Field(default=1.0, ge=0)
+    seed: int = 0
+
+
+class ElasticOptions(Options):
+    """Idle slots go to running trials (``policy``: a name in ``hpoflow.registry.ELASTIC``), up to
+    ``max_slots`` each, at their next epoch boundary; a new trial takes them back at once. Speed on k
+    slots: the measured ``scaling`` (speedups on 1, 2, ... slots) or ``efficiency`` per doubling.
+    ``resize_s``: the pause of one resize (checkpoint, restart of the process group, resume)."""
+
+    policy: str = "longest_remaining"
+    max_slots: int = Field(default=8, ge=1)
+    scaling: list[float] | None = None
+    efficiency: float = Field(default=0.9, gt=0, le=1)
+    resize_s: float = Field(default=0.0, ge=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from hpoflow.registry import ELASTIC
+
+        if v not in ELASTIC:
+            raise ValueError(ELASTIC.unknown(v))
+        return v
+
+    @field_validator("scaling")
+    @classmethod
+    def _speedups(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or v[0] != 1.0 or any(b < a for a, b in itertools.pairwise(v))):
+            raise ValueError("scaling lists the speedups on 1, 2, ... slots: it starts at 1.0 and never "
+                             f"decreases, but got {v}")
+        return v
+
+
+class SimulatedOptions(Options):
+    """``slots``: the simulated allocation (a trial takes ``resources.processes`` of them). The cost
+    model, exactly one of: ``lognormal`` (synthetic), ``function`` (``module:function`` called as
+    ``function(params, number)`` returning ``duration_s`` and metrics, optionally ``curve``: the study
+    metric per epoch), ``replay`` (a run directory: trial i replays that run's trial i mod n).
+    ``epochs``: the epochs (reports) of a lognormal trial; a function's ``curve`` sets its own, and a
+    trial without a curve reports nothing before its end."""
+
+    slots: int = Field(default=64, ge=1)
+    epochs: int = Field(default=10, ge=1)
+    lognormal: LogNormalCost | None = None
+    function: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    replay: str | None = None
+    elastic: ElasticOptions | None = None
+
+    @model_validator(mode="after")
+    def _one_cost_model(self) -> SimulatedOptions:
+        given = [k for k in ("lognormal", "function", "replay") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one cost model: lognormal, function or replay"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
