@@ -186,7 +186,7 @@ def test_a_torch_free_trial_runs_on_a_light_worker_and_torch_is_seeded_when_it_i
     from hpoflow.engines.local.engine import prestart
 
     prestart(light=1)  # as `hpoflow run` does first thing for a study of torch-free trials
-    eng = LocalEngine(cores=[0], prestart=False)  # no warm pool: the second trial forks a warm worker
+    eng = LocalEngine(cores=[0], prestart=False)  # adopts the light worker; no forkserver until a trial needs it
     try:
         res = run_all(eng, [request(tmp_path, 0, "trainfns_light:torch_probe", metric="value", seed=123)])[0]
         again = run_all(eng, [request(tmp_path, 1, "trainfns_light:torch_probe", metric="value", seed=123)])[1]
@@ -196,7 +196,7 @@ def test_a_torch_free_trial_runs_on_a_light_worker_and_torch_is_seeded_when_it_i
     expected = float(torch.rand(1).item())
     assert res.status == "complete" and again.status == "complete", (res, again)
     assert res.metrics["torch_was_loaded"] == 0.0  # the light worker had not imported torch
-    assert again.metrics["torch_was_loaded"] == 1.0  # a warm worker (forkserver preload) had
+    assert again.metrics["torch_was_loaded"] == 1.0  # the same worker: torch, a library, stays loaded
     assert res.metrics["draw"] == again.metrics["draw"] == expected  # seeded alike either way
     assert res.metrics["threads"] == 1.0
 
