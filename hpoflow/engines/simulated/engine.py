@@ -296,6 +296,8 @@ class SimulatedEngine(Engine):
                 break
             sim = self._running[c.number]
             extra = min(free, c.max_slots - c.slots)
+            if speedup(c.slots + extra, e.scaling, e.efficiency) <= 1.01 * speedup(c.slots, e.scaling, e.efficiency):
+                continue  # more slots would not make it faster (a flat or falling scaling curve)
             self._hold(sim, grow_to=c.slots + extra)
             free -= extra
 
