@@ -130,3 +130,19 @@ def test_policies_and_the_scaling_curve() -> None:
     assert [c.number for c in most_promising(cands, "minimize")] == [1, 0, 2]
     assert speedup(1) == 1.0 and speedup(2, efficiency=0.9) == pytest.approx(1.8)
     assert speedup(2, [1.0, 1.6]) == 1.6 and 1.6 < speedup(4, [1.0, 1.6]) < 3.2
+
+
+def test_a_user_cost_function_sets_durations_values_and_curves(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    spec = {**_spec(8, 2), "engine": "simulated",
+            "engine_options": {"slots": 2, "function": "trainfns_light:sim_cost"}}
+    res = hpoflow.optimize(spec, tmp_path / "run")
+    assert res.summary.n_complete == 8
+    for t in res.study.trials:
+        x = t.params["x"]
+        assert t.value == pytest.approx(1.0 - x)
+        assert t.user_attrs["timings"]["duration_s"] == pytest.approx(10.0 + 100.0 * x)
+        assert sorted(t.intermediate_values) == [1, 2, 3]  # the last epoch is the final value
