@@ -1,8 +1,10 @@
 """Overhead per trial and slot: 200 trials of a 50 ms function on 2 slots.
 
 hpoflow (local engine: warm forkserver, async driver, journal storage) against, in the same run,
-one fresh Python process per trial that imports the trial runner (torch) and runs the function,
-as a script-per-trial launcher does. Optional: Optuna's thread mode and Ray Tune when installed.
+one fresh Python process per trial that imports torch and the trial runner and runs the function,
+as a script-per-trial launcher of torch training does; and Optuna's thread mode. hpoflow runs twice:
+as configured (per-rank system usage sampled, ``hpoflow.train.usage``) and, in a child process with
+``HPOFLOW_USAGE=0``, without the sampler: the difference is the sampler's cost.
 
 overhead per trial and slot = (wall time x slots - trials x 50 ms) / trials
 
@@ -48,7 +50,7 @@ def run_hpoflow(n: int, slots: int) -> tuple[float, float]:
 def run_fresh_processes(n: int, slots: int) -> float:
     code = (
         "import sys, time; sys.path.insert(0, sys.argv[1]);"
-        "import hpoflow.train.runner, bench_objectives; time.sleep(0.05)"
+        "import torch, hpoflow.train.runner, bench_objectives; time.sleep(0.05)"
     )
 
     def one(_: int) -> None:
@@ -83,7 +85,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-trials", type=int, default=20,
                     help="trials for the fresh-process baseline (it is slow; the figure is per trial)")
+    ap.add_argument("--hpoflow-only", action="store_true", help=argparse.SUPPRESS)  # the usage-off child
     a = ap.parse_args()
+    if a.hpoflow_only:
+        runs = [run_hpoflow(a.trials, a.slots)[0] for _ in range(a.repeats)]
+        emit({"hpoflow_ms_per_trial": round(median([overhead_ms(w, a.trials, a.slots) for w in runs]), 2)})
+        return
 
     hp, drv, fresh, thr = [], [], [], []
     for i in range(a.repeats):
@@ -94,8 +101,16 @@ def main() -> None:
         thr.append(overhead_ms(run_optuna_threads(a.trials, a.slots), a.trials, a.slots))
         print(f"repeat {i + 1}: hpoflow {hp[-1]:.1f} ms (driver {drv[-1]:.1f} ms), fresh process "
               f"{fresh[-1]:.0f} ms, optuna threads {thr[-1]:.1f} ms per trial and slot", flush=True)
+    import json
+    import os
+
+    child = subprocess.run([sys.executable, __file__, "--hpoflow-only", "--trials", str(a.trials), "--slots",
+                            str(a.slots), "--repeats", str(a.repeats)], capture_output=True, text=True,
+                           env={**os.environ, "HPOFLOW_USAGE": "0"}, check=True)
+    no_usage = json.loads(child.stdout.strip().splitlines()[-1])["hpoflow_ms_per_trial"]
     figures = {
         "hpoflow_ms_per_trial": round(median(hp), 2),
+        "hpoflow_without_usage_sampler_ms_per_trial": no_usage,
         "hpoflow_driver_ms_per_trial": round(median(drv), 2),
         "fresh_process_ms_per_trial": round(median(fresh), 1),
         "optuna_threads_ms_per_trial": round(median(thr), 2),
@@ -105,7 +120,7 @@ def main() -> None:
     print(f"median overhead per trial and slot: hpoflow {figures['hpoflow_ms_per_trial']} ms, "
           f"fresh process {figures['fresh_process_ms_per_trial']} ms "
           f"({figures['speedup_vs_fresh_process']}x), optuna threads {figures['optuna_threads_ms_per_trial']} ms "
-          f"(no isolation, no DDP); target <= 20 ms")
+          f"(no isolation, no DDP); target <= 20 ms; without the usage sampler {no_usage} ms")
     emit(figures)
 
 

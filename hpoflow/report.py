@@ -68,16 +68,20 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
     params = sorted({k for t in trials for k in t.params})
     metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - set(_TIMING_KEYS))
     timings = sorted({k for t in trials for k in _timings(t)} - {"duration_s"})
+    system = sorted({k for t in trials for k in (t.user_attrs.get("system") or {})})
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
-                *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings], "error"])
+                *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings],
+                *[f"system_{k}" for k in system], "error"])
     for t in trials:
         m = t.user_attrs.get("metrics") or {}
         tm = _timings(t)
+        sy = t.user_attrs.get("system") or {}
         w.writerow([t.number, t.state.name, "" if t.value is None else t.value,
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
-                    tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], t.user_attrs.get("error", "")])
+                    tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], *[sy.get(k, "") for k in system],
+                    t.user_attrs.get("error", "")])
     write_atomic(path, buf.getvalue())
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 __all__ = ["Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus",
-           "Verdict", "needs_torch", "result_from_ranks"]
+           "Verdict", "aggregate_usage", "needs_torch", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 # How one rank ended: ok / pruned / error (an exception, sent by the rank itself), or as its engine
@@ -110,6 +110,7 @@ class TrialResult:
     stderr_tail: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     retryable: bool = False  # died by a signal, lost rank or timeout (not an exception in user code)
+    system: dict[str, float] = field(default_factory=dict)  # usage over its ranks (hpoflow.train.usage)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,6 +133,7 @@ class RankOutcome:
     started_at: float | None = None  # wall clock when training began (after the rendezvous)
     run_s: float | None = None  # time in the training function
     host: str | None = None
+    usage: dict[str, float] = field(default_factory=dict)  # CPU, memory, network, disk (hpoflow.train.usage)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,6 +146,9 @@ class RankOutcome:
         if kw.get("status") not in get_args(RankStatus):
             kw = {"status": "error", "error": f"unknown rank status {data.get('status')!r}"}
         kw["metrics"] = {str(k): float(v) for k, v in (kw.get("metrics") or {}).items()}
+        usage = kw.get("usage")
+        kw["usage"] = {str(k): float(v) for k, v in usage.items() if isinstance(v, int | float)} \
+            if isinstance(usage, Mapping) else {}
         return cls(**kw)
 
 
@@ -157,6 +162,16 @@ def result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], *,
     without an outcome fails it as retryable, and rank 0's metrics complete it (or it was pruned).
     """
     timings = dict(timings)
+    result = _result_from_ranks(req, outcomes, timings, failure, retryable, cancelled, stderr_tail, submitted_wall)
+    usage = [o.usage for _, o in sorted(outcomes.items()) if o.usage]
+    if not usage:
+        return result
+    return dataclasses.replace(result, system=aggregate_usage(usage))
+
+
+def _result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], timings: dict[str, float],
+                       failure: str | None, retryable: bool, cancelled: str | None, stderr_tail: Callable[[], str],
+                       submitted_wall: float | None) -> TrialResult:
     chief = outcomes.get(0)
     if chief is not None and chief.started_at is not None and submitted_wall is not None:
         timings["launch_s"] = chief.started_at - submitted_wall  # submit -> training starts
@@ -182,6 +197,28 @@ def result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], *,
     status: TrialStatus = "pruned" if chief.status == "pruned" else "complete"
     return TrialResult(req.number, status, value=chief.metrics.get(req.metric), metrics=dict(chief.metrics),
                        timings=timings)
+
+
+_USAGE_MEAN = ("cpu_percent", "rss_mean_mb", "gpu_util_percent")
+_USAGE_MAX = ("rss_peak_mb", "gpu_peak_mem_mb")
+
+
+def aggregate_usage(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One trial's usage from its ranks': means of rates and means, maxima of peaks, sums of bytes."""
+    ranks = [u for u in per_rank if u]
+    if not ranks:
+        return {}
+    keys = sorted({k for u in ranks for k in u})
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [float(u[k]) for u in ranks if k in u]
+        if k in _USAGE_MEAN:
+            out[k] = round(sum(vals) / len(vals), 3)
+        elif k in _USAGE_MAX:
+            out[k] = max(vals)
+        else:
+            out[k] = round(sum(vals), 3)
+    return out
 
 
 Event = TrialReport | TrialResult

@@ -165,3 +165,11 @@ def hold_group(ctx: TrialContext) -> float:
     time.sleep(float(ctx.params.get("hold", 3.0)))
     dist.barrier()
     return 1.0
+
+
+def allreduce_volume(ctx: TrialContext) -> dict[str, float]:
+    """``options.steps`` all-reduces of ``options.floats`` float32 values (a known network volume)."""
+    t = torch.ones(int(ctx.options["floats"]), dtype=torch.float32)
+    for _ in range(int(ctx.options["steps"])):
+        dist.all_reduce(t)
+    return {"loss": 0.0}

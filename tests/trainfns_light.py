@@ -21,3 +21,16 @@ def sim_cost(params: dict[str, Any], number: int) -> dict[str, Any]:
     x = float(params["x"])
     return {"duration_s": 10.0 + 100.0 * x, "val_accuracy": 1.0 - x,
             "curve": [(1.0 - x) * k / 4 for k in range(1, 5)]}
+
+
+def costly(ctx: Any) -> dict[str, float]:
+    """Reports a learning curve and returns cost measurements like the built-in trainer's."""
+    import time
+
+    x = float(ctx.params["x"])
+    for epoch in range(1, 4):
+        ctx.report(epoch, value=x * epoch / 3)
+        if ctx.should_stop():
+            return {"value": x * epoch / 3}
+        time.sleep(0.02)
+    return {"value": x, "samples_per_s": 1000.0 * (1 + x), "step_time_s": 0.01 / (1 + x), "comm_fraction": 0.1 * x}

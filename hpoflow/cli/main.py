@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "oracle": "hpoflow.oracle.cli",
     "schema": "hpoflow.cli.schema_cmd",
     "dashboard": "hpoflow.cli.dashboard_cmd",
+    "report": "hpoflow.cli.report_cmd",
 }
 
 

@@ -352,6 +352,8 @@ class Driver:
         trial = fl.trial
         trial.set_user_attr("metrics", res.metrics)
         trial.set_user_attr("timings", {k: round(v, 4) for k, v in res.timings.items()})
+        if res.system:
+            trial.set_user_attr("system", res.system)
         if res.error:
             trial.set_user_attr("error", res.error[:2000])
         self._write_result(fl.request, res)

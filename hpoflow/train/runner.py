@@ -16,8 +16,10 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -34,7 +36,8 @@ from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig
 from hpoflow.train.context import TrialContext
 from hpoflow.train.transport import Channel, NullChannel
-from hpoflow.trial import RankJob, RankOutcome
+from hpoflow.train.usage import UsageSampler
+from hpoflow.trial import RankJob, RankOutcome, TrialRequest
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +137,19 @@ def log_to_stderr(level: int = logging.INFO) -> None:
     logger.setLevel(level)
 
 
+def _usage(sampler: UsageSampler, req: TrialRequest, rank: int) -> dict[str, float]:
+    """Stop the rank's usage sampler (before the process group goes: its sockets are counted) and
+    keep the summary in the trial directory as ``usage_rank<r>.json``."""
+    summary = sampler.stop()
+    if summary:
+        try:
+            Path(req.trial_dir).mkdir(parents=True, exist_ok=True)
+            (Path(req.trial_dir) / f"usage_rank{rank}.json").write_text(json.dumps(summary))
+        except OSError as exc:
+            log.warning("rank %d: usage not written: %s", rank, exc)
+    return summary
+
+
 def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     """Run one rank to the end. Exceptions in training become an ``error`` outcome."""
     log_to_stderr()
@@ -145,6 +161,9 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
 
         use_cuda = torch.cuda.is_available()
     hook = _seed_everything(req.seed, job.threads)
+    usage = UsageSampler(cuda_device=0 if use_cuda else None)
+    if os.environ.get("HPOFLOW_USAGE", "1") != "0":  # HPOFLOW_USAGE=0: no system usage sampled
+        usage.start()
     ctx: TrialContext | None = None
     finished = False  # every rank that ends without an exception leaves the group with its peers
     try:
@@ -183,7 +202,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             if not math.isfinite(value):
                 raise NonFiniteLoss(f"{req.metric} is {value}")
         finished = True
-        return RankOutcome("pruned" if pruned else "ok", metrics, started_at=started_at, run_s=run_s)
+        return RankOutcome("pruned" if pruned else "ok", metrics, started_at=started_at, run_s=run_s,
+                           usage=_usage(usage, req, job.rank))
     except (Exception, SystemExit) as exc:  # a trial never raises through the engine
         tb = traceback.format_exc()
         sys.stderr.write(tb)
@@ -192,7 +212,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         text = str(exc).lower()
         retryable = job.world_size > 1 and any(w in text for w in ("gloo", "connection", "timed out"))
         return RankOutcome("error", {}, error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
-                           retryable=retryable)
+                           retryable=retryable, usage=_usage(usage, req, job.rank))
     finally:
         if ctx is not None:
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import time
 from pathlib import Path
@@ -208,3 +209,18 @@ def test_only_torch_free_single_cpu_rank_trials_may_skip_the_torch_preload() -> 
     assert needs_torch(None, 1, 0)  # the built-in trainer
     assert needs_torch("m:f", 2, 0)  # a process group
     assert needs_torch("m:f", 1, 1)  # a GPU
+
+
+def test_system_usage_counts_a_ddp_trials_network_volume(engine: LocalEngine, tmp_path: Path) -> None:
+    floats, steps = 262144, 20  # 1 MiB per all-reduce
+    res = run_all(engine, [request(tmp_path, 0, "trainfns:allreduce_volume", processes=2,
+                                   options={"floats": floats, "steps": steps})])[0]
+    assert res.status == "complete", res
+    # A 2-rank ring all-reduce sends and receives 2 (p - 1) / p = 1 x the tensor per rank and step.
+    theory_mb = 2 * steps * floats * 4 * 2 * (2 - 1) / 2 / 2**20
+    assert res.system["net_sent_mb"] == pytest.approx(theory_mb, rel=0.10)
+    assert res.system["net_recv_mb"] == pytest.approx(theory_mb, rel=0.10)
+    assert res.system["rss_peak_mb"] > 50 and res.system["cpu_percent"] > 0
+    for rank in (0, 1):
+        per_rank = json.loads((tmp_path / "0" / f"usage_rank{rank}.json").read_text())
+        assert per_rank["net_sent_mb"] == pytest.approx(theory_mb / 2, rel=0.10)

@@ -1,0 +1,183 @@
+"""System usage of one rank while its trial runs: CPU, memory, network, disk, GPU.
+
+A daemon thread samples this process every ``interval_s`` (default 0.5 s; one sample costs ~0.1 ms)
+and once more when stopped, so even a trial shorter than the interval is measured:
+
+- ``cpu_percent``: CPU time of the process (all its threads) over wall time, in % of one core;
+- ``rss_peak_mb`` / ``rss_mean_mb``: resident memory, peak and mean over the samples;
+- ``net_sent_mb`` / ``net_recv_mb``: bytes this process's TCP connections sent (acknowledged by the
+  peer) and received, read from the kernel's per-socket counters (``TCP_INFO``: ``tcpi_bytes_acked``,
+  ``tcpi_bytes_received``; Linux >= 4.2) of every TCP socket the process holds: the process group's
+  traffic (gloo/NCCL pairs, the TCP store), not the machine's;
+- ``disk_write_mb``: bytes the process caused to be written to storage (``/proc/self/io``);
+- ``gpu_peak_mem_mb`` (torch's peak allocation on the rank's device) and ``gpu_util_percent``
+  (NVML's mean utilisation over the samples, where pynvml is installed), on GPU only.
+
+``HPOFLOW_USAGE=0`` in the workers' environment turns sampling off.
+``hpoflow.trial.aggregate_usage`` merges a trial's ranks: CPU and mean RSS averaged, peaks maxed,
+bytes summed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["UsageSampler"]
+
+_TCP_INFO_LEN = 232
+_BYTES_ACKED = 120  # offsetof(struct tcp_info, tcpi_bytes_acked)
+_BYTES_RECEIVED = 128  # offsetof(struct tcp_info, tcpi_bytes_received)
+_MB = 1024 * 1024
+
+
+def _tcp_counters() -> dict[str, tuple[int, int]]:
+    """(bytes acked, bytes received) of each TCP socket of this process, by socket inode."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if not target.startswith("socket:"):
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            raw = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+            if len(raw) >= _BYTES_RECEIVED + 8:
+                acked, received = struct.unpack_from("=QQ", raw, _BYTES_ACKED)
+                out[target] = (acked, received)
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes the dup only: the connection lives on through the original fd
+    return out
+
+
+class UsageSampler:
+    """Start with ``start()``, end with ``stop()`` (returns the summary; idempotent)."""
+
+    def __init__(self, interval_s: float = 0.5, cuda_device: int | None = None) -> None:
+        self.interval_s = interval_s
+        self.cuda_device = cuda_device
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._rss: list[float] = []
+        self._gpu_util: list[float] = []
+        self._sockets: dict[str, tuple[int, int]] = {}
+        self._summary: dict[str, float] | None = None
+        self._proc: Any = None
+        self._t0 = 0.0
+        self._cpu0 = 0.0
+        self._io0 = 0
+        self._nvml: Any = None
+
+    def start(self) -> UsageSampler:
+        try:
+            import psutil
+        except ImportError:  # psutil is a dependency; a stripped environment still runs trials
+            return self
+        self._proc = psutil.Process()
+        self._t0 = time.monotonic()
+        cpu = self._proc.cpu_times()
+        self._cpu0 = cpu.user + cpu.system
+        self._io0 = self._write_bytes()
+        self._sockets = {}  # sockets of an earlier trial in this worker count only what they add now
+        self._base = _tcp_counters()
+        if self.cuda_device is not None:
+            self._nvml = _nvml_handle(self.cuda_device)
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, name="hpoflow-usage", daemon=True)
+        self._thread.start()
+        return self
+
+    def _write_bytes(self) -> int:
+        try:
+            return int(self._proc.io_counters().write_bytes)
+        except (AttributeError, OSError, NotImplementedError):
+            return 0
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        try:
+            rss = self._proc.memory_info().rss / _MB
+        except Exception:  # the process is going away
+            return
+        counters = _tcp_counters()
+        util = None
+        if self._nvml is not None:
+            try:
+                import pynvml
+
+                util = float(pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu)
+            except Exception:
+                util = None
+        with self._lock:
+            self._rss.append(rss)
+            if util is not None:
+                self._gpu_util.append(util)
+            for key, (acked, received) in counters.items():
+                a0, r0 = self._base.get(key, (0, 0))
+                old = self._sockets.get(key, (0, 0))
+                self._sockets[key] = (max(old[0], acked - a0), max(old[1], received - r0))
+
+    def stop(self) -> dict[str, float]:
+        """Take a last sample, stop the thread, return the summary (``{}`` without psutil)."""
+        if self._summary is not None:
+            return self._summary
+        if self._proc is None:
+            self._summary = {}
+            return self._summary
+        self._stop.set()
+        self._sample()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        wall = max(1e-9, time.monotonic() - self._t0)
+        try:
+            cpu = self._proc.cpu_times()
+            cpu_s = cpu.user + cpu.system - self._cpu0
+        except Exception:
+            cpu_s = 0.0
+        with self._lock:
+            sent = sum(a for a, _ in self._sockets.values())
+            recv = sum(r for _, r in self._sockets.values())
+            summary = {"cpu_percent": round(100.0 * cpu_s / wall, 1),
+                       "rss_peak_mb": round(max(self._rss, default=0.0), 1),
+                       "rss_mean_mb": round(sum(self._rss) / len(self._rss), 1) if self._rss else 0.0,
+                       "net_sent_mb": round(sent / _MB, 3), "net_recv_mb": round(recv / _MB, 3),
+                       "disk_write_mb": round(max(0, self._write_bytes() - self._io0) / _MB, 3)}
+            if self._gpu_util:
+                summary["gpu_util_percent"] = round(sum(self._gpu_util) / len(self._gpu_util), 1)
+        torch = sys.modules.get("torch")
+        if self.cuda_device is not None and torch is not None and torch.cuda.is_available():
+            summary["gpu_peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.cuda_device) / _MB, 1)
+        self._summary = summary
+        return summary
+
+
+def _nvml_handle(index: int) -> Any:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # no pynvml, no driver: utilisation is simply not reported
+        return None

@@ -1,0 +1,105 @@
+"""``hpoflow report``: a self-contained HTML report, checked in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hpoflow
+from hpoflow.engines.local import LocalEngine
+from hpoflow.htmlreport import busy_fraction, intervals
+from tests.conftest import ROOT
+
+pytest.importorskip("plotly")
+pytestmark = pytest.mark.slow  # a real study, then a browser
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rd = tmp_path_factory.mktemp("report") / "run"
+    spec = {"study": {"name": "report", "metric": "value", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}, "k": {"type": "int", "low": 1, "high": 4}},
+            "search": {"algorithm": "tpe", "n_trials": 10, "max_concurrent": 2, "seed": 0},
+            "training": {"function": "trainfns_light:costly"}, "oracle": {"enabled": False}}
+    sys.path.insert(0, str(ROOT / "tests"))
+    engine = LocalEngine(cores=[0, 1])
+    try:
+        hpoflow.optimize(spec, rd, engine=engine)
+    finally:
+        engine.close()
+    return rd
+
+
+def _report(run_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpoflow", "report", str(run_dir), "-o", str(out), *extra],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_report_draws_every_panel_and_leaves_the_run_alone(run_dir: Path, tmp_path: Path) -> None:
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    out = tmp_path / "report.html"
+    r = _report(run_dir, out)
+    assert r.returncode == 0, r.stderr
+    assert "8 of 8 panels drawn" in r.stdout, r.stdout
+    page = out.read_text()
+    assert "<script src=" not in page and "plotly.js v" in page.lower()  # offline: plotly.js is inline
+    assert page.count("plotly-graph-div") == 8
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_the_timelines_busy_fraction_is_the_utilization_benchmarks(run_dir: Path) -> None:
+    study, _ = hpoflow.api.load_run(run_dir)
+    # bench/utilization.py's method, from the result files: time in the function / (slots x makespan),
+    # makespan from the first submit to the last result
+    res = [json.loads(p.read_text())["timings"] for p in run_dir.glob("trials/*/result.json")]
+    submits = [t["started_at"] - t["launch_s"] for t in res]
+    span = max(s + t["duration_s"] for s, t in zip(submits, res, strict=True)) - min(submits)
+    expected = sum(t["run_s"] for t in res) / (2 * span)
+    assert busy_fraction(intervals(study), 2) == pytest.approx(expected, abs=0.01)
+
+
+def test_trials_csv_has_system_usage(run_dir: Path) -> None:
+    header = (run_dir / "trials.csv").read_text().splitlines()[0].split(",")
+    for col in ("system_cpu_percent", "system_rss_peak_mb", "system_net_sent_mb", "system_net_recv_mb"):
+        assert col in header
+
+
+def test_the_report_renders_in_headless_chromium_without_errors(run_dir: Path, tmp_path: Path) -> None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no chromium here (.ci/run installs it with apt-get where it can)")
+    out = tmp_path / "report.html"
+    assert _report(run_dir, out).returncode == 0
+    shot = tmp_path / "report.png"
+    args = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+            "--virtual-time-budget=10000", "--window-size=1280,4000"]
+    dom = subprocess.run([*args, "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=180)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    console = [ln for ln in dom.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
+    assert not [ln for ln in console if "error" in ln.lower() or "Uncaught" in ln], console
+    html = dom.stdout
+    assert html.count('class="main-svg"') >= 8  # every figure drawn by plotly.js
+    for i in range(8):  # and each has data: traces in its plot area
+        start = html.index(f'id="figure-{i}"')
+        nxt = html.find('id="figure-', start + 10)
+        chunk = html[start: nxt if nxt > 0 else len(html)]
+        assert "trace" in chunk or "parcoords" in chunk, f"figure {i} has no data"
+    subprocess.run([*args, f"--screenshot={shot}", out.as_uri()], capture_output=True, timeout=180, check=True)
+    assert shot.stat().st_size > 20_000
+
+
+def test_png_export_writes_each_figure(run_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("kaleido")
+    if not (shutil.which("chromium") or shutil.which("google-chrome")):
+        pytest.skip("kaleido renders through a chromium/chrome browser; none here")
+    r = _report(run_dir, tmp_path / "r.html", "--png", str(tmp_path / "png"))
+    assert r.returncode == 0, r.stderr
+    pngs = sorted((tmp_path / "png").glob("*.png"))
+    assert len(pngs) == 8 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
