@@ -143,8 +143,8 @@ def _timeline(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
             text=[str(i.number) for i in sel],
             hovertemplate="trial %{text}: %{base:.1f} s + %{x:.1f} s<extra></extra>"))
     busy = busy_fraction(items, slots)
-    fig.update_layout(barmode="overlay", xaxis_title="seconds since the first submit", height=140 + 28 * slots,
-                      title=f"busy fraction {busy:.3f} on {slots} slot(s)")
+    fig.update_layout(barmode="overlay", xaxis_title="seconds since the first submit",
+                      height=max(260, 120 + 36 * slots), title=f"busy fraction {busy:.3f} on {slots} slot(s)")
     fig.update_yaxes(autorange="reversed")
     return Panel("slot timeline", fig, note=f"busy fraction {busy:.3f}: time in training functions / (slots x "
                                           "makespan), makespan from the first submit to the last result")
@@ -242,10 +242,10 @@ def render(study: optuna.Study, run_dir: Path, spec_text: str, storage_label: st
              f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script></head><body>",
              f"<h1>{html.escape(study.study_name)}</h1>",
              f"<p class='meta'>{html.escape(str(run_dir))} · {html.escape(storage_label)} · written "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S')} · "
-             + ", ".join(f"{k.removeprefix('n_')} {v}" for k, v in status.items()
-                         if k.startswith("n_") and v is not None)
-             + f" · direction {status['direction']}</p>"]
+             f"{time.strftime('%Y-%m-%d %H:%M:%S')} · budget {status['n_trials'] or '-'} trials · "
+             + ", ".join(f"{v} {k.removeprefix('n_')}" for k, v in status.items()
+                         if k.startswith("n_") and k not in ("n_trials", "n_total") and v)
+             + f" · {status['direction']} {html.escape(str(ctx.get('metric', 'the metric')))}</p>"]
     if status["best_trial"] is not None:
         parts.append(f"<p>best trial <b>{status['best_trial']}</b>: value <b>{status['best_value']:.6g}</b> with "
                      f"<code>{html.escape(json.dumps(status['best_params']))}</code></p>")

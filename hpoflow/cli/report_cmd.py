@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     context = {"slots": (search or {}).get("max_concurrent", 1) if isinstance(search, dict) else 1,
                "processes": (resources or {}).get("processes", 1) if isinstance(resources, dict) else 1,
                "strategy": (training or {}).get("strategy", "allreduce") if isinstance(training, dict) else "allreduce",
-               "budget": run_budget(rd)}
+               "budget": run_budget(rd),
+               "metric": (data.get("study") or {}).get("metric", "") if isinstance(data, dict) else ""}
     out = Path(args.output) if args.output else rd / "report.html"
     panels = write_report(study, rd, out, spec_text, label, context)
     drawn = sum(p.figure is not None for p in panels)
