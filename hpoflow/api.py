@@ -196,8 +196,10 @@ def _open_run(rd: Path, parsed: StudySpec, text: str, url: str | None) -> tuple[
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = optuna.create_study(
-            storage=open_storage(url, rd), study_name=parsed.study.name, direction=parsed.study.direction,
-            sampler=make_sampler(parsed.search), pruner=make_pruner(parsed.search.pruner), load_if_exists=True,
+            storage=open_storage(url, rd), study_name=parsed.study.name,
+            directions=[optuna.study.StudyDirection[d.upper()] for _, d in parsed.study.objectives],
+            sampler=make_sampler(parsed.search),
+            pruner=make_pruner(parsed.search.pruner), load_if_exists=True,
         )
     except (OSError, HpoflowError):
         raise
@@ -210,6 +212,12 @@ def _open_run(rd: Path, parsed: StudySpec, text: str, url: str | None) -> tuple[
                 why = why.replace(parts[1], "***")  # the password, wherever the driver quoted it
         raise RunDirError(f"cannot open the study's storage {label}: {type(exc).__name__}: {why[:300]}. Fix: check "
                           "the URL, that the database answers, and that its Python driver is installed") from None
+    if parsed.study.multi and study.metric_names is None:
+        import warnings
+
+        with warnings.catch_warnings():  # experimental in Optuna 5, and the one public way to name them
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([n for n, _ in parsed.study.objectives])
     existing = len(study.get_trials(deepcopy=False))
     if not existing and parsed.search.warm_start:
         _warm_start(study, parsed, rd)
@@ -287,8 +295,9 @@ def _warm_start(study: optuna.Study, spec: StudySpec, rd: Path) -> None:
         other_metric = (other_spec.get("study") or {}).get("metric")
     except (OSError, yaml.YAMLError, AttributeError):
         other_metric = None
-    if other_metric != spec.study.metric or other.direction != study.direction:
-        raise RunDirError(f"search.warm_start: {source} optimised {other_metric!r} ({other.direction.name.lower()}), "
+    if other_metric != spec.study.metric or spec.study.multi or other.directions != study.directions:
+        raise RunDirError(f"search.warm_start: {source} optimised {other_metric!r} "
+                          f"({', '.join(d.name.lower() for d in other.directions)}), "
                           f"this study {spec.study.metric!r} ({spec.study.direction}); only a study of the same "
                           "metric and direction can warm-start it. Fix: point warm_start at such a run, or remove it")
     dists = {name: distribution(p) for name, p in spec.space.items()}

@@ -200,8 +200,18 @@ def _system(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
     return Panel("system usage per trial", fig)
 
 
-#: The report's panels, in order: ``(study, context) -> Panel``. Append to add one.
-PANELS: list[Callable[[optuna.Study, Mapping[str, Any]], Panel]] = [
+def _pareto(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel | None:
+    if len(study.directions) < 2:
+        return None  # one objective: no front to draw
+    if len(study.directions) > 3:
+        return Panel("Pareto front", note="Optuna draws the front of 2 or 3 objectives; see the table above")
+    return _optuna_plot("plot_pareto_front", "Pareto front", "nothing to draw")(study, ctx)
+
+
+#: The report's panels, in order: ``(study, context) -> Panel`` (or None where it does not apply).
+#: Append to add one.
+PANELS: list[Callable[[optuna.Study, Mapping[str, Any]], Panel | None]] = [
+    _pareto,
     _optuna_plot("plot_optimization_history", "optimisation history", "nothing to draw"),
     _optuna_plot("plot_intermediate_values", "learning curves (intermediate values; pruned trials stop early)",
                  "no trial reported intermediate values"),
@@ -234,7 +244,7 @@ def render(study: optuna.Study, run_dir: Path, spec_text: str, storage_label: st
     plotly = _plotly()
     ctx = dict(context or {})
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    panels = [p(study, ctx) for p in PANELS]
+    panels = [p for p in (make(study, ctx) for make in PANELS) if p is not None]
     status = status_dict(study, storage_label, budget=ctx.get("budget"))
     best = best_rows(study, top=10)
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>hpoflow report: "

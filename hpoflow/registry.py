@@ -258,7 +258,8 @@ ENGINES.register("simulated", "hpoflow.engines.simulated.engine:SimulatedEngine.
 for _name in ("longest_remaining", "most_promising", "fifo"):
     ELASTIC.register(_name, f"hpoflow.engines.elastic:{_name}")
 
-for _name, _cls in [("grid", "Grid"), ("random", "Random"), ("tpe", "TPE"), ("gp", "GP"), ("cmaes", "CmaEs")]:
+for _name, _cls in [("grid", "Grid"), ("random", "Random"), ("tpe", "TPE"), ("gp", "GP"), ("cmaes", "CmaEs"),
+                    ("nsga2", "NSGAII"), ("nsga3", "NSGAIII")]:
     SAMPLERS.register(_name, f"hpoflow.search.samplers:make_{_name}",
                       f"hpoflow.search.options:{_cls}Options")
 for _name, _cls in [("none", "Nop"), ("median", "Median"), ("percentile", "Percentile"), ("asha", "Asha"),

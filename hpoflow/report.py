@@ -29,6 +29,8 @@ __all__ = [
     "ProgressListener",
     "best_rows",
     "best_trial",
+    "objective_names",
+    "pareto_front",
     "status_dict",
     "trials_table",
     "write_best_yaml",
@@ -54,7 +56,33 @@ def _timings(t: FrozenTrial) -> dict[str, float]:
 _TIMING_KEYS = ("duration_s", "to_first_report_s", "launch_s", "run_s")
 
 
+def _multi(study: optuna.Study) -> bool:
+    return len(study.directions) > 1
+
+
+def objective_names(study: optuna.Study) -> list[str]:
+    """The objectives' names (Optuna's metric names; ``value`` / ``value_i`` when unnamed)."""
+    names = study.metric_names
+    if names:
+        return list(names)
+    n = len(study.directions)
+    return ["value"] if n == 1 else [f"value_{i}" for i in range(n)]
+
+
+def pareto_front(study: optuna.Study) -> list[dict[str, Any]]:
+    """The Pareto-optimal complete trials of a study (one objective: its best trial), as plain data:
+    ``number``, ``params`` and ``values`` by objective name; feasible ones only when constrained."""
+    names = objective_names(study)
+    trials = [t for t in study.best_trials if ATTR_IMPORTED not in t.user_attrs]
+    return [{"number": t.number, "params": t.params, "values": dict(zip(names, t.values or [], strict=False))}
+            for t in sorted(trials, key=lambda t: t.number)]
+
+
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The best complete trial of a single-objective study (None with several objectives: see
+    ``pareto_front``)."""
+    if _multi(study):
+        return None
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.value is not None and ATTR_IMPORTED not in t.user_attrs]  # imported: prior knowledge only
     if not done:
@@ -78,7 +106,7 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
         m = t.user_attrs.get("metrics") or {}
         tm = _timings(t)
         sy = t.user_attrs.get("system") or {}
-        w.writerow([t.number, t.state.name, "" if t.value is None else t.value,
+        w.writerow([t.number, t.state.name, t.values[0] if t.values and len(t.values) == 1 else "",
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], *[sy.get(k, "") for k in system],
                     t.user_attrs.get("error", "")])
@@ -87,6 +115,12 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
 
 def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Path) -> None:
     """Best params and value, and a spec that reruns exactly that configuration (one trial)."""
+    if _multi(study):
+        front = pareto_front(study)
+        if front:
+            write_atomic(path, yaml.safe_dump({"study": study.study_name, "objectives": objective_names(study),
+                                               "pareto": front}, sort_keys=False))
+        return
     best = best_trial(study)
     if best is None:
         return
@@ -113,10 +147,15 @@ def status_dict(study: optuna.Study, storage_label: str, budget: int | None = No
     trials = _counted(study)
     by = {s: sum(1 for t in trials if t.state == s) for s in TrialState}
     best = best_trial(study)
+    multi = _multi(study)
+    extra: dict[str, Any] = {}
+    if multi:
+        extra = {"objectives": objective_names(study), "directions": [d.name.lower() for d in study.directions],
+                 "pareto": pareto_front(study)}
     return {
         "study_name": study.study_name,
         "storage": storage_label,
-        "direction": study.direction.name.lower(),
+        "direction": study.directions[0].name.lower(),
         "n_trials": budget,
         "n_total": len(trials),
         "n_complete": by[TrialState.COMPLETE],
@@ -127,6 +166,7 @@ def status_dict(study: optuna.Study, storage_label: str, budget: int | None = No
         "best_value": None if best is None else best.value,
         "best_params": None if best is None else best.params,
         "best_trial": None if best is None else best.number,
+        **extra,
     }
 
 
@@ -139,6 +179,13 @@ def _fmt(v: Any) -> str:
 def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> dict[str, Any]:
     """The ``top`` best complete trials, best first, as plain strings: ``{"title", "columns",
     "rows"}`` (what ``trials_table`` draws and the status snapshot stores)."""
+    if _multi(study):
+        names = objective_names(study)
+        front = pareto_front(study)[:top]
+        params = sorted({k for f in front for k in f["params"]})
+        return {"title": title or f"Pareto front of {study.study_name}", "columns": ["trial", *names, *params],
+                "rows": [[str(f["number"]), *[_fmt(f["values"].get(n)) for n in names],
+                          *[_fmt(f["params"].get(p, "-")) for p in params]] for f in front]}
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     rev = study.direction == optuna.study.StudyDirection.MAXIMIZE
     done.sort(key=lambda t: t.value if t.value is not None else 0.0, reverse=rev)

@@ -24,7 +24,7 @@ from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
 from hpoflow.fileio import write_atomic
 from hpoflow.search.space import grid_points, suggest
-from hpoflow.spec import StudySpec, resolve_training
+from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
 
 __all__ = ["ATTR_IMPORTED", "ATTR_REPLACES", "Driver", "DriverListener", "DriverSummary", "count_finished",
@@ -350,6 +350,9 @@ class Driver:
             return
         del self._inflight[res.number]
         trial = fl.trial
+        values, missing = self._objective_values(res)
+        if res.status == "complete" and missing:
+            res = replace(res, status="failed", error=missing)
         trial.set_user_attr("metrics", res.metrics)
         trial.set_user_attr("timings", {k: round(v, 4) for k, v in res.timings.items()})
         if res.system:
@@ -361,9 +364,11 @@ class Driver:
             self._interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
         summary = self.summary
-        if res.status == "complete" and res.value is not None and math.isfinite(res.value):
-            self.study.tell(trial, res.value)
-            self._update_best(res.value)
+        for key, violation in self._constraints(res).items():
+            trial.set_constraint(key, violation)
+        if res.status == "complete" and values is not None:
+            self.study.tell(trial, values if len(values) > 1 else values[0])
+            self._update_best(values[0] if len(values) == 1 else None)
             summary.n_complete += 1
         elif res.status == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
@@ -378,6 +383,35 @@ class Driver:
         summary.results.append(res)
         if self.listener:
             self.listener.on_trial_end(res, fl.params, self._best)
+
+    def _constraints(self, res: TrialResult) -> dict[str, float]:
+        """``study.constraints`` of a finished trial as Optuna's constraint values (<= 0: feasible), from
+        its metrics and ``system_`` usage; a figure the trial did not measure counts as infeasible."""
+        measured = {**res.metrics, **{f"system_{k}": v for k, v in res.system.items()}}
+        out = {}
+        for text in self.spec.study.constraints:
+            name, op, bound = parse_constraint(text)
+            value = measured.get(name)
+            if value is None or not math.isfinite(value):
+                out[text] = 1.0
+            else:
+                out[text] = value - bound if op == "<=" else bound - value
+        return out
+
+    def _objective_values(self, res: TrialResult) -> tuple[list[float] | None, str | None]:
+        """The values to tell for a complete trial (one per objective), or why it has none."""
+        objectives = self.spec.study.objectives
+        if len(objectives) == 1:
+            ok = res.value is not None and math.isfinite(res.value)
+            return ([float(res.value)] if ok and res.value is not None else None), None
+        values = []
+        for name, _ in objectives:
+            v = res.metrics.get(name)
+            if v is None or not math.isfinite(v):
+                return None, (f"objective {name!r} (study.metrics) is {'missing' if v is None else v} in the "
+                              f"trial's result; it returned {sorted(res.metrics)}. Fix: return every objective")
+            values.append(float(v))
+        return values, None
 
     def _check_fail_fast(self) -> None:
         """Stop when the study's first ``search.fail_fast`` finished trials all failed with one error:

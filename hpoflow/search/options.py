@@ -55,6 +55,21 @@ class GPOptions(Options):
     warn_independent_sampling: bool = True
 
 
+class NSGAIIOptions(Options):
+    """``optuna.samplers.NSGAIISampler`` (several objectives; constraints)."""
+
+    population_size: int = Field(default=50, ge=2)
+    mutation_prob: float | None = Field(default=None, ge=0, le=1)
+    crossover_prob: float = Field(default=0.9, ge=0, le=1)
+    swapping_prob: float = Field(default=0.5, ge=0, le=1)
+
+
+class NSGAIIIOptions(NSGAIIOptions):
+    """``optuna.samplers.NSGAIIISampler`` (many objectives; constraints)."""
+
+    dividing_parameter: int = Field(default=3, ge=1)
+
+
 class CmaEsOptions(Options):
     """``optuna.samplers.CmaEsSampler``."""
 

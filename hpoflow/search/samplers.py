@@ -23,6 +23,8 @@ from hpoflow.search.options import (
     GPOptions,
     HyperbandPrunerOptions,
     MedianPrunerOptions,
+    NSGAIIIOptions,
+    NSGAIIOptions,
     PercentilePrunerOptions,
     TPEOptions,
 )
@@ -87,6 +89,18 @@ def make_gp(options: BaseModel, seed: int | None, max_concurrent: int) -> optuna
     if not isinstance(options, GPOptions):
         raise TypeError(f"make_gp needs GPOptions, got {type(options).__name__}")
     return optuna.samplers.GPSampler(seed=seed, **options.model_dump())
+
+
+def make_nsga2(options: BaseModel, seed: int | None, max_concurrent: int) -> optuna.samplers.BaseSampler:
+    if not isinstance(options, NSGAIIOptions):
+        raise TypeError(f"make_nsga2 needs NSGAIIOptions, got {type(options).__name__}")
+    return optuna.samplers.NSGAIISampler(seed=seed, **options.model_dump())
+
+
+def make_nsga3(options: BaseModel, seed: int | None, max_concurrent: int) -> optuna.samplers.BaseSampler:
+    if not isinstance(options, NSGAIIIOptions):
+        raise TypeError(f"make_nsga3 needs NSGAIIIOptions, got {type(options).__name__}")
+    return optuna.samplers.NSGAIIISampler(seed=seed, **options.model_dump())
 
 
 def make_cmaes(options: BaseModel, seed: int | None, max_concurrent: int) -> optuna.samplers.BaseSampler:

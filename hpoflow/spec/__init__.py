@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hpoflow.spec._load import (
+    BUILTIN_MEASURES,
     BUILTIN_METRICS,
     load_spec,
     outside,
@@ -16,6 +17,7 @@ from hpoflow.spec._models import (
     CheckpointSpec,
     FloatParam,
     IntParam,
+    Objective,
     OracleSpec,
     Param,
     PrunerSpec,
@@ -24,14 +26,17 @@ from hpoflow.spec._models import (
     StudySection,
     StudySpec,
     TrainConfig,
+    parse_constraint,
 )
 
 __all__ = [
+    "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
     "CategoricalParam",
     "CheckpointSpec",
     "FloatParam",
     "IntParam",
+    "Objective",
     "OracleSpec",
     "Param",
     "PrunerSpec",
@@ -42,6 +47,7 @@ __all__ = [
     "TrainConfig",
     "load_spec",
     "outside",
+    "parse_constraint",
     "placeholders",
     "resolve_training",
     "search_dirs",

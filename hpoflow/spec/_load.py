@@ -31,6 +31,7 @@ from hpoflow.spec._models import (
 from hpoflow.spec._yaml import MAX_BYTES, Path, load_yaml_with_lines
 
 __all__ = [
+    "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
     "load_spec",
     "placeholders",
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 BUILTIN_METRICS = ("val_accuracy", "val_loss", "train_loss", "train_accuracy")
+# what the built-in trainer measures at the end of a trial: objectives of a multi-objective study
+BUILTIN_MEASURES = ("samples_per_s", "step_time_s", "comm_time_s", "comm_fraction", "bytes_per_step")
 _MISSING_FIX = {
     ("study",): "add a study: section with name, metric and direction",
     ("search",): "add a search: section with algorithm and n_trials",
@@ -244,6 +247,11 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
         add(("study", "metric"),
             f"the built-in trainer reports {', '.join(BUILTIN_METRICS)}; {spec.study.metric!r} is none of "
             f"them{did_you_mean(spec.study.metric, BUILTIN_METRICS)}")
+    elif any(n not in BUILTIN_METRICS + BUILTIN_MEASURES for n, _ in spec.study.objectives):
+        odd = next(n for n, _ in spec.study.objectives if n not in BUILTIN_METRICS + BUILTIN_MEASURES)
+        known = BUILTIN_METRICS + BUILTIN_MEASURES
+        add(("study", "metrics"), f"the built-in trainer reports {', '.join(known)}; {odd!r} is none of them"
+                                  f"{did_you_mean(odd, known)}")
     elif train.model not in ("mlp", "cnn"):
         add(("training", "model"),
             f"unknown built-in model {train.model!r}{did_you_mean(train.model, ['mlp', 'cnn'])}; "

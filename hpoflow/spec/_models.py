@@ -23,6 +23,7 @@ __all__ = [
     "ConditionMap",
     "FloatParam",
     "IntParam",
+    "Objective",
     "OracleSpec",
     "Param",
     "PrunerSpec",
@@ -31,6 +32,7 @@ __all__ = [
     "StudySection",
     "StudySpec",
     "TrainConfig",
+    "parse_constraint",
 ]
 
 PLACEHOLDER = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -151,10 +153,74 @@ def _check_range(low: float, high: float, log: bool, step: float | None) -> None
 Param = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
 
 
+class Objective(_Strict):
+    """One objective of a multi-objective study."""
+
+    name: str = Field(min_length=1)
+    direction: Literal["minimize", "maximize"]
+
+
 class StudySection(_Strict):
+    """``metric`` + ``direction`` (one objective), or ``metrics`` (several: ``[{name, direction}, ...]``;
+    ``metric``/``direction`` then name the first, which progress and pruning use)."""
+
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     metric: str = Field(min_length=1)
     direction: Literal["minimize", "maximize"]
+    metrics: list[Objective] = Field(default_factory=list, description="Several objectives (a Pareto front).")
+    constraints: list[str] = Field(
+        default_factory=list, description="Feasibility, e.g. 'peak_memory_mb <= 8000': a returned metric or a "
+                                          "system_ usage figure, <= or >= a number (Optuna's constraints).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_objective(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("metrics"), list) and data["metrics"]:
+            first = data["metrics"][0]
+            if isinstance(first, dict):
+                data = {**data}
+                if "metric" in data and data["metric"] != first.get("name"):
+                    raise PydanticCustomError(
+                        "metric_vs_metrics", "metric {m!r} is not the first of metrics ({f!r}). Fix: drop metric "
+                        "(metrics names every objective)", {"m": data["metric"], "f": first.get("name")})
+                data.setdefault("metric", first.get("name"))
+                data.setdefault("direction", first.get("direction"))
+        return data
+
+    @model_validator(mode="after")
+    def _check_objectives(self) -> StudySection:
+        names = [o.name for o in self.metrics]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("duplicate_metric", "metrics names {names} more than once each. Fix: one "
+                                      "entry per objective", {"names": names})
+        if self.metrics and (self.metrics[0].direction != self.direction):
+            raise PydanticCustomError("metric_vs_metrics", "direction {d} differs from the first objective's ({f}). "
+                                      "Fix: drop direction", {"d": self.direction, "f": self.metrics[0].direction})
+        for c in self.constraints:
+            parse_constraint(c)
+        return self
+
+    @property
+    def objectives(self) -> list[tuple[str, str]]:
+        """(name, direction) of every objective: one for the simple form."""
+        return [(o.name, o.direction) for o in self.metrics] or [(self.metric, self.direction)]
+
+    @property
+    def multi(self) -> bool:
+        return len(self.objectives) > 1
+
+
+_CONSTRAINT = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(<=|>=)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+def parse_constraint(text: str) -> tuple[str, str, float]:
+    """``'name <= 8000'`` -> (name, op, bound); ``PydanticCustomError`` with the rule otherwise."""
+    m = _CONSTRAINT.match(text)
+    if m is None:
+        raise PydanticCustomError("bad_constraint", "constraint {c!r} must read 'NAME <= NUMBER' or 'NAME >= NUMBER' "
+                                  "(NAME a metric the trial returns, or system_rss_peak_mb and the like). Fix: e.g. "
+                                  "'peak_memory_mb <= 8000'", {"c": text})
+    return m.group(1), m.group(2), float(m.group(3))
 
 
 def _checked_name(registry: Registry[Any], name: str, at: str) -> None:
@@ -379,6 +445,22 @@ class StudySpec(_Strict):
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the engine (for compss: the compss: section).")
     oracle: OracleSpec = Field(default_factory=OracleSpec)
+
+    @model_validator(mode="after")
+    def _check_multi_objective(self) -> StudySpec:
+        if not self.study.multi:
+            return self
+        if self.search.pruner.type != "none":
+            raise PydanticCustomError(
+                "multi_objective_pruning", "search.pruner: Optuna does not prune trials of a study with several "
+                "objectives (study.metrics), but the pruner is {p!r}. Fix: remove the pruner, or keep one metric",
+                {"p": self.search.pruner.type})
+        if self.search.algorithm in ("cmaes",):
+            raise PydanticCustomError(
+                "multi_objective_sampler", "search.algorithm: {a} optimises one objective, but study.metrics has "
+                "{n}. Fix: use tpe, nsga2, nsga3, gp or random", {"a": self.search.algorithm,
+                                                                  "n": len(self.study.objectives)})
+        return self
 
     @model_validator(mode="after")
     def _check_engine(self) -> StudySpec:
