@@ -242,6 +242,11 @@ def _run(study: optuna.Study, label: str, rd: Path, parsed: StudySpec, text: str
         from hpoflow.report import ProgressListener
 
         listener = ProgressListener()
+    if parsed.tracking.mlflow not in (None, False, "") or parsed.tracking.tensorboard not in (False, ""):
+        from hpoflow.tracking import FanOut, make_trackers
+
+        trackers = make_trackers(parsed.tracking, parsed.study.name, rd)
+        listener = FanOut([*([listener] if listener is not None else []), *trackers])
     precheck = None
     if parsed.oracle.enabled and not resolve_training(parsed.training, {}).function:
         from hpoflow.oracle.precheck import OraclePrecheck

@@ -42,6 +42,9 @@ _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 class DriverListener(Protocol):
+    """What the driver tells as a study runs (progress displays, tracking tools). A listener may also
+    define ``on_trial_report(number, step, metrics)``: each intermediate report of a running trial."""
+
     def on_start(self, n_total: int, n_done: int) -> None: ...
     def on_trial_start(self, number: int, params: dict[str, Any]) -> None: ...
     def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None: ...
@@ -325,6 +328,9 @@ class Driver:
         fl = self._inflight.get(ev.number)
         if fl is None:
             return
+        on_report = getattr(self.listener, "on_trial_report", None)
+        if on_report is not None:
+            on_report(ev.number, ev.step, ev.metrics)
         value = ev.metrics.get(self.spec.study.metric)
         prune = False
         if value is not None and math.isfinite(value):

@@ -25,6 +25,7 @@ from hpoflow.spec._models import (
     SearchSpec,
     StudySection,
     StudySpec,
+    TrackingSpec,
     TrainConfig,
     parse_constraint,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "SearchSpec",
     "StudySection",
     "StudySpec",
+    "TrackingSpec",
     "TrainConfig",
     "load_spec",
     "outside",

@@ -31,6 +31,7 @@ __all__ = [
     "SearchSpec",
     "StudySection",
     "StudySpec",
+    "TrackingSpec",
     "TrainConfig",
     "parse_constraint",
 ]
@@ -415,6 +416,30 @@ class ResourcesSpec(_Strict):
                                      "timeout), from its last checkpoint; never for errors in user code.")
 
 
+class TrackingSpec(_Strict):
+    """Optional logging of every trial to the tracking tools a group uses (their own clients; each an
+    optional extra): ``mlflow``, true (a local store, ``sqlite:///RUN_DIR/mlflow.db``) or a tracking URI
+    (``sqlite:///path.db``, ``http://host:5000``, ...; one MLflow run per trial in ``experiment``, default
+    the study name); ``tensorboard``, true (``RUN_DIR/tensorboard``) or a directory (one event directory
+    per trial)."""
+
+    mlflow: bool | str | None = None
+    experiment: str | None = Field(default=None, min_length=1)
+    tensorboard: bool | str = False
+
+    @model_validator(mode="after")
+    def _installed(self) -> TrackingSpec:
+        import importlib.util
+
+        if self.mlflow not in (None, False, "") and importlib.util.find_spec("mlflow") is None:
+            raise PydanticCustomError("missing_extra", "tracking.mlflow needs MLflow, which is not installed. Fix: "
+                                      "pip install 'hpoflow[mlflow]' (or mlflow-skinny)", {})
+        if self.tensorboard not in (False, "") and importlib.util.find_spec("tensorboardX") is None:
+            raise PydanticCustomError("missing_extra", "tracking.tensorboard needs tensorboardX, which is not "
+                                      "installed. Fix: pip install 'hpoflow[tensorboard]' (or tensorboardX)", {})
+        return self
+
+
 class OracleSpec(_Strict):
     """The parallelism oracle's check before each trial (built-in trainer only)."""
 
@@ -445,6 +470,7 @@ class StudySpec(_Strict):
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the engine (for compss: the compss: section).")
     oracle: OracleSpec = Field(default_factory=OracleSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     @model_validator(mode="after")
     def _check_multi_objective(self) -> StudySpec:
