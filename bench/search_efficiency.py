@@ -1,0 +1,179 @@
+"""How much sooner adaptive search reaches a good model than the seed's grid search.
+
+On examples/digits.yaml's space (lr log-uniform, batch size, optimizer, momentum when sgd, channels),
+2 slots, with the trials' cost and learning curves from a synthetic response surface
+(``bench_objectives:digits_surface``: 15 epochs, 9-23 s per trial) on the simulated engine, so many
+seeds are affordable. Arms: the seed's approach, a fixed grid (lr in 5 decades, momentum 0.5/0.9;
+90 points) whose results are collected per batch of 2 (each batch waits for its slowest trial); and
+the asynchronous driver with random, TPE, GP and CMA-ES, each without pruning, with ASHA and with the
+median pruner (CMA-ES and GP without pruning). Every arm gets the grid's wall-clock budget (virtual).
+
+Reported per arm, medians over seeds, for two targets: the grid's best value (strict: the grid's
+maximum over 90 noisy results is partly luck) and a fixed "good model" accuracy (``--target``,
+default 0.98, which the grid reaches in every seed): time to reach it, the ratio grid time / arm
+time, and the best value within the budget; a plot of anytime best vs time is written
+with plotly (the report's plotting library) when ``--plot`` names a PNG (needs kaleido).
+
+    python bench/search_efficiency.py [--seeds 5] [--trials 200] [--plot docs/img/search_efficiency.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import BENCH, emit
+
+SPACE = {"lr": {"type": "float", "low": 3.0e-4, "high": 3.0e-2, "log": True},
+         "batch_size": {"type": "categorical", "choices": [32, 64, 128]},
+         "optimizer": {"type": "categorical", "choices": ["adam", "sgd"]},
+         "momentum": {"type": "float", "low": 0.5, "high": 0.95, "when": {"optimizer": "sgd"}},
+         "channels": {"type": "categorical", "choices": [16, 32]}}
+GRID = {**SPACE, "lr": {"type": "categorical", "choices": [3.0e-4, 1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2]},
+        "momentum": {"type": "categorical", "choices": [0.5, 0.9], "when": {"optimizer": "sgd"}}}
+PRUNERS = {"none": {"type": "none"}, "asha": {"type": "asha", "min_resource": 1, "reduction_factor": 3},
+           "median": {"type": "median", "startup_trials": 5, "warmup_steps": 3}}
+
+
+def run(algorithm: str, pruner: str, seed: int, n_trials: int) -> list[tuple[float, float | None, float]]:
+    """(end time, value if complete, duration) of every trial, in submit order, virtual seconds."""
+    from hpoflow.api import optimize
+    from hpoflow.engines.simulated.engine import SimulatedEngine
+    from hpoflow.engines.simulated.options import SimulatedOptions
+
+    os.environ["HPOFLOW_BENCH_SEED"] = str(seed)
+    grid = algorithm == "grid"
+    search: dict[str, Any] = {"algorithm": algorithm, "max_concurrent": 2, "seed": seed, "pruner": PRUNERS[pruner]}
+    if not grid:
+        search["n_trials"] = n_trials
+    spec = {"study": {"name": "eff", "metric": "val_accuracy", "direction": "maximize"},
+            "space": GRID if grid else SPACE, "search": search,
+            "training": {"model": "cnn", "epochs": 15}, "oracle": {"enabled": False}}
+    eng = SimulatedEngine(SimulatedOptions.model_validate({"slots": 2, "function": "bench_objectives:digits_surface"}))
+    with tempfile.TemporaryDirectory() as d:
+        res = optimize(spec, Path(d) / "run", engine=eng)
+        out = []
+        for t in sorted(res.study.trials, key=lambda t: t.number):
+            tm = t.user_attrs.get("timings") or {}
+            if "duration_s" not in tm:
+                continue
+            end = tm["started_at"] - eng.epoch_wall + tm["duration_s"]
+            value = t.value if t.state.name == "COMPLETE" else None
+            out.append((end, value, tm["duration_s"]))
+    return out
+
+
+def batched(trials: list[tuple[float, float | None, float]], slots: int = 2) -> list[tuple[float, float | None]]:
+    """The grid as the seed ran it: batches of ``slots`` in order, each collected when its slowest ends."""
+    out, clock = [], 0.0
+    for i in range(0, len(trials), slots):
+        batch = trials[i: i + slots]
+        clock += max(d for _, _, d in batch)
+        out.extend((clock, v) for _, v, _ in batch)
+    return out
+
+
+def anytime(points: list[tuple[float, float | None]]) -> list[tuple[float, float]]:
+    best, out = -math.inf, []
+    for t, v in sorted(points, key=lambda p: p[0]):
+        if v is not None and v > best:
+            best = v
+            out.append((t, best))
+    return out
+
+
+def time_to(curve: list[tuple[float, float]], target: float, budget: float) -> float:
+    return next((t for t, b in curve if b >= target - 1e-12 and t <= budget), math.inf)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=200, help="trials of each adaptive arm (the budget cuts them)")
+    ap.add_argument("--plot", help="write the anytime-best plot to this PNG")
+    ap.add_argument("--target", type=float, default=0.98, help="the fixed target accuracy")
+    ap.add_argument("--quick", action="store_true", help="2 seeds, few arms (a smoke run)")
+    a = ap.parse_args()
+    arms = [(alg, p) for alg in ("random", "tpe") for p in ("none", "asha", "median")] + [("gp", "none"),
+                                                                                         ("cmaes", "none")]
+    if a.quick:
+        a.seeds, a.trials, arms = 2, 60, [("random", "none"), ("tpe", "asha")]
+    results: dict[str, dict[str, Any]] = {}
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    grid_ttt: dict[str, list[float]] = {"grid_best": [], "fixed": []}
+    budgets, targets = [], []
+    for seed in range(a.seeds):
+        grid_points = batched(run("grid", "none", seed, 0))
+        grid = anytime(grid_points)
+        budget = max(t for t, _ in grid_points)
+        goals = {"grid_best": grid[-1][1], "fixed": a.target}
+        budgets.append(budget)
+        targets.append(goals["grid_best"])
+        for k, goal in goals.items():
+            grid_ttt[k].append(time_to(grid, goal, budget))
+        curves.setdefault("grid (batches of 2)", []).append(grid)
+        for alg, pr in arms:
+            name = f"{alg}+{pr}" if pr != "none" else alg
+            curve = anytime([(t, v) for t, v, _ in run(alg, pr, seed, a.trials)])
+            curves.setdefault(name, []).append(curve)
+            r = results.setdefault(name, {"grid_best": [], "fixed": [], "best": []})
+            for k, goal in goals.items():
+                r[k].append(time_to(curve, goal, budget))
+            r["best"].append(max((b for t, b in curve if t <= budget), default=math.nan))
+        print(f"seed {seed}: grid budget {budget:.0f} s, best {goals['grid_best']:.4f} (reached at "
+              f"{grid_ttt['grid_best'][-1]:.0f} s), {a.target} at {grid_ttt['fixed'][-1]:.0f} s; "
+              + ", ".join(f"{n} {r['grid_best'][-1]:.0f}/{r['fixed'][-1]:.0f} s" for n, r in results.items()),
+              flush=True)
+    g = {k: statistics.median(v) for k, v in grid_ttt.items()}
+    table: dict[str, dict[str, Any]] = {}
+    for name, r in results.items():
+        row: dict[str, Any] = {"best_in_budget": round(statistics.median(r["best"]), 4)}
+        for k in ("grid_best", "fixed"):
+            ttt = statistics.median(r[k])
+            row[k] = {"time_to_target_s": round(ttt, 1) if math.isfinite(ttt) else None,
+                      "ratio_vs_grid": round(g[k] / ttt, 2) if math.isfinite(ttt) and ttt > 0 else 0.0,
+                      "reached": sum(math.isfinite(x) for x in r[k])}
+        table[name] = row
+    for name, row in sorted(table.items(), key=lambda kv: -kv[1]["fixed"]["ratio_vs_grid"]):
+        f, gb = row["fixed"], row["grid_best"]
+        print(f"{name:>14}: to {a.target}: {f['time_to_target_s']} s vs grid {g['fixed']:.0f} s = "
+              f"{f['ratio_vs_grid']}x ({f['reached']}/{a.seeds} seeds); to the grid's best: "
+              f"{gb['time_to_target_s']} s vs {g['grid_best']:.0f} s = {gb['ratio_vs_grid']}x "
+              f"({gb['reached']}/{a.seeds}); best within budget {row['best_in_budget']}")
+    if a.plot:
+        plot(curves, statistics.median(budgets), Path(a.plot))
+    emit({"seeds": a.seeds, "grid_time_to_target_s": {k: round(v, 1) for k, v in g.items()},
+          "grid_budget_s": round(statistics.median(budgets), 1), "fixed_target": a.target,
+          "grid_best_median": round(statistics.median(targets), 4), "arms": table})
+
+
+def plot(curves: dict[str, list[list[tuple[float, float]]]], budget: float, path: Path) -> None:
+    """Median anytime best over seeds vs time, one line per arm (plotly, as the report draws)."""
+    import plotly.graph_objects as go
+
+    grid_t = [budget * i / 200 for i in range(201)]
+    fig = go.Figure()
+    for name, runs in curves.items():
+        ys = []
+        for t in grid_t:
+            at = [max((b for s, b in c if s <= t), default=math.nan) for c in runs]
+            at = [x for x in at if not math.isnan(x)]
+            ys.append(statistics.median(at) if at else None)
+        fig.add_trace(go.Scatter(x=grid_t, y=ys, mode="lines", name=name))
+    fig.update_layout(title="anytime best val_accuracy (median over seeds), 2 slots", xaxis_title="seconds",
+                      yaxis_title="best val_accuracy so far", yaxis_range=[0.9, 1.0], width=1000, height=560)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.write_image(str(path))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    main()
