@@ -19,10 +19,21 @@ from typing import Any
 from hpoflow.oracle.catalog import PRECISION_BYTES, PRESETS, STRATEGIES
 from hpoflow.oracle.errors import OracleError
 
-__all__ = ["register"]
+__all__ = ["EXIT_DOES_NOT_FIT", "register"]
+
+EXIT_DOES_NOT_FIT = 3  # the prediction ran: the plan does not fit the device's memory
+
+_EXAMPLE = """example (ResNet-50, ImageNet, 90 epochs, batch 32 per GPU on 256 P100s in 32 nodes of 8):
+  hpoflow oracle --model resnet50 --cluster p100-cluster --devices 256 --batch-size 32 --epochs 90
+  hpoflow oracle --model resnet50 --cluster p100-cluster --batch-size 256 --json   # too big: exit 3
+
+exit codes: 0 the plan fits; 3 it does not fit the device's memory (the largest batch that fits is
+printed); 2 a user error (unknown model, bad value)."""
 
 
-def _add_predict_args(p: argparse.ArgumentParser) -> None:
+def _add_predict_args(p: argparse.ArgumentParser, keep_parent: bool = False) -> None:
+    """The prediction options; on the ``predict`` subcommand (``keep_parent``) they default to nothing,
+    so options written before ``predict`` (``hpoflow oracle --model X predict``) are kept."""
     p.add_argument("--model", help="a built-in model (mlp, cnn, resnet18, resnet50, vgg16, bert-base, ...; an "
                                     "unknown name lists them all) or module:function")
     p.add_argument("--batch-size", type=int, default=32, help="samples per device (per replica "
@@ -46,18 +57,22 @@ def _add_predict_args(p: argparse.ArgumentParser) -> None:
                    help="training samples per epoch (default: ImageNet-1k 1,281,167)")
     p.add_argument("--epochs", type=float, default=90.0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-
+    if keep_parent:
+        for action in p._actions:
+            if action.dest != "help":
+                action.default = argparse.SUPPRESS
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``oracle`` subcommand (default: predict; ``calibrate``) to ``subparsers``."""
     oracle = subparsers.add_parser(
         "oracle", help="predict step time, time-to-train, memory and bottleneck per strategy",
-        description=__doc__.splitlines()[0],
+        description=__doc__.splitlines()[0], epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_predict_args(oracle)
     sub = oracle.add_subparsers(dest="oracle_command", metavar="{predict,calibrate}")
-    predict = sub.add_parser("predict", help="predict one configuration (the default)")
-    _add_predict_args(predict)
+    predict = sub.add_parser("predict", help="predict one configuration (the default)", epilog=_EXAMPLE,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_predict_args(predict, keep_parent=True)
     cal = sub.add_parser("calibrate", help="measure this machine and write a cluster YAML")
     cal.add_argument("--out", default="cluster.yaml", help="YAML to write (default cluster.yaml)")
     cal.add_argument("--processes", type=int, default=2, help="gloo processes (default 2)")
@@ -115,8 +130,13 @@ def _predict(args: argparse.Namespace) -> int:
     pred = predict(facts, cluster, plan)
     if args.json:
         print(json.dumps({**pred.to_dict(), "facts": facts.to_dict()}))
-        return 0
-    _print_table(pred.to_dict(), facts.to_dict())
+    else:
+        _print_table(pred.to_dict(), facts.to_dict())
+    if not pred.fits:
+        print(f"hpoflow oracle: batch {plan.batch_size} per device does not fit the device's memory "
+              f"({pred.memory_per_device_bytes / 2**30:.2f} GiB needed, {pred.memory_available_bytes / 2**30:.2f} GiB "
+              f"available); the largest batch that fits is {pred.max_batch_per_device}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     return 0
 
 

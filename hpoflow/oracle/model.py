@@ -71,26 +71,24 @@ class Plan:
 
     def validate(self, cluster: ClusterSpec) -> Plan:
         """This plan with ``devices`` filled in, or :class:`OracleError` naming the bad field."""
-        devices = self.devices or cluster.total_devices
+        devices = cluster.total_devices if self.devices is None else self.devices  # 0 is an error, not "all"
         checks = [
-            (self.strategy in STRATEGIES, "strategy", f"one of {', '.join(STRATEGIES)}"),
-            (self.batch_size >= 1, "batch_size", "an integer >= 1"),
+            (self.strategy in STRATEGIES, "strategy", f"one of {', '.join(STRATEGIES)}", self.strategy),
+            (self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size),
             (1 <= devices <= cluster.total_devices, "devices",
-             f"between 1 and the {cluster.total_devices} devices of cluster {cluster.name!r}"),
-            (self.servers >= 1, "servers", "an integer >= 1"),
-            (self.period >= 1, "period", "an integer >= 1"),
-            (self.stages >= 1, "stages", "an integer >= 1"),
+             f"between 1 and the {cluster.total_devices} devices of cluster {cluster.name!r}", devices),
+            (self.servers >= 1, "servers", "an integer >= 1", self.servers),
+            (self.period >= 1, "period", "an integer >= 1", self.period),
+            (self.stages >= 1, "stages", "an integer >= 1", self.stages),
             (self.strategy != "pipeline" or devices % self.stages == 0, "devices",
-             f"a multiple of the pipeline stages ({self.stages})"),
-            (self.overlap is None or 0 <= self.overlap <= 1, "overlap", "in [0, 1]"),
-            (self.dataset_size >= 1 and self.epochs > 0, "dataset_size/epochs", "positive"),
+             f"a multiple of the pipeline stages ({self.stages})", devices),
+            (self.overlap is None or 0 <= self.overlap <= 1, "overlap", "in [0, 1]", self.overlap),
+            (self.dataset_size >= 1, "dataset_size", "an integer >= 1", self.dataset_size),
+            (self.epochs > 0, "epochs", "> 0", self.epochs),
         ]
-        for ok, field, rule in checks:
+        for ok, field, rule, value in checks:
             if not ok:
-                raise OracleError(
-                    f"{field} must be {rule}, but got {getattr(self, field, None) or devices!r}; "
-                    f"change {field}"
-                )
+                raise OracleError(f"{field} must be {rule}, but got {value!r}; change {field}")
         return replace(self, devices=devices)
 
 

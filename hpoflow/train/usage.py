@@ -51,8 +51,13 @@ def _tcp_counters() -> dict[str, tuple[int, int]]:
         if not target.startswith("socket:"):
             continue
         try:
-            s = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
+            dup = os.dup(int(name))
+        except OSError:  # closed since the listing
+            continue
+        try:
+            s = socket.socket(fileno=dup)
+        except OSError:  # no longer a socket (the number was reused): close the duplicate
+            os.close(dup)
             continue
         try:
             if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):

@@ -43,6 +43,31 @@ def test_register_user_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None
     assert _run(["oracle", "predict", "--model", "mlp", "--cluster", "nowhere"]) == 2
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--devices", "0"], "devices must be between 1 and the 64 devices of cluster 'p100-cluster', but got 0"),
+    (["--batch-size", "0"], "batch_size must be an integer >= 1, but got 0"),
+    (["--epochs", "0"], "epochs must be > 0, but got 0.0"),
+])
+def test_a_bad_value_is_named_as_given(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["oracle", "--model", "resnet50", "--cluster", "p100-cluster", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_options_before_predict_are_kept(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["oracle", "--model", "resnet50", "--cluster", "p100-cluster", "--batch-size", "8", "predict",
+                 "--devices", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["batch_per_device"], out["devices"], out["cluster"]) == (8, 4, "p100-cluster")
+
+
+def test_a_plan_that_does_not_fit_exits_3_with_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["oracle", "--model", "resnet50", "--cluster", "p100-cluster", "--batch-size", "4096",
+                 "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out)["fits"] is False
+    assert f"the largest batch that fits is {json.loads(out)['max_batch_per_device']}" in err
+
+
 @pytest.mark.skipif(not (ROOT / "hpoflow" / "__main__.py").exists(), reason="no __main__ yet")
 @pytest.mark.slow
 def test_python_m_hpoflow_oracle(tmp_path: Path) -> None:
