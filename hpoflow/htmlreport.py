@@ -180,6 +180,45 @@ def _costs(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
     return Panel("cost per trial", fig)
 
 
+_ORACLE = (("step_s", "step_time_s", "step time (s)"), ("throughput", "samples_per_s", "samples/s (all ranks)"))
+
+
+def _oracle(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel | None:
+    """The oracle's prediction (made before the trial ran) against what the trial measured."""
+    go = _plotly().graph_objects
+    from plotly.subplots import make_subplots
+
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    if not any(t.user_attrs.get("oracle") for t in trials):
+        return None  # the oracle judged no trial (a user function, or oracle.enabled false)
+    rows = []
+    for pred_key, meas_key, label in _ORACLE:
+        pts = [(t.number, float(p), float(m)) for t in trials
+               if isinstance(p := (t.user_attrs.get("oracle") or {}).get(pred_key), int | float)
+               and isinstance(m := (t.user_attrs.get("metrics") or {}).get(meas_key), int | float) and p > 0 and m > 0]
+        if pts:
+            rows.append((label, pts))
+    title = "oracle: predicted against measured"
+    if not rows:
+        return Panel(title, note="no trial has both an oracle prediction and a measurement")
+    fig = make_subplots(rows=1, cols=len(rows), subplot_titles=[label for label, _ in rows])
+    for col, (_label, pts) in enumerate(rows, start=1):
+        lo = min(min(p, m) for _, p, m in pts)
+        hi = max(max(p, m) for _, p, m in pts)
+        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", line={"dash": "dash", "color": "grey"},
+                                 name="prediction = measurement", showlegend=col == 1), row=1, col=col)
+        fig.add_trace(go.Scatter(x=[p for _, p, _ in pts], y=[m for _, _, m in pts], mode="markers", showlegend=False,
+                                 text=[f"trial {n}: measured/predicted {m / p:.2f}" for n, p, m in pts]),
+                      row=1, col=col)
+        fig.update_xaxes(title_text="predicted", type="log", row=1, col=col)
+        fig.update_yaxes(title_text="measured", type="log", row=1, col=col)
+    fig.update_layout(height=380)
+    ratios = sorted(m / p for _, p, m in rows[0][1])
+    return Panel(title, fig, note=f"median measured/predicted {rows[0][0]}: {ratios[len(ratios) // 2]:.2f} over "
+                                  f"{len(ratios)} trial(s) (the oracle prices a trial from oracle.cluster before it "
+                                  "runs)")
+
+
 def _system(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
     go = _plotly().graph_objects
     from plotly.subplots import make_subplots
@@ -220,6 +259,7 @@ PANELS: list[Callable[[optuna.Study, Mapping[str, Any]], Panel | None]] = [
     _optuna_plot("plot_parallel_coordinate", "parallel coordinates", "nothing to draw"),
     _optuna_plot("plot_slice", "slices", "nothing to draw"),
     _costs,
+    _oracle,
     _system,
 ]
 
