@@ -16,6 +16,7 @@ from typing import Any
 __all__ = ["DEVICES", "LINKS", "PRECISION_BYTES", "PRESETS", "STRATEGIES"]
 
 _G = 1e9
+_GIB = 2**30  # device memory: vendors' "16 GB" of HBM is 16 GiB; bandwidths stay decimal GB/s
 
 # bytes per value of each training precision (weights, gradients, activations)
 PRECISION_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -37,7 +38,7 @@ DEVICES: dict[str, dict[str, Any]] = {
     "p100": {
         "name": "NVIDIA Tesla P100 SXM2 16GB",
         "peak_flops": {"fp32": 10.6 * _T, "fp16": 21.2 * _T, "bf16": 10.6 * _T},
-        "memory_bytes": 16 * _G,
+        "memory_bytes": 16 * _GIB,
         "memory_bandwidth": 732 * _G,
         "efficiency": {"fp32": 0.6, "fp16": 0.45, "bf16": 0.6},
         "source": "NVIDIA Tesla P100 datasheet (SXM2: 10.6 TFLOPS fp32, 21.2 fp16, 16 GB "
@@ -46,7 +47,7 @@ DEVICES: dict[str, dict[str, Any]] = {
     "v100": {
         "name": "NVIDIA Tesla V100 SXM2 16GB",
         "peak_flops": {"fp32": 15.7 * _T, "fp16": 125 * _T, "bf16": 15.7 * _T},
-        "memory_bytes": 16 * _G,
+        "memory_bytes": 16 * _GIB,
         "memory_bandwidth": 900 * _G,
         "efficiency": {"fp32": 0.6, "fp16": 0.25, "bf16": 0.6},
         "source": "NVIDIA Tesla V100 datasheet (SXM2: 15.7 TFLOPS fp32, 125 tensor fp16, "
@@ -55,7 +56,7 @@ DEVICES: dict[str, dict[str, Any]] = {
     "a100": {
         "name": "NVIDIA A100 SXM4 80GB",
         "peak_flops": {"fp32": 19.5 * _T, "fp16": 312 * _T, "bf16": 312 * _T},
-        "memory_bytes": 80 * _G,
+        "memory_bytes": 80 * _GIB,
         "memory_bandwidth": 2039 * _G,
         "efficiency": {"fp32": 0.6, "fp16": 0.2, "bf16": 0.2},
         "source": "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: 19.5 TFLOPS fp32, "
@@ -64,7 +65,7 @@ DEVICES: dict[str, dict[str, Any]] = {
     "h100": {
         "name": "NVIDIA H100 SXM5 80GB",
         "peak_flops": {"fp32": 67 * _T, "fp16": 989 * _T, "bf16": 989 * _T},
-        "memory_bytes": 80 * _G,
+        "memory_bytes": 80 * _GIB,
         "memory_bandwidth": 3350 * _G,
         "efficiency": {"fp32": 0.5, "fp16": 0.15, "bf16": 0.15},
         "source": "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 67 TFLOPS fp32, 989 fp16/bf16 "

@@ -169,8 +169,8 @@ def _print_table(p: dict[str, Any], f: dict[str, Any]) -> None:
         ("throughput", f"{p['throughput']:.1f} samples/s"),
         ("epoch", _fmt_time(p["epoch_s"])),
         ("time to train", _fmt_time(p["time_to_train_s"])),
-        ("memory per device", f"{p['memory_per_device_bytes'] / 1e9:.2f} of "
-                              f"{p['memory_available_bytes'] / 1e9:.2f} GB"),
+        ("memory per device", f"{p['memory_per_device_bytes'] / 2**30:.2f} of "
+                              f"{p['memory_available_bytes'] / 2**30:.2f} GiB"),
         ("largest batch that fits", str(p["max_batch_per_device"])),
         ("speed-up (weak scaling)", f"{p['speedup']:.1f}x, efficiency "
                                     f"{p['scaling_efficiency']:.0%}"),

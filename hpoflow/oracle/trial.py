@@ -16,7 +16,7 @@ from hpoflow.trial import Verdict
 
 __all__ = ["Verdict", "check_trial", "strategy_plan"]
 
-_GB = 1e9
+_GIB = 2**30
 
 
 def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
@@ -52,14 +52,14 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
         return Verdict(
             False,
             f"memory per device must fit the device: trial needs "
-            f"{pred.memory_per_device_bytes / _GB:.2f} GB per device for model {model!r} at "
+            f"{pred.memory_per_device_bytes / _GIB:.2f} GiB per device for model {model!r} at "
             f"batch_size {plan.batch_size}, but {spec.device.name} has "
-            f"{pred.memory_available_bytes / _GB:.2f} GB available; largest batch that fits: "
+            f"{pred.memory_available_bytes / _GIB:.2f} GiB available; largest batch that fits: "
             f"{pred.max_batch_per_device}",
             pred.to_dict(),
         )
-    return Verdict(True, f"fits: {pred.memory_per_device_bytes / _GB:.3f} GB of "
-                         f"{pred.memory_available_bytes / _GB:.2f} GB per device",
+    return Verdict(True, f"fits: {pred.memory_per_device_bytes / _GIB:.3f} GiB of "
+                         f"{pred.memory_available_bytes / _GIB:.2f} GiB per device",
                    pred.to_dict())
 
 

@@ -40,7 +40,7 @@ def test_check_trial_infeasible_reason_has_numbers() -> None:
              "optimizer": "adam", "momentum": 0.0, "epochs": 2}
     v = check_trial(train, processes=2, gpus_per_process=0, cluster=tiny)
     assert not v.feasible
-    assert len(re.findall(r"\d+\.\d+ GB", v.reason)) == 2  # needed and available
+    assert len(re.findall(r"\d+\.\d+ GiB", v.reason)) == 2  # needed and available
     assert "largest batch that fits" in v.reason
     assert v.predicted["max_batch_per_device"] < 64
     ok = check_trial({**train, "batch_size": 4}, processes=1, gpus_per_process=0, cluster=None)

@@ -227,7 +227,7 @@ def test_oracle_rejects_a_trial_too_large_for_the_device_without_a_slot(tmp_path
     big, small = by_hidden[200000], by_hidden[64]
     assert big.state == TrialState.PRUNED
     reason = big.user_attrs["error"]
-    assert "GB per device" in reason and "largest batch that fits" in reason
+    assert "GiB per device" in reason and "largest batch that fits" in reason
     assert [r.params for r in engine.submitted] == [{"hidden": 64}]  # the big one never took a slot
     assert small.state == TrialState.COMPLETE
     assert small.user_attrs["oracle"]["memory_per_device_bytes"] > 0  # prediction stored with the trial
