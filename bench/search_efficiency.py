@@ -10,7 +10,7 @@ median pruner (CMA-ES and GP without pruning). Every arm gets the grid's wall-cl
 
 Reported per arm, medians over seeds, for two targets: the grid's best value (strict: the grid's
 maximum over 90 noisy results is partly luck) and a fixed "good model" accuracy (``--target``,
-default 0.985, near the surface's optimum of about 0.988): time to reach it, the ratio grid time / arm
+default 0.98, which the grid reaches in every seed): time to reach it, the ratio grid time / arm
 time, and the best value within the budget; a plot of anytime best vs time is written
 with plotly (the report's plotting library) when ``--plot`` names a PNG (needs kaleido).
 
@@ -94,9 +94,9 @@ def time_to(curve: list[tuple[float, float]], target: float, budget: float) -> f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--trials", type=int, default=140, help="trials of each adaptive arm (the budget cuts them)")
+    ap.add_argument("--trials", type=int, default=200, help="trials of each adaptive arm (the budget cuts them)")
     ap.add_argument("--plot", help="write the anytime-best plot to this PNG")
-    ap.add_argument("--target", type=float, default=0.985, help="the fixed target accuracy")
+    ap.add_argument("--target", type=float, default=0.98, help="the fixed target accuracy")
     ap.add_argument("--quick", action="store_true", help="2 seeds, few arms (a smoke run)")
     a = ap.parse_args()
     arms = [(alg, p) for alg in ("random", "tpe") for p in ("none", "asha", "median")] + [("gp", "none"),

@@ -329,12 +329,15 @@ def write_pngs(panels: list[Panel], directory: Path) -> list[Path]:
     except ImportError:
         raise HpoflowError("--png needs kaleido (plotly's static image export). Fix: pip install kaleido") from None
     directory.mkdir(parents=True, exist_ok=True)
-    written = []
+    figs, written = [], []
     for i, p in enumerate(panels):
         if p.figure is None:
             continue
         name = "".join(c if c.isalnum() else "_" for c in p.title.split("(")[0].strip()).strip("_")
-        path = directory / f"{i:02d}_{name}.png"
-        p.figure.write_image(str(path), width=1100, height=max(400, int(p.figure.layout.height or 450)))
-        written.append(path)
+        p.figure.update_layout(width=1100, height=max(400, int(p.figure.layout.height or 450)))
+        figs.append(p.figure)
+        written.append(directory / f"{i:02d}_{name}.png")
+    import plotly.io as pio
+
+    pio.write_images(figs, [str(w) for w in written])  # one browser session for all of them
     return written
