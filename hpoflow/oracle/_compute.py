@@ -10,9 +10,9 @@ Matrix kernels (convolutions, matrix products) run at the precision of their inp
 at the ``fp16``/``bf16`` peak, fp32 ones at the ``tf32`` peak when the plan asks for TF32 and, for
 convolutions only, when the device has TF32 units (PyTorch's defaults:
 ``torch.backends.cudnn.allow_tf32`` is true, ``torch.backends.cuda.matmul.allow_tf32`` false),
-else at the fp32 peak. Every other kernel is memory-bound. Tensor cores convolve channels-last (NHWC) data: with PyTorch's
-default NCHW layout a tensor-core convolution also transposes its activations in and out (two
-more passes over them). The optimizer step reads and writes its
+else at the fp32 peak. Every other kernel is memory-bound. Tensor cores convolve channels-last
+(NHWC) data: with PyTorch's default NCHW layout a tensor-core convolution also transposes its
+activations in and out (two more passes over them). The optimizer step reads and writes its
 fp32 state once per step: 12 bytes per parameter for SGD, 20 with momentum, 28 for Adam, plus 12
 for the gradient scaler's unscale and overflow check under fp16.
 

@@ -172,13 +172,13 @@ def _layer_tracking(model: nn.Module, names: list[str]) -> Iterator[tuple[Callab
     tagged: set[int] = set()
 
     def tag(tensor_tree: Any, layer: int) -> None:
-        todo = [t.grad_fn for t in _tensors(tensor_tree) if t.grad_fn is not None]
+        todo: list[Any] = [t.grad_fn for t in _tensors(tensor_tree) if t.grad_fn is not None]
         while todo:
             node = todo.pop()
             if node is None or id(node) in tagged:
                 continue
             tagged.add(id(node))
-            node.register_prehook(lambda _grads, layer=layer: state.__setitem__("current", layer))  # type: ignore[misc]
+            node.register_prehook(lambda _grads, layer=layer: state.__setitem__("current", layer))
             todo.extend(nxt for nxt, _ in node.next_functions)
 
     def pre(module: nn.Module, _inp: Any) -> None:

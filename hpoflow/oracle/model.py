@@ -29,7 +29,7 @@ the shortest step, which exists because compute shrinks as 1/q while communicati
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -42,7 +42,7 @@ from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import ModelFacts, optimizer_state_bytes
 
 __all__ = ["ACTIVATION_TRAFFIC", "ALGORITHMS", "STRATEGIES", "VIEW_KINDS", "Plan", "Prediction", "StepCost",
-           "memory_breakdown", "predict", "step_cost"]
+           "ddp_buckets", "memory_breakdown", "predict", "step_cost"]
 
 MIB = 2**20
 DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -177,24 +177,37 @@ class Prediction:
         return d
 
 
-def _buckets(facts: ModelFacts, plan: Plan) -> list[tuple[int, float]]:
-    """DDP's buckets in the order backward fills them: (index of the gradient of ``grad_ready``
-    that completes the bucket, elements); one bucket of everything without a trace."""
+def ddp_buckets(facts: ModelFacts, plan: Plan) -> list[tuple[int, ...]]:
+    """DDP's buckets in the order backward fills them, each as the indices (into the trace's
+    ``grad_ready``) of its gradients: DDP rebuilds its buckets after the first step in the order
+    gradients became ready, closing the first at 1 MiB of fp32 gradients and the others at
+    ``bucket_mb`` MiB (a bucket closes once it reaches its limit). One bucket without a trace."""
     trace = facts.trace
     if trace is None or not trace.grad_ready:
-        return [(-1, float(facts.params))]
+        return []
     cap = plan.bucket_mb * MIB
     limit = min(DDP_FIRST_BUCKET_BYTES, cap) if cap > 0 else 0.0
-    out: list[tuple[int, float]] = []
-    elements = 0.0
+    out: list[tuple[int, ...]] = []
+    current: list[int] = []
+    nbytes = 0.0
     for i, (_, numel, _) in enumerate(trace.grad_ready):
-        elements += numel
-        if 4 * elements >= limit:  # DDP closes a bucket once its fp32 bytes reach the limit
-            out.append((i, elements))
-            elements, limit = 0.0, cap
-    if elements:
-        out.append((len(trace.grad_ready) - 1, elements))
+        current.append(i)
+        nbytes += 4 * numel
+        if nbytes >= limit:
+            out.append(tuple(current))
+            current, nbytes, limit = [], 0.0, cap
+    if current:
+        out.append(tuple(current))
     return out
+
+
+def _bucket_list(facts: ModelFacts, plan: Plan) -> list[tuple[int, float]]:
+    """(index in ``grad_ready`` of the gradient that completes the bucket, elements) per bucket."""
+    trace = facts.trace
+    buckets = ddp_buckets(facts, plan)
+    if trace is None or not buckets:
+        return [(-1, float(facts.params))]
+    return [(b[-1], float(sum(trace.grad_ready[i][1] for i in b))) for b in buckets]
 
 
 @dataclass(frozen=True)
@@ -214,9 +227,9 @@ def _allreduce_overlap(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, net:
     fixed = cluster.overheads.collective_s
     bw = lat = 0.0
     end = 0.0
-    moved: Counter[str] = Counter()
-    per_algorithm: Counter[str] = Counter()
-    buckets = _buckets(facts, plan)
+    moved: dict[str, float] = defaultdict(float)
+    per_algorithm: dict[str, float] = defaultdict(float)
+    buckets = _bucket_list(facts, plan)
     backward = comp.backward_s * slow
     for last, elements in buckets:
         nbytes = elements * elements_scale * wire
@@ -231,7 +244,7 @@ def _allreduce_overlap(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, net:
     timeline = max(0.0, end - backward)
     overlap = cluster.overlap if plan.overlap is None else plan.overlap
     exposed = overlap * min(timeline, total) + (1 - overlap) * total
-    algorithm = moved.most_common(1)[0][0] if moved else ""
+    algorithm = max(moved, key=lambda a: moved[a]) if moved else ""
     return _Comm(bw, lat, exposed, algorithm, len(buckets), dict(per_algorithm))
 
 

@@ -59,7 +59,8 @@ def expected_row(case: str, devices: int, quantity: str, published: str) -> str:
     if quantity.startswith("largest batch"):
         verdict = "fits" if p.max_batch_per_device >= pub else "does not fit"
         return f"| {case} | {devices} | {quantity} | {published} | {p.max_batch_per_device} | {verdict} |"
-    values = {"throughput (img/s)": (p.throughput, "{:,.0f}"), "time to train (h)": (p.time_to_train_s / 3600, "{:.1f}"),
+    values = {"throughput (img/s)": (p.throughput, "{:,.0f}"),
+              "time to train (h)": (p.time_to_train_s / 3600, "{:.1f}"),
               "time to train (min)": (p.time_to_train_s / 60, "{:.1f}"), "epoch (s)": (p.epoch_s, "{:.1f}")}
     if quantity not in values:
         raise AssertionError(f"unknown quantity {quantity!r} in docs/oracle.md; known: {', '.join(values)}")
