@@ -19,7 +19,7 @@ for the gradient scaler's unscale and overflow check under fp16.
 **Calibrated** (``hpoflow oracle calibrate`` measured tables for this device): FLOP time from the
 ``efficiency_table``/per-kind efficiencies, memory-bound layers from ``layer_cost`` and the rest of
 the activations moved ``ACTIVATION_TRAFFIC`` times at the memory bandwidth, the optimizer at its
-measured seconds per parameter: exactly the model validated on CPU (docs/oracle.md section 5).
+measured seconds per parameter: exactly the model validated on CPU (docs/oracle.md section 7).
 Gradient readiness inside its backward pass follows the roofline's shares of the traced kernels.
 
 Both add the CPU-side overheads (per step, per dispatched operator, per parameter tensor, per
