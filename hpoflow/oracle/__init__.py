@@ -4,7 +4,7 @@ Typical use::
 
     from hpoflow.oracle import Plan, load_cluster, model_facts, predict
     pred = predict(model_facts("resnet50"), load_cluster("p100-cluster"), Plan(batch_size=32))
-    print(pred.cost.step_s, pred.bottleneck, pred.max_speedup_devices)
+    print(pred.cost.step_s, pred.cost.algorithm, pred.algorithm_note, pred.fits, pred.max_batch_per_device)
 
 See docs/oracle.md for the equations and what the model leaves out.
 """
@@ -15,15 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpoflow.oracle.calibration import calibrate, write_cluster
-    from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
+    from hpoflow.oracle.catalog import ALGORITHMS, DEVICES, LINKS, PRESETS
     from hpoflow.oracle.cluster import ClusterSpec, DeviceSpec, LinkSpec, Overheads, load_cluster
     from hpoflow.oracle.errors import OracleError
     from hpoflow.oracle.facts import BUILTIN_MODELS, ModelFacts, model_facts, optimizer_state_bytes
-    from hpoflow.oracle.model import STRATEGIES, Plan, Prediction, StepCost, predict
+    from hpoflow.oracle.model import STRATEGIES, Plan, Prediction, StepCost, memory_breakdown, predict
     from hpoflow.oracle.trial import check_trial
     from hpoflow.trial import Verdict
 
 __all__ = [
+    "ALGORITHMS",
     "BUILTIN_MODELS",
     "DEVICES",
     "LINKS",
@@ -42,6 +43,7 @@ __all__ = [
     "calibrate",
     "check_trial",
     "load_cluster",
+    "memory_breakdown",
     "model_facts",
     "optimizer_state_bytes",
     "predict",
@@ -51,6 +53,7 @@ __all__ = [
 # Names load on first use (PEP 562): importing ``hpoflow.oracle.precheck`` or ``hpoflow.oracle.cli``
 # must not pull in torch through ``calibrate``/``facts``.
 _WHERE = {
+    'ALGORITHMS': 'hpoflow.oracle.catalog',
     'BUILTIN_MODELS': 'hpoflow.oracle.facts',
     'ClusterSpec': 'hpoflow.oracle.cluster',
     'DEVICES': 'hpoflow.oracle.catalog',
@@ -69,6 +72,7 @@ _WHERE = {
     'calibrate': 'hpoflow.oracle.calibration',
     'check_trial': 'hpoflow.oracle.trial',
     'load_cluster': 'hpoflow.oracle.cluster',
+    'memory_breakdown': 'hpoflow.oracle.model',
     'model_facts': 'hpoflow.oracle.facts',
     'optimizer_state_bytes': 'hpoflow.oracle.facts',
     'predict': 'hpoflow.oracle.model',

@@ -251,7 +251,7 @@ def _probe_tables(scale: float, peak: float, per_op: float) -> dict[str, list[tu
                               0.0, per_op) for b, ci, co, s in CONV_GRID]
     # LINEAR_GRID is not calibrated by default: in validation the linear table over-predicted
     # the small MLP (ratio 1.2-1.5 where the single linear efficiency gives ~0.8); see
-    # docs/oracle.md section 5. The model still prices a "linear" table given in a spec.
+    # docs/oracle.md section 7. The model still prices a "linear" table given in a spec.
     return {"conv": sorted(conv)}
 
 

@@ -1,11 +1,12 @@
 """``hpoflow oracle``: predict a training configuration, or calibrate this machine.
 
     hpoflow oracle --model resnet50 --batch-size 32 --cluster p100-cluster [--devices 16]
-                   [--strategy ring|tree|ps|easgd|pipeline] [--json]
+                   [--strategy allreduce|ring|tree|ps|easgd|pipeline] [--json]
     hpoflow oracle calibrate [--out cluster.yaml] [--processes 2]
 
 Arguments become typed objects (:class:`~hpoflow.oracle.model.Plan`, ``ClusterSpec``) here and
-nowhere else. User errors print one line to stderr and return 2.
+nowhere else. User errors print one line to stderr and return 2; a plan that does not fit the
+device's memory prints its prediction, then the largest batch that fits, and returns 3.
 """
 
 from __future__ import annotations
@@ -16,41 +17,60 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpoflow.oracle.catalog import PRECISION_BYTES, PRESETS, STRATEGIES
+from hpoflow.oracle.catalog import ALGORITHMS, PRECISION_BYTES, PRESETS, STRATEGIES
 from hpoflow.oracle.errors import OracleError
 
-__all__ = ["EXIT_DOES_NOT_FIT", "register"]
+__all__ = ["EXIT_DOES_NOT_FIT", "EXIT_USER_ERROR", "register"]
 
+EXIT_USER_ERROR = 2
 EXIT_DOES_NOT_FIT = 3  # the prediction ran: the plan does not fit the device's memory
+_GIB = 2**30
 
-_EXAMPLE = """example (ResNet-50, ImageNet, 90 epochs, batch 32 per GPU on 256 P100s in 32 nodes of 8):
-  hpoflow oracle --model resnet50 --cluster p100-cluster --devices 256 --batch-size 32 --epochs 90
-  hpoflow oracle --model resnet50 --cluster p100-cluster --batch-size 256 --json   # too big: exit 3
+_EPILOG = """worked example: ResNet-50 on ImageNet, 90 epochs, batch 32 per GPU on 64 P100s (16 nodes
+of 4, NVLink inside, InfiniBand EDR between), the fastest all-reduce algorithm:
 
-exit codes: 0 the plan fits; 3 it does not fit the device's memory (the largest batch that fits is
-printed); 2 a user error (unknown model, bad value)."""
+  hpoflow oracle --model resnet50 --cluster p100-cluster --devices 64 --batch-size 32
+
+prints compute (forward, backward, optimizer), the all-reduce algorithm chosen and why, the
+communication left exposed after the backward pass, step time, throughput, time to train,
+memory per device (GiB) and the largest batch that fits, the speed-up and the bottleneck.
+More: --precision bf16 --channels-last, --strategy ps --servers 4, --cluster my.yaml (see
+docs/oracle.md), --json for one JSON object.
+
+exit codes: 0 the plan fits; 3 it does not fit the device's memory (the largest batch that
+fits is printed); 2 a user error (unknown model or cluster, a bad value)."""
 
 
 def _add_predict_args(p: argparse.ArgumentParser, keep_parent: bool = False) -> None:
-    """The prediction options; on the ``predict`` subcommand (``keep_parent``) they default to nothing,
-    so options written before ``predict`` (``hpoflow oracle --model X predict``) are kept."""
+    """The prediction options. On the ``predict`` subcommand (``keep_parent``) they default to
+    nothing, so options written before it (``hpoflow oracle --model X predict``) are kept."""
     p.add_argument("--model", help="a built-in model (mlp, cnn, resnet18, resnet50, vgg16, bert-base, ...; an "
                                     "unknown name lists them all) or module:function")
     p.add_argument("--batch-size", type=int, default=32, help="samples per device (per replica "
                    "for pipeline); default 32")
     p.add_argument("--cluster", default="laptop",
                    help=f"preset ({', '.join(PRESETS)}) or cluster YAML file; default laptop")
-    p.add_argument("--devices", type=int, help="devices to use; default all of the cluster")
-    p.add_argument("--strategy", choices=STRATEGIES, default="ring")
-    p.add_argument("--servers", type=int, default=1, help="parameter servers (ps, easgd)")
+    p.add_argument("--devices", type=int, help="devices to use (>= 1); default all of the cluster")
+    p.add_argument("--strategy", choices=STRATEGIES, default="allreduce",
+                   help="allreduce (default: the fastest algorithm), ring/tree (NCCL's, forced), ps, easgd, pipeline")
+    p.add_argument("--algorithm", choices=("auto", *ALGORITHMS), default="auto",
+                   help="all-reduce algorithm of --strategy allreduce (default auto: the fastest)")
+    p.add_argument("--grad-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                   help="dtype of the gradients on the wire (fp16/bf16: DDP compression hooks); default fp32")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DDP bucket_cap_mb (0: one all-reduce per parameter tensor); default 25")
+    p.add_argument("--servers", type=int, default=1, help="parameter servers (ps)")
     p.add_argument("--period", type=int, default=4, help="EASGD communication period tau")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages k")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default 4k)")
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--precision", choices=tuple(PRECISION_BYTES), default="fp32")
-    p.add_argument("--overlap", type=float, help="fraction of backward hiding communication "
-                   "(default: the cluster's)")
+    p.add_argument("--precision", choices=tuple(PRECISION_BYTES), default="fp32",
+                   help="fp32, tf32 (fp32 storage, TF32 matrix units), fp16/bf16 (mixed precision); default fp32")
+    p.add_argument("--channels-last", action="store_true",
+                   help="activations in NHWC (torch.channels_last): tensor-core convolutions skip transposes")
+    p.add_argument("--overlap", type=float, help="fraction of communication that can hide under the "
+                   "backward pass (default: the cluster's)")
     p.add_argument("--input-shape", help="per-sample input shape, e.g. 3,224,224 (or 128)")
     p.add_argument("--classes", type=int, help="output classes")
     p.add_argument("--dataset-size", type=int, default=1_281_167,
@@ -62,15 +82,17 @@ def _add_predict_args(p: argparse.ArgumentParser, keep_parent: bool = False) -> 
             if action.dest != "help":
                 action.default = argparse.SUPPRESS
 
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``oracle`` subcommand (default: predict; ``calibrate``) to ``subparsers``."""
     oracle = subparsers.add_parser(
         "oracle", help="predict step time, time-to-train, memory and bottleneck per strategy",
-        description=__doc__.splitlines()[0], epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.splitlines()[0], epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_predict_args(oracle)
     sub = oracle.add_subparsers(dest="oracle_command", metavar="{predict,calibrate}")
-    predict = sub.add_parser("predict", help="predict one configuration (the default)", epilog=_EXAMPLE,
+    predict = sub.add_parser("predict", help="predict one configuration (the default)", epilog=_EPILOG,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_predict_args(predict, keep_parent=True)
     cal = sub.add_parser("calibrate", help="measure this machine and write a cluster YAML")
@@ -81,7 +103,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry of ``hpoflow oracle``; returns the exit code (2 on a user error)."""
+    """Entry of ``hpoflow oracle``; returns the exit code (2 on a user error, 3 when the plan
+    does not fit)."""
     action: Callable[[argparse.Namespace], int] = (
         _calibrate if getattr(args, "oracle_command", None) == "calibrate" else _predict
     )
@@ -89,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return action(args)
     except OracleError as exc:
         print(f"hpoflow oracle: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:
@@ -120,22 +143,24 @@ def _predict(args: argparse.Namespace) -> int:
             f"resnet50 --cluster p100-cluster (models: {', '.join(BUILTIN_MODELS)})"
         )
     cluster = load_cluster(args.cluster)
-    facts = model_facts(args.model, _shape(args.input_shape), args.classes, args.precision)
     plan = Plan(
-        batch_size=args.batch_size, devices=args.devices, strategy=args.strategy,
-        optimizer=args.optimizer, momentum=args.momentum, precision=args.precision,
-        overlap=args.overlap, servers=args.servers, period=args.period, stages=args.stages,
-        micro_batches=args.micro_batches, dataset_size=args.dataset_size, epochs=args.epochs,
-    )
+        batch_size=args.batch_size, devices=args.devices, strategy=args.strategy, algorithm=args.algorithm,
+        optimizer=args.optimizer, momentum=args.momentum, precision=args.precision, grad_dtype=args.grad_dtype,
+        bucket_mb=args.bucket_mb, channels_last=args.channels_last, overlap=args.overlap, servers=args.servers,
+        period=args.period, stages=args.stages, micro_batches=args.micro_batches, dataset_size=args.dataset_size,
+        epochs=args.epochs,
+    ).validate(cluster)  # bad values fail here, before the model is measured
+    facts = model_facts(args.model, _shape(args.input_shape), args.classes, args.precision)
     pred = predict(facts, cluster, plan)
     if args.json:
         print(json.dumps({**pred.to_dict(), "facts": facts.to_dict()}))
     else:
         _print_table(pred.to_dict(), facts.to_dict())
     if not pred.fits:
-        print(f"hpoflow oracle: batch {plan.batch_size} per device does not fit the device's memory "
-              f"({pred.memory_per_device_bytes / 2**30:.2f} GiB needed, {pred.memory_available_bytes / 2**30:.2f} GiB "
-              f"available); the largest batch that fits is {pred.max_batch_per_device}", file=sys.stderr)
+        print(f"hpoflow oracle: does not fit: batch {plan.batch_size} per device needs "
+              f"{pred.memory_per_device_bytes / _GIB:.2f} GiB of the {pred.memory_available_bytes / _GIB:.2f} GiB "
+              f"of a {cluster.device.name}; the largest batch that fits is {pred.max_batch_per_device} "
+              f"(--batch-size {pred.max_batch_per_device})", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return 0
 
@@ -143,6 +168,8 @@ def _predict(args: argparse.Namespace) -> int:
 def _fmt_time(s: float) -> str:
     if s >= 3600:
         return f"{s / 3600:.2f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
     if s >= 1:
         return f"{s:.2f} s"
     return f"{s * 1e3:.3f} ms"
@@ -156,21 +183,34 @@ def _print_table(p: dict[str, Any], f: dict[str, Any]) -> None:
     t = Table(title=f"{p['model']} on {p['cluster']}: {p['strategy']}, {p['devices']} devices "
                     f"({p['nodes']} nodes), batch {p['batch_per_device']}/device")
     t.add_column("quantity")
-    t.add_column("value", justify="right")
+    t.add_column("value", justify="right", overflow="fold", max_width=90)
+    fits = p["fits"]
+    unfit = "(does not fit in memory)"
+    mem = p["memory"]
+    algorithms = ", ".join(f"{a} {_fmt_time(c)}" for a, c in sorted(p["algorithm_costs"].items(), key=lambda x: x[1]))
     rows = [
         ("parameters", f"{f['params'] / 1e6:.2f} M"),
         ("forward per sample", f"{f['forward_macs'] / 1e9:.3f} GMACs "
                                f"({f['forward_flops'] / 1e9:.3f} GFLOPs)"),
-        ("compute per step", _fmt_time(p["compute_s"])),
+        ("compute per step", f"{_fmt_time(p['compute_s'])} (forward {_fmt_time(p['forward_s'])}, backward "
+                             f"{_fmt_time(p['backward_s'])}, optimizer {_fmt_time(p['optimizer_s'])})"),
+        *([("all-reduce", f"{p['algorithm']}, {p['collectives']} bucket(s)"),
+           ("why", p["algorithm_note"])] if p["algorithm"] else []),
+        *([("all-reduce algorithms (per step)", algorithms)] if len(p["algorithm_costs"]) > 1 else []),
         ("communication per step", _fmt_time(p["comm_s"])),
-        ("exposed communication", _fmt_time(p["exposed_comm_s"])),
+        ("exposed after the backward pass", _fmt_time(p["exposed_comm_s"])),
         *([("wait for the slowest device", _fmt_time(p["sync_wait_s"]))] if p.get("sync_wait_s") else []),
-        ("step time", _fmt_time(p["step_s"])),
-        ("throughput", f"{p['throughput']:.1f} samples/s"),
-        ("epoch", _fmt_time(p["epoch_s"])),
-        ("time to train", _fmt_time(p["time_to_train_s"])),
-        ("memory per device", f"{p['memory_per_device_bytes'] / 2**30:.2f} of "
-                              f"{p['memory_available_bytes'] / 2**30:.2f} GiB"),
+        *([("wait for the input pipeline", _fmt_time(p["loader_wait_s"]))] if p.get("loader_wait_s") else []),
+        ("step time", _fmt_time(p["step_s"]) if fits else unfit),
+        ("throughput", f"{p['throughput']:.1f} samples/s" if fits else unfit),
+        ("epoch", _fmt_time(p["epoch_s"]) if fits else unfit),
+        ("time to train", _fmt_time(p["time_to_train_s"]) if fits else unfit),
+        ("memory per device", f"{p['memory_per_device_bytes'] / _GIB:.2f} of "
+                              f"{p['memory_available_bytes'] / _GIB:.2f} GiB" + ("" if fits else "  DOES NOT FIT")),
+        ("  of which", f"activations {mem['activations'] / _GIB:.2f}, weights+grads+buckets "
+                       f"{(mem['weights'] + mem['gradients'] + mem['ddp_buckets']) / _GIB:.2f}, optimizer "
+                       f"{mem['optimizer_state'] / _GIB:.2f}, allocator+reserved "
+                       f"{(mem['allocator'] + mem['reserved']) / _GIB:.2f} GiB"),
         ("largest batch that fits", str(p["max_batch_per_device"])),
         ("speed-up (weak scaling)", f"{p['speedup']:.1f}x, efficiency "
                                     f"{p['scaling_efficiency']:.0%}"),

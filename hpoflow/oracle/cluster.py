@@ -13,7 +13,9 @@ Example::
     device: v100                 # or {name, peak_flops: {fp32: 15.7e12}, memory_bytes, ...}
     intra_node: nvlink2
     inter_node: {name: 100GbE, bandwidth: 12.5e9, latency: 15e-6}
-    overlap: 1.0                 # fraction of the backward pass that can hide communication
+    rails: 1                     # network adapters per node (each one inter_node link)
+    torus: null                  # or [x, y]: the nodes form an x-by-y torus (x y = nodes)
+    overlap: 1.0                 # 1: DDP overlaps each bucket's all-reduce with the rest of backward
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
 from hpoflow.oracle.errors import OracleError
 
 __all__ = ["ClusterSpec", "DeviceSpec", "LinkSpec", "Overheads", "load_cluster"]
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 OPTIMIZER_KEYS = ("sgd", "momentum", "adam")
 
 
@@ -43,9 +45,15 @@ class _Frozen(BaseModel):
 class DeviceSpec(_Frozen):
     """One accelerator (or CPU core): peak FLOP/s per precision, memory, sustained efficiency.
 
-    ``contention`` multiplies compute time when every device of a node is busy at once (CPU
-    cores sharing caches, memory bandwidth and hyper-threads; 1 for GPUs); ``reserved_bytes`` is
-    memory the framework takes before the model (CUDA context, allocator slack).
+    ``peak_flops`` is the matrix-unit peak per precision (``tf32``, ``fp16``, ``bf16``: tensor
+    cores; a precision the device lacks runs at the fp32 rate). Without calibrated tables the
+    oracle prices every kernel of a training step by a roofline: matrix kernels at ``efficiency``
+    of the peak, memory-bound ones at ``memory_efficiency`` of ``memory_bandwidth``, each plus
+    ``kernel_s``. ``contention`` multiplies compute time when every device of a node is busy at
+    once (CPU cores sharing caches, memory bandwidth and hyper-threads; 1 for GPUs);
+    ``reserved_bytes`` is memory the framework takes before the model (CUDA context, library
+    workspaces); ``memory_overhead`` the allocator's extra on top of the activations (rounding,
+    fragmentation), as a fraction of them.
     """
 
     name: str
@@ -65,6 +73,9 @@ class DeviceSpec(_Frozen):
     #: layer without a table) are priced by their activation traffic over ``memory_bandwidth``.
     layer_cost: dict[str, list[tuple[float, float]]] | None = None
     reserved_bytes: float = Field(default=0.0, ge=0)
+    memory_efficiency: float = Field(default=1.0, gt=0, le=1)
+    kernel_s: float = Field(default=0.0, ge=0)
+    memory_overhead: float = Field(default=0.0, ge=0)
     contention: float = Field(default=1.0, ge=1.0)
     source: str = ""
 
@@ -117,6 +128,20 @@ class DeviceSpec(_Frozen):
                     f"sorted by elements, all > 0, but {kind!r} has {rows}"
                 )
         return v
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether ``hpoflow oracle calibrate`` measured per-layer tables for this device (then
+        layers are priced from the tables, otherwise by the roofline)."""
+        return bool(self.efficiency_table or self.layer_cost)
+
+    def peak(self, precision: str) -> float:
+        """Matrix-unit peak FLOP/s at ``precision`` (the fp32 peak where the device lacks it)."""
+        return self.peak_flops.get(precision, self.peak_flops["fp32"])
+
+    def matrix_rate(self, precision: str) -> float:
+        """Sustained FLOP/s of a large matrix kernel at ``precision``: peak x efficiency."""
+        return self.peak(precision) * self.efficiency.get(precision, self.efficiency.get("fp32", 0.5))
 
     def kind_efficiency(self, precision: str) -> tuple[float, float]:
         """(efficiency, convolution efficiency) at ``precision`` without a table."""
@@ -187,10 +212,13 @@ class Overheads(_Frozen):
     communication model), sorted by compute and interpolated linearly (clamped at the ends): the
     all-reduce at the end of a longer backward pass waits longer for the slower rank and for the
     communication threads to get the cores back. For p devices the model scales it by the
-    expected maximum of p standard normal draws over that of 2.
+    expected maximum of p standard normal draws over that of 2. Without a table, ``step_jitter`` is
+    the coefficient of variation of one device's step time: a synchronous step of p devices waits
+    ``step_jitter x compute x E[max of p standard normals]`` for the slowest (0: no wait).
     """
 
     step_s: float = Field(default=0.0, ge=0)
+    step_jitter: float = Field(default=0.0, ge=0, lt=1)
     per_op_s: float = Field(default=0.0, ge=0)
     per_param_tensor_s: float = Field(default=0.0, ge=0)
     per_conv_s: float = Field(default=0.0, ge=0)
@@ -231,7 +259,14 @@ class Overheads(_Frozen):
 
 
 class ClusterSpec(_Frozen):
-    """Nodes x devices per node, the device, the two link levels and the overheads."""
+    """Nodes x devices per node, the device, the two link levels and the overheads.
+
+    ``rails`` network adapters per node each carry an ``inter_node`` link (DGX nodes: one per GPU);
+    ``torus: [x, y]`` arranges the nodes in a 2D torus (enables the torus all-reduce); ``overlap``
+    is the fraction of communication that can run during the backward pass (1: DDP's buckets
+    overlap it; 0: it all comes after, as with gloo on CPU cores); ``loader_samples_per_s`` is how
+    many samples per second the input pipeline feeds one device (None: never the bottleneck).
+    """
 
     name: str = "cluster"
     nodes: int = Field(ge=1)
@@ -239,9 +274,20 @@ class ClusterSpec(_Frozen):
     device: DeviceSpec
     intra_node: LinkSpec
     inter_node: LinkSpec
+    rails: int = Field(default=1, ge=1)
+    torus: tuple[int, int] | None = None
     overlap: float = Field(default=1.0, ge=0, le=1)
+    loader_samples_per_s: float | None = Field(default=None, gt=0)
     overheads: Overheads = Field(default_factory=Overheads)
     source: str = ""
+
+    @field_validator("torus")
+    @classmethod
+    def _torus(cls, v: tuple[int, int] | None, info: ValidationInfo) -> tuple[int, int] | None:
+        nodes = info.data.get("nodes")
+        if v is not None and (min(v) < 1 or v[0] * v[1] != nodes):
+            raise ValueError(f"torus [x, y] must multiply to the {nodes} nodes, but got {list(v)}; fix torus or nodes")
+        return v
 
     @field_validator("device", mode="before")
     @classmethod

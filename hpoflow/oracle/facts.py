@@ -7,17 +7,23 @@ Conventions (stated once, used everywhere in the oracle):
   number papers usually call "GFLOPs" (ResNet-50: 4.1 GMACs = 8.2 GFLOPs per 224x224 image).
 * **Training FLOPs** per sample are ``3 x forward_flops`` (forward, plus a backward pass that
   computes gradients for both activations and weights, each about as costly as the forward).
-* **Activation memory** per sample is the sum of the output sizes of every leaf module (plus the
-  input) recorded with forward hooks in training mode, times the element size. This approximates
-  what autograd keeps for the backward pass: it over-counts in-place activations and outputs no
-  backward needs, and under-counts tensors made by functional code between modules (write
-  attention softmax as a module, as the built-in BERT does, to have it counted).
-* **Boundary bytes** per sample (what a pipeline stage sends to the next) is the mean leaf-module
-  output size: the oracle does not know where a real partition would cut.
+* **Activation memory** per sample is the bytes of the tensors autograd saves for the backward
+  pass (``torch.autograd.graph.saved_tensors_hooks`` on the meta device, each storage counted
+  once, so views and in-place results count once; parameters and buffers excluded), measured at
+  two batch sizes and split into a part per sample and a fixed part (fp16 copies of the weights
+  under mixed precision, per-channel statistics); see :mod:`hpoflow.oracle._trace`.
+* **Kernels**: every ATen operator of forward + loss + backward with its FLOPs and bytes moved,
+  the layer it belongs to, and when each parameter's gradient is ready (the same trace): what
+  the roofline and the backward/all-reduce overlap are priced from.
+* **Leaf output bytes** per sample: the output sizes of every leaf module (plus the input), times
+  the element size; the memory traffic term of a calibrated CPU device. **Boundary bytes** (what a
+  pipeline stage sends to the next) is their mean: the oracle does not know where a real
+  partition would cut.
 * **Operator count** is the number of ATen operators dispatched by one forward + loss + backward;
   the oracle multiplies it by a calibrated per-operator overhead (matters for tiny models on CPU).
 * Weights, gradients and optimizer state are fp32 in every precision (mixed precision keeps fp32
-  master weights and gradients); only activations shrink to 2 bytes under fp16/bf16.
+  master weights and gradients); under fp16/bf16 activations and the inputs of matrix kernels are
+  16-bit, as ``torch.autocast`` makes them (softmax, norms and the loss stay fp32).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any
 
@@ -34,6 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from hpoflow.oracle._trace import StepTrace, trace_step
 from hpoflow.oracle._zoo import ZOO
 from hpoflow.oracle.catalog import PRECISION_BYTES
 from hpoflow.oracle.errors import OracleError
@@ -79,6 +86,12 @@ class ModelFacts:
     #: class name (``relu``, ``maxpool2d``, ``batchnorm2d``, ...). Lets a device ``layer_cost``
     #: table price memory-bound layers by the elements they touch
     other_layers: tuple[tuple[str, int, int, int], ...] = ()
+    #: bytes autograd saves for backward that do not grow with the batch (see module docs)
+    activation_fixed_bytes: int = 0
+    #: leaf module outputs (plus the input) per sample, times the element size
+    leaf_output_bytes: int = 0
+    #: the traced training step (kernels, gradient order); None for facts made by hand
+    trace: StepTrace | None = None
 
     @property
     def param_bytes(self) -> int:
@@ -101,7 +114,8 @@ class ModelFacts:
         return 3 * self.forward_flops
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        d["kernels_per_step"] = len(self.trace.kernels) if self.trace else None
         d["input_shape"] = list(self.input_shape)
         d["layers"] = [list(layer) for layer in self.layers]
         d["other_layers"] = [list(layer) for layer in self.other_layers]
@@ -280,6 +294,15 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
     conv = float(sum(v for k, v in by_op.items() if any(c in str(k) for c in _CONV_OPS)))
     ops = count_step_ops(model, sample, classes)
     params = list(model.parameters())
+    try:
+        trace = trace_step(builder, lambda n: torch.zeros((n, *shape), dtype=dtype, device="meta"), classes,
+                           "fp32" if precision == "tf32" else precision)
+    except (RuntimeError, ValueError) as exc:
+        raise OracleError(
+            f"model {name!r} cannot be traced through one training step on the meta device: {exc}; "
+            "a model must run forward and backward the same way at any batch size"
+        ) from exc
+    leaf_bytes = act_elems[0] * PRECISION_BYTES[precision] // _PROBE_BATCH
     return ModelFacts(
         name=name,
         input_shape=tuple(shape),
@@ -289,11 +312,13 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
         param_tensors=len(params),
         forward_flops=total / _PROBE_BATCH,
         conv_flops_fraction=conv / total if total else 0.0,
-        activation_bytes=act_elems[0] * PRECISION_BYTES[precision] // _PROBE_BATCH,
-        boundary_bytes=act_elems[0] * PRECISION_BYTES[precision] // _PROBE_BATCH
-        // max(1, len(leaves)),
+        activation_bytes=round(trace.saved_bytes),
+        boundary_bytes=leaf_bytes // max(1, len(leaves)),
         ops_per_step=ops,
         conv_layers=sum(isinstance(m, nn.modules.conv._ConvNd) for m in leaves),
         layers=tuple(layers),
         other_layers=tuple(other),
+        activation_fixed_bytes=round(trace.saved_fixed_bytes),
+        leaf_output_bytes=leaf_bytes,
+        trace=trace,
     )

@@ -2,25 +2,24 @@
 
 One training step on each device (``b`` samples per device, ``p`` devices):
 
-* compute   = 3 F b / R  +  T a b / W  +  overheads
-  (F forward FLOPs per sample, R sustained FLOP/s, a activation bytes per sample, W memory
-  bandwidth, T = :data:`ACTIVATION_TRAFFIC` passes over the activations; overheads = per step +
-  per dispatched operator x operators + per parameter tensor x tensors + per
-  convolution layer x layers + optimizer cost per parameter x parameters). With a device
-  ``efficiency_table`` (fp32), each linear and conv layer's FLOP time is its training FLOPs over
-  peak x the table's efficiency at its FLOPs per call (log-log interpolation); conv layers priced
-  so pay no separate per-layer cost (the table's efficiencies include it). With a device
-  ``layer_cost`` table (fp32), each memory-bound layer of a kind in the table (ReLU, pooling,
-  normalisation, ...) costs its input elements x the table's seconds per element at its elements
-  per call, and its output leaves the activation traffic term. Without tables, exactly the
-  formula above.
-* comm      = strategy's alpha-beta cost (:mod:`hpoflow.oracle._comm`)
-* exposed   = max(0, comm - overlap x backward), backward = 2/3 of the FLOP and memory time
-* wait      = sync_wait(compute) x E[max of p normals] / E[max of 2 normals]  (p > 1; divided by
-  sqrt(period) for EASGD): the wait of a synchronous step measured on 2 devices, interpolated
-  at this step's compute time
-* step      = compute + exposed + wait; throughput = p b / step; epoch = N / (p b) x step
-* memory    = (weights + grads + optimizer state) / k + a b / k + reserved   (k pipeline stages)
+* compute  = forward + backward + optimizer + CPU-side overheads (:mod:`hpoflow.oracle._compute`:
+  a roofline per traced kernel, or the calibrated tables), x contention when a node's devices
+  share cores
+* comm     (data parallel) DDP's buckets: gradients in the order backward produces them, the
+  first bucket closed at 1 MiB, the others at ``bucket_mb`` MiB (``0``: one collective per
+  parameter tensor); each bucket's all-reduce of ``elements x grad_dtype bytes`` priced by the
+  fastest algorithm on the two-level network (:mod:`hpoflow.oracle._comm`) or the one forced
+* exposed  buckets run one after another, each when its last gradient is ready and the previous
+  bucket is done; exposed = what runs past the end of backward (x ``overlap``; the rest of the
+  communication is exposed in full: ``overlap`` 0 puts it all after backward). Parameter server
+  and EASGD exchange after the step (not hidden), pipeline as before (hidden by its backward)
+* wait     = sync_wait(compute) x E[max of p normals] / E[max of 2 normals] with a calibrated
+  table, else step_jitter x compute x E[max of p normals] (p > 1; / sqrt(period) for EASGD)
+* loader   = max(0, b / loader_samples_per_s - the rest of the step) when the input pipeline is
+  slower
+* step     = compute + exposed + wait + loader; throughput = p b / step; epoch = N / (p b) x step
+* memory   = (weights + grads + DDP buckets + optimizer state) / k
+             + (saved activations x b + fixed saved bytes) x (1 + memory_overhead) / k + reserved
 
 Speed-up is weak scaling (per-device batch fixed): throughput(p) / throughput(1). The maximum
 speed-up is strong scaling of the same global batch G = p b over q devices (q <= G): the q with
@@ -30,37 +29,48 @@ the shortest step, which exists because compute shrinks as 1/q while communicati
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
 from hpoflow.oracle import _comm
-from hpoflow.oracle.catalog import PRECISION_BYTES, STRATEGIES
+from hpoflow.oracle._compute import ACTIVATION_TRAFFIC, VIEW_KINDS, Compute, compute
+from hpoflow.oracle.catalog import ALGORITHMS, PRECISION_BYTES, STRATEGIES
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import ModelFacts, optimizer_state_bytes
 
-__all__ = ["ACTIVATION_TRAFFIC", "STRATEGIES", "Plan", "Prediction", "StepCost", "predict",
-           "step_cost"]
+__all__ = ["ACTIVATION_TRAFFIC", "ALGORITHMS", "STRATEGIES", "VIEW_KINDS", "Plan", "Prediction", "StepCost",
+           "ddp_buckets", "memory_breakdown", "predict", "step_cost"]
 
-ACTIVATION_TRAFFIC = 4  # forward write + read, backward gradient write + read
-#: layers whose output is a view of their input: no time and no traffic when a device has a
-#: ``layer_cost`` table (without one, every leaf output counts as traffic, as before)
-VIEW_KINDS = ("flatten", "unflatten", "identity")
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-reduce per bucket
+MIB = 2**20
+DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+_DATA_PARALLEL = ("allreduce", "ring", "tree")
 _SEARCH_LIMIT = 1 << 17
+GRAD_DTYPES = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What to predict: strategy, sizes and training length (typed once by the CLI/API)."""
+    """What to predict: strategy, sizes and training length (typed once by the CLI/API).
+
+    ``algorithm`` forces the all-reduce algorithm of ``allreduce`` (``auto``: the fastest);
+    ``grad_dtype`` is the all-reduce's dtype (``fp16``/``bf16``: DDP's compression hooks);
+    ``bucket_mb`` is DDP's ``bucket_cap_mb`` (0: one all-reduce per parameter tensor);
+    ``channels_last``: activations in NHWC (``memory_format=torch.channels_last``).
+    """
 
     batch_size: int
     devices: int | None = None
-    strategy: str = "ring"
+    strategy: str = "allreduce"
+    algorithm: str = "auto"
     optimizer: str = "sgd"
     momentum: float = 0.9
     precision: str = "fp32"
+    grad_dtype: str = "fp32"
+    bucket_mb: float = 25.0
+    channels_last: bool = False
     overlap: float | None = None
     servers: int = 1
     period: int = 4
@@ -70,25 +80,33 @@ class Plan:
     epochs: float = 90.0
 
     def validate(self, cluster: ClusterSpec) -> Plan:
-        """This plan with ``devices`` filled in, or :class:`OracleError` naming the bad field."""
-        devices = cluster.total_devices if self.devices is None else self.devices  # 0 is an error, not "all"
-        checks = [
-            (self.strategy in STRATEGIES, "strategy", f"one of {', '.join(STRATEGIES)}", self.strategy),
-            (self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size),
-            (1 <= devices <= cluster.total_devices, "devices",
-             f"between 1 and the {cluster.total_devices} devices of cluster {cluster.name!r}", devices),
-            (self.servers >= 1, "servers", "an integer >= 1", self.servers),
-            (self.period >= 1, "period", "an integer >= 1", self.period),
-            (self.stages >= 1, "stages", "an integer >= 1", self.stages),
-            (self.strategy != "pipeline" or devices % self.stages == 0, "devices",
-             f"a multiple of the pipeline stages ({self.stages})", devices),
-            (self.overlap is None or 0 <= self.overlap <= 1, "overlap", "in [0, 1]", self.overlap),
-            (self.dataset_size >= 1, "dataset_size", "an integer >= 1", self.dataset_size),
-            (self.epochs > 0, "epochs", "> 0", self.epochs),
+        """This plan with ``devices`` filled in (None: every device of the cluster), or
+        :class:`OracleError` naming the bad field, its value and the fix."""
+        devices = cluster.total_devices if self.devices is None else self.devices
+        checks: list[tuple[bool, str, object, str]] = [
+            (self.strategy in STRATEGIES, "strategy", self.strategy, f"one of {', '.join(STRATEGIES)}"),
+            (self.algorithm == "auto" or self.algorithm in ALGORITHMS, "algorithm", self.algorithm,
+             f"auto or one of {', '.join(ALGORITHMS)}"),
+            (self.precision in PRECISION_BYTES, "precision", self.precision, f"one of {', '.join(PRECISION_BYTES)}"),
+            (self.grad_dtype in GRAD_DTYPES, "grad_dtype", self.grad_dtype, f"one of {', '.join(GRAD_DTYPES)}"),
+            (self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1"),
+            (1 <= devices <= cluster.total_devices, "devices", devices,
+             f"between 1 and the {cluster.total_devices} devices of cluster {cluster.name!r}"),
+            (self.servers >= 1, "servers", self.servers, "an integer >= 1"),
+            (self.period >= 1, "period", self.period, "an integer >= 1"),
+            (self.stages >= 1, "stages", self.stages, "an integer >= 1"),
+            (self.micro_batches is None or self.micro_batches >= 1, "micro_batches", self.micro_batches,
+             "an integer >= 1"),
+            (self.strategy != "pipeline" or devices % self.stages == 0, "devices", devices,
+             f"a multiple of the pipeline stages ({self.stages})"),
+            (self.overlap is None or 0 <= self.overlap <= 1, "overlap", self.overlap, "in [0, 1]"),
+            (self.bucket_mb >= 0, "bucket_mb", self.bucket_mb, ">= 0 (0: one all-reduce per parameter tensor)"),
+            (self.dataset_size >= 1, "dataset_size", self.dataset_size, "an integer >= 1"),
+            (self.epochs > 0, "epochs", self.epochs, "> 0"),
         ]
-        for ok, field, rule, value in checks:
+        for ok, name, value, rule in checks:
             if not ok:
-                raise OracleError(f"{field} must be {rule}, but got {value!r}; change {field}")
+                raise OracleError(f"{name} must be {rule}, but got {value!r}; change {name}")
         return replace(self, devices=devices)
 
 
@@ -105,6 +123,15 @@ class StepCost:
     exposed_comm_s: float
     step_s: float
     sync_wait_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    loader_wait_s: float = 0.0
+    #: the all-reduce algorithm that moved the most bytes ("" without an all-reduce)
+    algorithm: str = ""
+    collectives: int = 0
+    #: communication seconds of this step had every collective used each applicable algorithm
+    algorithm_costs: dict[str, float] = field(default_factory=dict)
 
     @property
     def comm_s(self) -> float:
@@ -139,6 +166,9 @@ class Prediction:
     max_speedup: float
     max_speedup_devices: int
     useful_devices: int
+    memory: dict[str, float] = field(default_factory=dict)
+    #: why the all-reduce algorithm is the one it is ("" without an all-reduce)
+    algorithm_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -147,67 +177,139 @@ class Prediction:
         return d
 
 
-def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int,
-              batch: float) -> StepCost:
+def ddp_buckets(facts: ModelFacts, plan: Plan) -> list[tuple[int, ...]]:
+    """DDP's buckets in the order backward fills them, each as the indices (into the trace's
+    ``grad_ready``) of its gradients: DDP rebuilds its buckets after the first step in the order
+    gradients became ready, closing the first at 1 MiB of fp32 gradients and the others at
+    ``bucket_mb`` MiB (a bucket closes once it reaches its limit). One bucket without a trace."""
+    trace = facts.trace
+    if trace is None or not trace.grad_ready:
+        return []
+    cap = plan.bucket_mb * MIB
+    limit = min(DDP_FIRST_BUCKET_BYTES, cap) if cap > 0 else 0.0
+    out: list[tuple[int, ...]] = []
+    current: list[int] = []
+    nbytes = 0.0
+    for i, (_, numel, _) in enumerate(trace.grad_ready):
+        current.append(i)
+        nbytes += 4 * numel
+        if nbytes >= limit:
+            out.append(tuple(current))
+            current, nbytes, limit = [], 0.0, cap
+    if current:
+        out.append(tuple(current))
+    return out
+
+
+def _bucket_list(facts: ModelFacts, plan: Plan) -> list[tuple[int, float]]:
+    """(index in ``grad_ready`` of the gradient that completes the bucket, elements) per bucket."""
+    trace = facts.trace
+    buckets = ddp_buckets(facts, plan)
+    if trace is None or not buckets:
+        return [(-1, float(facts.params))]
+    return [(b[-1], float(sum(trace.grad_ready[i][1] for i in b))) for b in buckets]
+
+
+@dataclass(frozen=True)
+class _Comm:
+    bandwidth_s: float
+    latency_s: float
+    exposed_s: float
+    algorithm: str
+    collectives: int
+    per_algorithm: dict[str, float]
+
+
+def _allreduce_overlap(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, net: _comm.Network, comp: Compute,
+                       slow: float, elements_scale: float = 1.0) -> _Comm:
+    """The bucket timeline of a data-parallel step (see the module docs)."""
+    wire = PRECISION_BYTES[plan.grad_dtype]
+    fixed = cluster.overheads.collective_s
+    bw = lat = 0.0
+    end = 0.0
+    moved: dict[str, float] = defaultdict(float)
+    per_algorithm: dict[str, float] = defaultdict(float)
+    buckets = _bucket_list(facts, plan)
+    backward = comp.backward_s * slow
+    for last, elements in buckets:
+        nbytes = elements * elements_scale * wire
+        name, (b, a) = _comm.allreduce(net, nbytes, plan.algorithm)
+        for alg, (ab, aa) in _comm.allreduce_costs(net, nbytes).items():
+            per_algorithm[alg] += ab + aa + fixed
+        ready = comp.grad_ready_s[last] * slow if 0 <= last < len(comp.grad_ready_s) else backward
+        end = max(end, ready) + b + a + fixed
+        bw, lat = bw + b, lat + a + fixed
+        moved[name] += nbytes
+    total = bw + lat
+    timeline = max(0.0, end - backward)
+    overlap = cluster.overlap if plan.overlap is None else plan.overlap
+    exposed = overlap * min(timeline, total) + (1 - overlap) * total
+    algorithm = max(moved, key=lambda a: moved[a]) if moved else ""
+    return _Comm(bw, lat, exposed, algorithm, len(buckets), dict(per_algorithm))
+
+
+def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int, batch: float) -> StepCost:
     """Time of one step on ``p`` devices with ``batch`` samples per device (per replica when
     the strategy is ``pipeline``)."""
     dev, ov = cluster.device, cluster.overheads
     k = plan.stages if plan.strategy == "pipeline" else 1
-    call_batch = batch / (plan.micro_batches or 4 * k) if plan.strategy == "pipeline" else batch
-    flops_s = _flops_time(facts, cluster, plan.precision, batch, call_batch)
-    layer_s, priced_bytes = _layer_time(facts, cluster, plan.precision, batch, call_batch)
-    traffic_s = layer_s + ACTIVATION_TRAFFIC * max(0.0, facts.activation_bytes - priced_bytes) * batch \
-        / dev.memory_bandwidth
-    overhead = ov.step_s + ov.per_op_s * facts.ops_per_step + \
-        ov.per_param_tensor_s * facts.param_tensors + ov.per_conv_s * _unpriced_convs(facts, cluster, plan.precision) \
-        + ov.optimizer_cost(plan.optimizer, plan.momentum) * facts.params / k
-    m_bytes = float(facts.grad_bytes)
-    buckets = max(1, math.ceil(m_bytes / DDP_BUCKET_BYTES))
-    bw, alpha = _comm.slowest_link(cluster, p)
-    pipe_bw = pipe_lat = 0.0
-    if plan.strategy == "pipeline":
-        m = plan.micro_batches or 4 * k
-        bubble = (m + k - 1) / m
-        flops_s, traffic_s = flops_s / k * bubble, traffic_s / k * bubble
-        stage_bw, stage_alpha = _comm.slowest_link(cluster, k)
-        pipe_bw, pipe_lat = _comm.pipeline_p2p(k, batch / m, facts.boundary_bytes, stage_bw,
-                                               stage_alpha)
-        replicas = p // k
-        comm = _comm.ring_allreduce(replicas, m_bytes / k, bw, alpha, buckets)
-    elif plan.strategy == "ring":
-        comm = _comm.ring_allreduce(p, m_bytes, bw, alpha, buckets)
-    elif plan.strategy == "tree":
-        comm = _comm.tree_allreduce(p, m_bytes, bw, alpha, buckets)
-    else:
-        comm = _comm.parameter_server(cluster, p, plan.servers, m_bytes)
-        if plan.strategy == "easgd":
-            comm = (comm[0] / plan.period, comm[1] / plan.period)
-    collectives = (buckets if plan.strategy in ("ring", "tree", "pipeline") else 1) \
-        if p // k > 1 else 0
-    c_bw, c_lat = comm[0], comm[1] + ov.collective_s * collectives
-    if plan.strategy == "easgd":
-        c_lat = comm[1] + ov.collective_s * collectives / plan.period
-    overlap = cluster.overlap if plan.overlap is None else plan.overlap
+    m = plan.micro_batches or 4 * k
+    call_batch = batch / m if plan.strategy == "pipeline" else batch
+    comp = compute(facts, cluster, plan.precision, plan.optimizer, plan.momentum, batch, call_batch, k,
+                   plan.channels_last)
+    flops_s, traffic_s, overhead = comp.flops_s, comp.traffic_s, comp.overhead_s + comp.optimizer_s
+    slow = 1.0
     busy = min(p, cluster.devices_per_node)
     if busy > 1 and dev.contention > 1:  # devices of one node slow each other down
         slow = 1 + (dev.contention - 1) * (busy - 1) / (cluster.devices_per_node - 1)
         flops_s, traffic_s, overhead = flops_s * slow, traffic_s * slow, overhead * slow
-    hideable = overlap * 2 / 3 * (flops_s + traffic_s)
-    total = c_bw + c_lat
-    exposed = max(0.0, total - hideable)
-    share = exposed / total if total > 0 else 0.0
-    exposed_bw, exposed_lat = c_bw * share + pipe_bw, c_lat * share + pipe_lat
-    compute = flops_s + traffic_s + overhead
+    replicas = p // k
+    net = _comm.network(cluster, replicas)
+    pipe_bw = pipe_lat = 0.0
+    if plan.strategy == "pipeline":
+        bubble = (m + k - 1) / m
+        flops_s, traffic_s = flops_s / k * bubble, traffic_s / k * bubble
+        pipe_bw, pipe_lat = _comm.pipeline_p2p(k, batch / m, facts.boundary_bytes, _comm.network(cluster, k))
+        if replicas > 1:
+            name, (b, a) = _comm.allreduce(net, 4.0 * facts.params / k, plan.algorithm)
+            a += ov.collective_s
+            hideable = (cluster.overlap if plan.overlap is None else plan.overlap) * comp.backward_s * slow / k
+            comm = _Comm(b, a, max(0.0, b + a - hideable), name, 1, {})
+        else:
+            comm = _Comm(0.0, 0.0, 0.0, "", 0, {})
+    elif plan.strategy in _DATA_PARALLEL:
+        forced = replace(plan, algorithm="ring") if plan.strategy == "ring" else \
+            replace(plan, algorithm="tree") if plan.strategy == "tree" else plan
+        comm = _allreduce_overlap(facts, cluster, forced, net, comp, slow) if p > 1 else \
+            _Comm(0.0, 0.0, 0.0, "", 0, {})
+    elif plan.strategy == "ps":
+        b, a = _comm.parameter_server(net, plan.servers, float(PRECISION_BYTES[plan.grad_dtype] * facts.params))
+        a += ov.collective_s if p > 1 else 0.0
+        comm = _Comm(b, a, b + a, "", 1 if p > 1 else 0, {})
+    else:  # easgd: every period steps one all-reduce of the fp32 parameters, after the step
+        name, (b, a) = _comm.allreduce(net, 4.0 * facts.params, plan.algorithm)
+        b, a = b / plan.period, (a + (ov.collective_s if p > 1 else 0.0)) / plan.period
+        comm = _Comm(b, a, b + a, name, 1 if p > 1 else 0, {})
+    compute_s = flops_s + traffic_s + overhead
     wait = 0.0
     if p > 1 and ov.sync_wait:
-        wait = ov.sync_wait_at(compute) * expected_max_normal(p) / expected_max_normal(2)
-        if plan.strategy == "easgd":  # one wait per period; a sum of tau steps spreads sqrt(tau)
-            wait /= math.sqrt(plan.period)
+        wait = ov.sync_wait_at(compute_s) * expected_max_normal(p) / expected_max_normal(2)
+    elif p > 1 and ov.step_jitter > 0:
+        wait = ov.step_jitter * compute_s * expected_max_normal(p)
+    if plan.strategy == "easgd":  # one wait per period; a sum of tau steps spreads sqrt(tau)
+        wait /= math.sqrt(plan.period)
+    exposed = comm.exposed_s + pipe_bw + pipe_lat
+    step = compute_s + exposed + wait
+    loader = 0.0
+    if cluster.loader_samples_per_s:
+        loader = max(0.0, batch / cluster.loader_samples_per_s - step)
     return StepCost(
-        compute_s=compute, flops_s=flops_s, memory_traffic_s=traffic_s, overhead_s=overhead,
-        comm_bandwidth_s=c_bw + pipe_bw, comm_latency_s=c_lat + pipe_lat,
-        exposed_comm_s=exposed_bw + exposed_lat, step_s=compute + exposed_bw + exposed_lat + wait,
-        sync_wait_s=wait,
+        compute_s=compute_s, flops_s=flops_s, memory_traffic_s=traffic_s, overhead_s=overhead,
+        comm_bandwidth_s=comm.bandwidth_s + pipe_bw, comm_latency_s=comm.latency_s + pipe_lat,
+        exposed_comm_s=exposed, step_s=step + loader, sync_wait_s=wait,
+        forward_s=comp.forward_s * slow, backward_s=comp.backward_s * slow, optimizer_s=comp.optimizer_s * slow,
+        loader_wait_s=loader, algorithm=comm.algorithm, collectives=comm.collectives,
+        algorithm_costs=comm.per_algorithm,
     )
 
 
@@ -225,69 +327,30 @@ def expected_max_normal(n: int) -> float:
     return total * step
 
 
-def _layer_time(facts: ModelFacts, cluster: ClusterSpec, precision: str, batch: float,
-                call_batch: float) -> tuple[float, float]:
-    """(seconds of the memory-bound layers the device's ``layer_cost`` table prices, their
-    output bytes per sample, which leave the activation traffic term)."""
-    dev = cluster.device
-    if not dev.layer_cost:
-        return 0.0, 0.0
-    seconds = priced = 0.0
-    for kind, n_in, n_out, calls in facts.other_layers:
-        # a view moves no data; other kinds cost what the table says, if it lists them
-        cost = 0.0 if kind in VIEW_KINDS else dev.element_cost(kind, n_in * call_batch, precision)
-        if cost is None:
-            continue
-        seconds += cost * n_in * calls * batch
-        priced += n_out * calls * PRECISION_BYTES[facts.precision]
-    return seconds, priced
-
-
-def _unpriced_convs(facts: ModelFacts, cluster: ClusterSpec, precision: str) -> int:
-    """Convolution layers that pay ``per_conv_s``: all of them, unless the device's conv
-    efficiency table prices them (its efficiencies include a call's fixed cost)."""
-    if facts.layers and cluster.device.layer_efficiency("conv", 1.0, precision) is not None:
-        return 0
-    return facts.conv_layers
-
-
-def _flops_time(facts: ModelFacts, cluster: ClusterSpec, precision: str, batch: float,
-                call_batch: float) -> float:
-    """Seconds of FLOPs for ``batch`` samples: per layer from the device's efficiency table
-    (by the layer's training FLOPs per call at ``call_batch`` samples) where it has one, the rest
-    at the per-kind efficiency; without a table exactly ``train FLOPs / sustained FLOP/s``."""
-    dev = cluster.device
-    if not dev.efficiency_table or not facts.layers:
-        return facts.train_flops * batch / dev.flops(precision, facts.conv_flops_fraction)
-    peak = dev.peak_flops.get(precision, dev.peak_flops["fp32"])
-    eff, ceff = dev.kind_efficiency(precision)
-    conv_rest = facts.forward_flops * facts.conv_flops_fraction
-    other_rest = facts.forward_flops - conv_rest
-    seconds = 0.0
-    for kind, fwd, calls in facts.layers:
-        e = dev.layer_efficiency(kind, 3 * fwd * call_batch, precision)
-        if e is None:
-            continue
-        seconds += 3 * fwd * calls * batch / (peak * e)
-        if kind == "conv":
-            conv_rest -= fwd * calls
-        else:
-            other_rest -= fwd * calls
-    rest = max(0.0, conv_rest) / ceff + max(0.0, other_rest) / eff
-    return seconds + 3 * batch * rest / peak
-
-
-def _memory(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, batch: float) -> float:
+def memory_breakdown(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, batch: float, p: int) -> dict[str, float]:
+    """Bytes per device by kind (see the module docs); ``total`` is their sum."""
     k = plan.stages if plan.strategy == "pipeline" else 1
-    static = facts.param_bytes + facts.grad_bytes + \
-        optimizer_state_bytes(facts.params, plan.optimizer, plan.momentum)
-    return static / k + facts.activation_bytes * batch / k + cluster.device.reserved_bytes
+    dev = cluster.device
+    data_parallel = plan.strategy in (*_DATA_PARALLEL, "pipeline") and p // k > 1
+    activations = facts.activation_bytes * batch + facts.activation_fixed_bytes
+    parts = {
+        "weights": facts.param_bytes / k,
+        "gradients": facts.grad_bytes / k,
+        # DDP keeps its own flat buckets beside .grad (gradient_as_bucket_view=False, the default)
+        "ddp_buckets": facts.grad_bytes / k if data_parallel else 0.0,
+        "optimizer_state": optimizer_state_bytes(facts.params, plan.optimizer, plan.momentum) / k,
+        "activations": activations / k,
+        "allocator": activations * dev.memory_overhead / k,
+        "reserved": dev.reserved_bytes,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
 
 
-def _max_batch(facts: ModelFacts, cluster: ClusterSpec, plan: Plan) -> int:
+def _max_batch(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int) -> int:
     k = plan.stages if plan.strategy == "pipeline" else 1
-    free = cluster.device.memory_bytes - _memory(facts, cluster, plan, 0)
-    per_sample = facts.activation_bytes / k
+    free = cluster.device.memory_bytes - memory_breakdown(facts, cluster, plan, 0, p)["total"]
+    per_sample = facts.activation_bytes * (1 + cluster.device.memory_overhead) / k
     return max(0, int(free // per_sample)) if per_sample > 0 else 1 << 30
 
 
@@ -303,27 +366,38 @@ def _bottleneck(cost: StepCost, fits: bool) -> str:
         return "memory"
     share = cost.exposed_comm_s / cost.comm_s if cost.comm_s > 0 else 0.0
     parts = {"compute": cost.compute_s, "communication": cost.comm_bandwidth_s * share,
-             "latency": cost.comm_latency_s * share + cost.sync_wait_s}
+             "latency": cost.comm_latency_s * share + cost.sync_wait_s, "input": cost.loader_wait_s}
     return max(parts, key=lambda name: parts[name])
+
+
+def _check_precision(facts: ModelFacts, plan: Plan) -> None:
+    half = {"fp16", "bf16"}
+    if (facts.precision in half or plan.precision in half) and facts.precision != plan.precision:
+        raise OracleError(
+            f"the model facts were measured at precision {facts.precision!r} but the plan asks for "
+            f"{plan.precision!r}; measure the facts at the plan's precision "
+            f"(model_facts(..., precision={plan.precision!r}))"
+        )
 
 
 def predict(facts: ModelFacts, cluster: ClusterSpec, plan: Plan) -> Prediction:
     """Predict one training configuration; raises :class:`OracleError` on an impossible plan."""
     plan = plan.validate(cluster)
+    _check_precision(facts, plan)
     p = plan.devices or 1
     b = plan.batch_size
     k = plan.stages if plan.strategy == "pipeline" else 1
     cost = step_cost(facts, cluster, plan, p, b)
     global_batch = b * (p // k)
     throughput = global_batch / cost.step_s
-    single = replace(plan, strategy="ring", devices=1)
+    single = replace(plan, strategy="allreduce", devices=1)
     base = b / step_cost(facts, cluster, single, 1, b).step_s
     epoch_s = plan.dataset_size / global_batch * cost.step_s
-    mem = _memory(facts, cluster, plan, b)
-    fits = mem <= cluster.device.memory_bytes
+    memory = memory_breakdown(facts, cluster, plan, b, p)
+    fits = memory["total"] <= cluster.device.memory_bytes
     # strong scaling of the same global batch: the device count with the shortest step
     limit = min(global_batch * k, _SEARCH_LIMIT)
-    t1 = step_cost(facts, cluster, replace(plan, strategy="ring"), 1, global_batch).step_s
+    t1 = step_cost(facts, cluster, replace(plan, strategy="allreduce"), 1, global_batch).step_s
     curve = [(q, t1 / step_cost(facts, cluster, plan, q, global_batch / (q // k)).step_s)
              for q in _candidates(limit, cluster.devices_per_node, k)]
     best_q, best = max(curve, key=lambda qs: qs[1])
@@ -332,10 +406,11 @@ def predict(facts: ModelFacts, cluster: ClusterSpec, plan: Plan) -> Prediction:
         model=facts.name, cluster=cluster.name, strategy=plan.strategy, devices=p,
         nodes=math.ceil(p / cluster.devices_per_node), batch_per_device=b,
         global_batch=global_batch, cost=cost, throughput=throughput, epoch_s=epoch_s,
-        time_to_train_s=plan.epochs * epoch_s, memory_per_device_bytes=mem,
+        time_to_train_s=plan.epochs * epoch_s, memory_per_device_bytes=memory["total"],
         memory_available_bytes=cluster.device.memory_bytes, fits=fits,
-        max_batch_per_device=_max_batch(facts, cluster, plan),
+        max_batch_per_device=_max_batch(facts, cluster, plan, p),
         speedup=throughput / base, scaling_efficiency=throughput / base / p,
         bottleneck=_bottleneck(cost, fits), max_speedup=best, max_speedup_devices=best_q,
-        useful_devices=useful,
+        useful_devices=useful, memory=memory,
+        algorithm_note=_comm.explain(_comm.network(cluster, p // k), cost.algorithm) if cost.algorithm else "",
     )

@@ -43,29 +43,49 @@ def test_register_user_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None
     assert _run(["oracle", "predict", "--model", "mlp", "--cluster", "nowhere"]) == 2
 
 
-@pytest.mark.parametrize(("argv", "says"), [
-    (["--devices", "0"], "devices must be between 1 and the 64 devices of cluster 'p100-cluster', but got 0"),
-    (["--batch-size", "0"], "batch_size must be an integer >= 1, but got 0"),
-    (["--epochs", "0"], "epochs must be > 0, but got 0.0"),
-])
-def test_a_bad_value_is_named_as_given(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run(["oracle", "--model", "resnet50", "--cluster", "p100-cluster", *argv]) == 2
-    assert says in capsys.readouterr().err
+@pytest.mark.parametrize(("flag", "value", "field"), [
+    ("--devices", "0", "devices"), ("--batch-size", "0", "batch_size"), ("--epochs", "0", "epochs"),
+    ("--devices", "-3", "devices")])
+def test_bad_values_are_refused_with_the_value_given(flag: str, value: str, field: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["oracle", "--model", "mlp", "--cluster", "p100-cluster", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{field} must be" in err and f"but got {float(value) if field == 'epochs' else int(value)}" in err
+    assert "64" not in err.split("but got")[1]  # the bad value, not the cluster's device count
 
 
 def test_options_before_predict_are_kept(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run(["oracle", "--model", "resnet50", "--cluster", "p100-cluster", "--batch-size", "8", "predict",
-                 "--devices", "4", "--json"]) == 0
+    code = _run(["oracle", "--model", "cnn", "--cluster", "p100-cluster", "--batch-size", "7", "predict",
+                 "--devices", "8", "--json"])
+    assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["batch_per_device"], out["devices"], out["cluster"]) == (8, 4, "p100-cluster")
+    assert (out["model"], out["cluster"], out["batch_per_device"], out["devices"]) == ("cnn", "p100-cluster", 7, 8)
 
 
 def test_a_plan_that_does_not_fit_exits_3_with_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run(["oracle", "--model", "resnet50", "--cluster", "p100-cluster", "--batch-size", "4096",
-                 "--json"]) == 3
-    out, err = capsys.readouterr()
-    assert json.loads(out)["fits"] is False
-    assert f"the largest batch that fits is {json.loads(out)['max_batch_per_device']}" in err
+    code = _run(["oracle", "--model", "resnet50", "--cluster", "v100-cluster", "--devices", "4",
+                 "--batch-size", "512"])
+    assert code == 3
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out and "does not fit in memory" in captured.out
+    top = int(captured.err.split("the largest batch that fits is ")[1].split()[0])
+    assert 100 < top < 512 and "GiB" in captured.err
+    assert _run(["oracle", "--model", "resnet50", "--cluster", "v100-cluster", "--devices", "4",
+                 "--batch-size", str(top), "--json"]) == 0
+
+
+def test_help_shows_a_worked_example(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _run(["oracle", "--help"])
+    out = capsys.readouterr().out
+    assert "worked example" in out and "hpoflow oracle --model resnet50 --cluster p100-cluster" in out
+    assert "exit codes" in out and "3 it does not fit" in out
+
+
+def test_the_table_says_which_all_reduce_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["oracle", "--model", "resnet50", "--cluster", "p100-cluster", "--devices", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "hier-hd" in out and "latency steps" in out and "ring" in out
 
 
 @pytest.mark.skipif(not (ROOT / "hpoflow" / "__main__.py").exists(), reason="no __main__ yet")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from hpoflow.oracle import Plan, load_cluster, model_facts, predict
+from hpoflow.oracle import Plan, load_cluster, model_facts
+from hpoflow.oracle._compute import ACTIVATION_TRAFFIC, matrix_precision
 from hpoflow.oracle.catalog import PRESETS
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.model import step_cost
@@ -80,22 +80,38 @@ def test_smaller_layers_run_further_below_peak() -> None:
     assert t8 > t64  # per sample, small batches (less work per call) are slower
 
 
-def test_without_table_behaves_exactly_as_before(tmp_path: Path) -> None:
+def test_without_tables_every_traced_kernel_is_priced_by_the_roofline(tmp_path: Path) -> None:
     f = model_facts("cnn")
-    plan = Plan(batch_size=32, devices=2)
+    assert f.trace is not None
     for name in PRESETS:
         c = load_cluster(name)
-        assert c.device.efficiency_table is None
-        new = predict(f, c, plan)
-        old_style = predict(replace(f, layers=()), c, plan)  # facts without per-layer records
-        assert new.to_dict() == old_style.to_dict()
-        dev, ov = c.device, c.overheads
-        flops_s = f.train_flops * 32 / dev.flops("fp32", f.conv_flops_fraction)
-        assert new.cost.flops_s == pytest.approx(flops_s, rel=1e-12)
-        assert new.cost.overhead_s >= ov.per_conv_s * f.conv_layers
+        assert not c.device.calibrated
+        dev, b = c.device, 32
+        cost = step_cost(f, c, Plan(batch_size=b, devices=1).validate(c), 1, b)
+        mem_rate = dev.memory_bandwidth * dev.memory_efficiency
+        want = 0.0
+        for k in f.trace.kernels:
+            t_mem = (k.bytes * b + k.fixed_bytes) / mem_rate
+            at = matrix_precision(k.half, "fp32", k.kind, dev)
+            t_flop = k.flops * b / dev.matrix_rate(at) if k.kind != "mem" else 0.0
+            # a tensor-core (TF32) convolution in the default NCHW layout transposes in and out
+            transposes = 2 * k.bytes * b / mem_rate if k.kind == "conv" and at == "tf32" else 0.0
+            want += max(t_flop, t_mem) + transposes + dev.kernel_s
+        assert cost.flops_s + cost.memory_traffic_s == pytest.approx(want, rel=1e-9)
+        assert cost.forward_s + cost.backward_s == pytest.approx(want, rel=1e-9)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(dict(PRESETS["p100-cluster"])))
     assert load_cluster(path).device.efficiency_table is None
+
+
+def test_a_calibrated_device_keeps_the_validated_cpu_formula() -> None:
+    f, c = model_facts("cnn"), _cluster(TABLE)
+    assert c.device.calibrated
+    cost = step_cost(f, c, Plan(batch_size=32, devices=1).validate(c), 1, 32)
+    # FLOPs from the table, memory traffic from the leaf outputs moved ACTIVATION_TRAFFIC times
+    traffic = ACTIVATION_TRAFFIC * f.leaf_output_bytes * 32 / c.device.memory_bandwidth
+    assert cost.memory_traffic_s == pytest.approx(traffic)
+    assert cost.backward_s == pytest.approx(2 / 3 * (cost.flops_s + cost.memory_traffic_s))
 
 
 def test_table_round_trips_through_yaml(tmp_path: Path) -> None:

@@ -35,7 +35,29 @@ def test_project_models_and_memory_facts() -> None:
     assert f.grad_bytes == 4 * f.params
     assert f.activation_bytes > 0 and f.ops_per_step > 10 and f.conv_layers == 2
     half = model_facts("cnn", precision="bf16")
-    assert half.activation_bytes == pytest.approx(f.activation_bytes / 2, rel=0.01)
+    assert half.activation_bytes < f.activation_bytes
+    assert half.leaf_output_bytes == pytest.approx(f.leaf_output_bytes / 2, rel=0.01)
+
+
+def test_the_traced_step_has_forward_and_backward_kernels_and_every_gradient() -> None:
+    f = model_facts("resnet50")
+    t = f.trace
+    assert t is not None
+    fwd = sum(k.flops for k in t.kernels if not k.backward)
+    bwd = sum(k.flops for k in t.kernels if k.backward)
+    assert fwd == pytest.approx(f.forward_flops, rel=0.01)
+    # backward computes input and weight gradients (2x forward), except the first layer's input's
+    assert 1.9 < bwd / fwd < 2.0
+    assert sorted(i for i, _, _ in t.grad_ready) == list(range(f.param_tensors))
+    assert sum(n for _, n, _ in t.grad_ready) == f.params
+    ready_at = [k for _, _, k in t.grad_ready]
+    assert ready_at == sorted(ready_at) and min(ready_at) >= t.forward_kernels  # in backward, in order
+    # the classifier's gradients are ready first, the stem convolution's last
+    assert t.grad_ready[0][0] in (f.param_tensors - 1, f.param_tensors - 2) and t.grad_ready[-1][0] == 0
+    assert {k.kind for k in t.kernels} == {"conv", "mm", "mem"}
+    half = model_facts("resnet50", precision="fp16").trace
+    assert half is not None and all(k.half for k in half.kernels if k.kind == "conv")
+    assert "kernels_per_step" in f.to_dict() and "trace" not in f.to_dict()
 
 
 def test_optimizer_state_sizes() -> None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from hpoflow.oracle import Plan, load_cluster, model_facts
+from hpoflow.oracle._compute import OPTIMIZER_BYTES
 from hpoflow.oracle.catalog import PRESETS
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.model import ACTIVATION_TRAFFIC, expected_max_normal, step_cost
@@ -81,28 +82,35 @@ def test_bad_layer_cost_tables_are_rejected() -> None:
 
 def test_priced_layers_replace_their_activation_traffic() -> None:
     f, b = model_facts("cnn"), 32
-    plain, priced = _cluster(), _cluster(LAYER_COST)
+    # a calibrated device (any table): without layer_cost rows every leaf output is traffic
+    plain = load_cluster({**_cluster().model_dump(), "device": {
+        **_cluster().device.model_dump(), "efficiency_table": {"conv": [(1e5, 0.1)]}}})
+    priced = _cluster(LAYER_COST)
     w = plain.device.memory_bandwidth
-    assert _cost(plain, f).memory_traffic_s == pytest.approx(ACTIVATION_TRAFFIC * f.activation_bytes * b / w)
+    assert _cost(plain, f).memory_traffic_s == pytest.approx(ACTIVATION_TRAFFIC * f.leaf_output_bytes * b / w)
     dev = priced.device
     layer_s = sum(dev.element_cost(k, n_in * b) * n_in * calls * b
                   for k, n_in, _, calls in f.other_layers if k in LAYER_COST)
     # relu and maxpool outputs are priced, flatten is a view: all three leave the traffic term
-    left = f.activation_bytes - 4 * sum(n_out * calls for _, _, n_out, calls in f.other_layers)
+    left = f.leaf_output_bytes - 4 * sum(n_out * calls for _, _, n_out, calls in f.other_layers)
     want = layer_s + ACTIVATION_TRAFFIC * left * b / w
     got = _cost(priced, f)
     assert got.memory_traffic_s == pytest.approx(want)
-    assert got.flops_s == pytest.approx(_cost(plain, f).flops_s)  # FLOP pricing untouched
+    # FLOP pricing untouched: no efficiency table, so the per-kind sustained rate
+    assert got.flops_s == pytest.approx(f.train_flops * b / dev.flops("fp32", f.conv_flops_fraction))
 
 
 def test_optimizer_cost_per_parameter() -> None:
     f = model_facts("mlp")
     rates = {"sgd": 1e-10, "momentum": 3e-10, "adam": 2e-9}
     base, c = _cluster(), _cluster(optimizer_per_param_s=rates)
+    dev = base.device
     for optimizer, momentum, key in (("sgd", 0.0, "sgd"), ("sgd", 0.9, "momentum"), ("adamw", 0.0, "adam")):
-        extra = _cost(c, f, optimizer=optimizer, momentum=momentum).overhead_s - \
-            _cost(base, f, optimizer=optimizer, momentum=momentum).overhead_s
-        assert extra == pytest.approx(rates[key] * f.params)
+        # measured seconds per parameter where calibrated ...
+        assert _cost(c, f, optimizer=optimizer, momentum=momentum).optimizer_s == pytest.approx(rates[key] * f.params)
+        # ... else the roofline: the fp32 state read and written once per step
+        roofline = OPTIMIZER_BYTES[key] * f.params / (dev.memory_bandwidth * dev.memory_efficiency)
+        assert _cost(base, f, optimizer=optimizer, momentum=momentum).optimizer_s == pytest.approx(roofline)
 
 
 def test_expected_maximum_of_normals() -> None:
@@ -136,6 +144,10 @@ def test_sync_wait_scales_with_devices_and_easgd_period() -> None:
                                              rel=1e-4)
     easgd = _cost(c, f, p=2, strategy="easgd", period=4)
     assert easgd.sync_wait_s == pytest.approx(two.sync_wait_s / 2)
-    # presets have no table: GPU predictions are unchanged
-    assert _cost(load_cluster(PRESETS["p100-cluster"]), f, p=2).sync_wait_s == 0.0
+    # without a table the GPU presets' step_jitter: E[max of p normals] x jitter x compute
+    gpu = load_cluster(PRESETS["p100-cluster"])
+    two_gpu = _cost(gpu, f, p=2)
+    assert two_gpu.sync_wait_s == pytest.approx(gpu.overheads.step_jitter * two_gpu.compute_s / math.sqrt(math.pi))
+    no_jitter = load_cluster({**PRESETS["p100-cluster"], "overheads": {}})
+    assert _cost(no_jitter, f, p=2).sync_wait_s == 0.0
     assert replace(two, sync_wait_s=0.0).to_dict()["sync_wait_s"] == 0.0
