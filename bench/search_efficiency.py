@@ -15,6 +15,7 @@ time, and the best value within the budget; a plot of anytime best vs time is wr
 with plotly (the report's plotting library) when ``--plot`` names a PNG (needs kaleido).
 
     python bench/search_efficiency.py [--seeds 5] [--trials 200] [--plot docs/img/search_efficiency.png]
+    python bench/search_efficiency.py --real [--seeds 3]   # the real CNN on digits, ~4 min per seed here
 """
 
 from __future__ import annotations
@@ -68,6 +69,75 @@ def run(algorithm: str, pruner: str, seed: int, n_trials: int) -> list[tuple[flo
     return out
 
 
+def run_real(algorithm: str, pruner: str, seed: int, n_trials: int, timeout_s: float | None,
+             engine: Any) -> list[tuple[float, float | None, float]]:
+    """The same on the real built-in CNN (examples/digits.yaml's training, the local engine): (end, value,
+    duration) in wall-clock seconds from the study's first submit; ``timeout_s`` stops new trials."""
+    from hpoflow.api import optimize
+
+    grid = algorithm == "grid"
+    search: dict[str, Any] = {"algorithm": algorithm, "max_concurrent": 2, "seed": seed, "pruner": PRUNERS[pruner]}
+    if not grid:
+        search["n_trials"] = n_trials
+    if timeout_s is not None:
+        search["timeout"] = timeout_s
+    training = {"model": "cnn", "model_options": {"channels": "${channels}"}, "dataset": "digits", "epochs": 15,
+                "batch_size": "${batch_size}", "optimizer": "${optimizer}", "lr": "${lr}", "momentum": "${momentum}",
+                "seed": seed}
+    spec = {"study": {"name": "eff", "metric": "val_accuracy", "direction": "maximize"},
+            "space": GRID if grid else SPACE, "search": search, "training": training,
+            "resources": {"processes": 1, "cpus_per_process": 1}, "oracle": {"enabled": False}}
+    with tempfile.TemporaryDirectory() as d:
+        res = optimize(spec, Path(d) / "run", engine=engine)
+        rows = []
+        for t in sorted(res.study.trials, key=lambda t: t.number):
+            tm = t.user_attrs.get("timings") or {}
+            if "started_at" in tm and "duration_s" in tm:
+                submit = tm["started_at"] - tm.get("launch_s", 0.0)
+                rows.append((submit, t.value if t.state.name == "COMPLETE" else None, tm["duration_s"]))
+    t0 = min(r[0] for r in rows)
+    return [(sub - t0 + dur, v, dur) for sub, v, dur in rows]
+
+
+def real(seeds: int) -> None:
+    """Grid (batches of 2) against TPE+ASHA and random on the real CNN, each given the grid's budget."""
+    from hpoflow.engines.local import LocalEngine
+
+    engine = LocalEngine(cores=[0, 1])
+    engine.wait_warm()
+    out: dict[str, dict[str, list[float]]] = {}
+    grid_ttt: list[float] = []
+    try:
+        for seed in range(seeds):
+            points = batched(run_real("grid", "none", seed, 0, None, engine))
+            curve = anytime(points)
+            budget, target = max(t for t, _ in points), curve[-1][1]
+            grid_ttt.append(time_to(curve, target, budget))
+            line = [f"seed {seed}: grid budget {budget:.0f} s, best {target:.4f} at {grid_ttt[-1]:.0f} s"]
+            for alg, pr in (("tpe", "asha"), ("random", "none")):
+                name = f"{alg}+{pr}" if pr != "none" else alg
+                c = anytime([(t, v) for t, v, _ in run_real(alg, pr, seed, 1000, budget, engine)])
+                r = out.setdefault(name, {"ttt": [], "best": []})
+                r["ttt"].append(time_to(c, target, budget))
+                r["best"].append(max((b for t, b in c if t <= budget), default=math.nan))
+                line.append(f"{name} {r['ttt'][-1]:.0f} s (best {r['best'][-1]:.4f})")
+            print("; ".join(line), flush=True)
+    finally:
+        engine.close()
+    g = statistics.median(grid_ttt)
+    table = {}
+    for name, r in out.items():
+        ttt = statistics.median(r["ttt"])
+        table[name] = {"time_to_grid_best_s": round(ttt, 1) if math.isfinite(ttt) else None,
+                       "ratio_vs_grid": round(g / ttt, 2) if math.isfinite(ttt) and ttt > 0 else 0.0,
+                       "reached": sum(math.isfinite(x) for x in r["ttt"]),
+                       "best_in_budget": round(statistics.median(r["best"]), 4)}
+        print(f"{name:>10}: to the grid's best {table[name]['time_to_grid_best_s']} s vs grid {g:.0f} s = "
+              f"{table[name]['ratio_vs_grid']}x ({table[name]['reached']}/{seeds} seeds); best within budget "
+              f"{table[name]['best_in_budget']}")
+    emit({"real": True, "seeds": seeds, "grid_time_to_best_s": round(g, 1), "arms": table})
+
+
 def batched(trials: list[tuple[float, float | None, float]], slots: int = 2) -> list[tuple[float, float | None]]:
     """The grid as the seed ran it: batches of ``slots`` in order, each collected when its slowest ends."""
     out, clock = [], 0.0
@@ -98,7 +168,12 @@ def main() -> None:
     ap.add_argument("--plot", help="write the anytime-best plot to this PNG")
     ap.add_argument("--target", type=float, default=0.98, help="the fixed target accuracy")
     ap.add_argument("--quick", action="store_true", help="2 seeds, few arms (a smoke run)")
+    ap.add_argument("--real", action="store_true", help="the real built-in CNN on digits (local engine): grid "
+                    "against TPE+ASHA and random, each given the grid's wall-clock budget")
     a = ap.parse_args()
+    if a.real:
+        real(a.seeds)
+        return
     arms = [(alg, p) for alg in ("random", "tpe") for p in ("none", "asha", "median")] + [("gp", "none"),
                                                                                          ("cmaes", "none")]
     if a.quick:
