@@ -1,6 +1,12 @@
-"""Elastic trials in the drain tail: the same study with and without elasticity, simulated.
+"""Elastic trials in the drain tail: the same study with and without elasticity, real and simulated.
 
-First the built-in CNN's strong scaling is measured on this machine (examples/digits.yaml's
+Real (this machine, 2 cores, the local engine): a random search of 5 built-in CNN trials (digits,
+128 channels, global batch 256, 4 to 30 epochs) with two in flight, once with ``processes: 1`` and
+once with ``processes: {min: 1, max: 2}``, alternating, ``--repeats`` times: makespan, busy fraction
+(core-seconds the trials held / cores x makespan), best value, and each trial's value against the
+fixed-size run's (the same configurations: the sampler's draws do not depend on results).
+
+Simulated: first the built-in CNN's strong scaling is measured on this machine (examples/digits.yaml's
 configuration, 1 and 2 ranks, the same global batch): the speedup on 2 ranks becomes the simulated
 scaling curve ("measured"), extended beyond 2 slots at the same efficiency per doubling; a second
 curve keeps 90 % efficiency per doubling ("0.9/doubling", about what Goyal et al. 2017 report for
@@ -9,10 +15,7 @@ ResNet-50 on 8 to 256 GPUs). Then 1,000 log-normal trials (median 60 s, sigma 1)
 ``longest_remaining``, up to all the slots, ``resize_s`` per resize; a trial grows only where the
 curve makes it faster): makespan, busy fraction (slot-seconds used / slots x makespan), best value.
 
-Not here: elastic trials on the local engine (real processes regrouping at an epoch boundary); see
-docs/performance.md.
-
-    python bench/elastic.py [--resize-s 5] [--quick]
+    python bench/elastic.py [--repeats 3] [--resize-s 5] [--quick] [--no-real] [--no-simulated]
 """
 
 from __future__ import annotations
@@ -22,7 +25,66 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import BENCH, emit
+from _common import BENCH, emit, median
+
+REAL_SPACE = {"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
+              "epochs": {"type": "int", "low": 4, "high": 30}}
+
+
+def real_spec(processes: Any, n_trials: int) -> dict[str, Any]:
+    return {
+        "study": {"name": "elastic-real", "metric": "val_accuracy", "direction": "maximize"},
+        "space": REAL_SPACE,
+        "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": 2, "seed": 3},
+        "training": {"model": "cnn", "model_options": {"channels": 128}, "dataset": "digits", "epochs": "${epochs}",
+                     "batch_size": 256, "optimizer": "adam", "lr": "${lr}"},
+        "resources": {"processes": processes},
+        "oracle": {"enabled": False},
+    }
+
+
+def real_run(processes: Any, n_trials: int) -> dict[str, Any]:
+    import json
+
+    from hpoflow.api import optimize
+
+    with tempfile.TemporaryDirectory() as d:
+        res = optimize(real_spec(processes, n_trials), Path(d) / "run", handle_signals=False)
+        makespan, best = res.summary.elapsed_s, res.best_value
+        core_s, values, resizes = 0.0, {}, 0
+        for f in sorted((Path(d) / "run" / "trials").glob("*/result.json")):
+            r = json.loads(f.read_text())
+            t = r["timings"]
+            core_s += t.get("core_s", t["duration_s"])
+            resizes += int(t.get("resizes", 0))
+            values[r["number"]] = r["value"]
+    return {"makespan_s": makespan, "busy": core_s / (2 * makespan), "best_value": best,
+            "values": values, "resizes": resizes}
+
+
+def real(repeats: int, n_trials: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"fixed": [], "elastic": []}
+    for i in range(repeats):
+        for label, processes in (("fixed", 1), ("elastic", {"min": 1, "max": 2})):
+            r = real_run(processes, n_trials)
+            runs[label].append(r)
+            print(f"real, repeat {i + 1}, {label}: makespan {r['makespan_s']:.1f} s, busy {r['busy']:.3f}, "
+                  f"best {r['best_value']:.4f}, resizes {r['resizes']}", flush=True)
+    out: dict[str, Any] = {}
+    for label, rs in runs.items():
+        out[label] = {"makespan_s": round(median([r["makespan_s"] for r in rs]), 2),
+                      "busy": round(median([r["busy"] for r in rs]), 3),
+                      "best_value": round(median([r["best_value"] for r in rs]), 4),
+                      "resizes": median([float(r["resizes"]) for r in rs])}
+    diffs = [abs(e["values"][n] - f["values"][n]) for f, e in zip(runs["fixed"], runs["elastic"], strict=True)
+             for n in f["values"] if n in e["values"]]
+    out["makespan_ratio"] = round(out["elastic"]["makespan_s"] / out["fixed"]["makespan_s"], 3)
+    out["max_trial_value_diff"] = round(max(diffs), 4)
+    print(f"real 2-core study, median of {repeats}: makespan {out['fixed']['makespan_s']} s -> "
+          f"{out['elastic']['makespan_s']} s ({out['makespan_ratio']}x), busy {out['fixed']['busy']} -> "
+          f"{out['elastic']['busy']}, best {out['fixed']['best_value']} / {out['elastic']['best_value']}, "
+          f"largest per-trial value difference {out['max_trial_value_diff']}", flush=True)
+    return out
 
 
 def measured_speedup(epochs: int) -> tuple[float, dict[str, float]]:
@@ -63,12 +125,21 @@ def main() -> None:
     ap.add_argument("--resize-s", type=float, default=5.0, help="pause of one resize (checkpoint, regroup)")
     ap.add_argument("--epochs", type=int, default=3, help="epochs of the scaling measurement")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="real runs of each kind (medians)")
+    ap.add_argument("--no-real", action="store_true", help="skip the real 2-core study")
+    ap.add_argument("--no-simulated", action="store_true", help="skip the simulated studies")
     a = ap.parse_args()
+    out: dict[str, Any] = {}
+    if not a.no_real:
+        out["real"] = real(1 if a.quick else a.repeats, 3 if a.quick else 5)
+    if a.no_simulated:
+        emit(out)
+        return
     s2, measured = measured_speedup(1 if a.quick else a.epochs)
     print(f"built-in CNN on this machine: 2-rank speedup {s2:.2f} (strong scaling) {measured}", flush=True)
     curve = [1.0, max(1.0, s2)]
     cases = [(200, 64)] if a.quick else [(1000, 64), (8000, 512)]
-    out: dict[str, Any] = {"speedup_2": round(s2, 3), **measured, "resize_s": a.resize_s}
+    out.update({"speedup_2": round(s2, 3), **measured, "resize_s": a.resize_s})
     for n, slots in cases:
         fixed = simulate(n, slots, None)
         row: dict[str, Any] = {"trials": n, "fixed": fixed}

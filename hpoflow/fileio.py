@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "read_json", "umask", "write_atomic", "write_json_atomic"]
+__all__ = ["append_jsonl", "fsync_dir", "read_json", "umask", "write_atomic", "write_json_atomic"]
 
 
 def umask() -> int:
@@ -82,3 +82,12 @@ def read_json(path: Path) -> Any | None:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def append_jsonl(path: Path, record: Any) -> None:
+    """Append ``record`` as one JSON line to ``path`` and fsync it (a reader uses whole lines only)."""
+    line = json.dumps(record, sort_keys=True) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())

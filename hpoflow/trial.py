@@ -18,10 +18,11 @@ __all__ = ["Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "Tria
            "Verdict", "aggregate_usage", "needs_torch", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
-# How one rank ended: ok / pruned / error (an exception, sent by the rank itself), or as its engine
-# saw it from outside: lost (the process died before it sent an outcome), killed (the engine
-# stopped it: a peer failed, a timeout, a cancel).
-RankStatus = Literal["ok", "pruned", "error", "lost", "killed"]
+# How one rank ended: ok / pruned / error (an exception, sent by the rank itself), resized (an elastic
+# trial left at an epoch boundary, checkpointed, to be restarted by its engine with another number of
+# ranks), or as its engine saw it from outside: lost (the process died before it sent an outcome),
+# killed (the engine stopped it: a peer failed, a timeout, a cancel).
+RankStatus = Literal["ok", "pruned", "error", "resized", "lost", "killed"]
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,25 @@ class TrialRequest:
     # Where the trial's checkpoints live. A trial rerun after a crash or a stop gets the directory
     # of the trial it replaces, so it resumes from that trial's last checkpoint.
     checkpoint_dir: str = ""
+    # An elastic trial (``resources.processes: {min, max}``): the numbers of ranks it may run with,
+    # ascending; ``processes`` is the number this run of it has. Empty: a fixed-size trial.
+    elastic_sizes: tuple[int, ...] = ()
+    elastic_policy: str = "longest_remaining"  # a registered hpoflow.registry.ELASTIC policy
 
     @property
     def checkpoints(self) -> str:
         return self.checkpoint_dir or f"{self.trial_dir}/checkpoints"
+
+    @property
+    def elastic(self) -> bool:
+        return len(self.elastic_sizes) > 1
+
+    @property
+    def base_processes(self) -> int:
+        """The number of ranks the trial's training config is written for (an elastic trial's
+        smallest size): its global batch is ``batch_size x base_processes x grad_accum_steps`` on any
+        number of ranks."""
+        return self.elastic_sizes[0] if self.elastic_sizes else self.processes
 
     @classmethod
     def shape(cls, processes: int, cpus_per_process: int, gpus_per_process: int, nodes: int = 1) -> TrialRequest:
@@ -63,6 +79,7 @@ class TrialRequest:
     def from_json(cls, text: str) -> TrialRequest:
         data = json.loads(text)
         data["python_path"] = tuple(data.get("python_path", ()))
+        data["elastic_sizes"] = tuple(int(k) for k in data.get("elastic_sizes", ()))
         return cls(**data)
 
 
@@ -183,6 +200,11 @@ def _result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], t
     if failure is not None:
         return TrialResult(req.number, "failed", error=failure, stderr_tail=stderr_tail(), timings=timings,
                            retryable=retryable)
+    if any(o.status == "resized" for o in outcomes.values()):  # an engine that restarts resizes never gets here
+        return TrialResult(req.number, "failed", error="the trial left its process group to be resized, but was "
+                           "not restarted (a rank was lost meanwhile, or the engine does not resize trials); it "
+                           "resumes from its checkpoint when rerun", stderr_tail=stderr_tail(), timings=timings,
+                           retryable=True)
     errors = {r: o for r, o in outcomes.items() if o.status == "error"}
     if errors:
         r, o = min(errors.items(), key=lambda kv: (kv[1].retryable, kv[0]))

@@ -173,3 +173,29 @@ def allreduce_volume(ctx: TrialContext) -> dict[str, float]:
     for _ in range(int(ctx.options["steps"])):
         dist.all_reduce(t)
     return {"loss": 0.0}
+
+
+def elastic_epochs(ctx: TrialContext) -> dict[str, float]:
+    """An elastic user function: ``epochs`` epochs of ``work_s`` seconds, split over the ranks (more
+    ranks are faster; with ``split: false`` not split, so more ranks are slower), a real all-reduce per
+    epoch, a checkpoint at every boundary, and each epoch's world size recorded in the checkpoint and,
+    at the end, in ``sizes.json``."""
+    import json
+
+    state = ctx.load_checkpoint() or {"epoch": 0, "sizes": [], "total": 0.0}
+    epochs, work_s = int(ctx.options["epochs"]), float(ctx.options["work_s"])
+    for epoch in range(int(state["epoch"]), epochs):
+        time.sleep(work_s / ctx.world_size if ctx.options.get("split", True) else work_s)
+        t = torch.tensor([1.0])
+        if ctx.distributed:
+            dist.all_reduce(t)
+        state = {"epoch": epoch + 1, "sizes": [*state["sizes"], ctx.world_size],
+                 "total": float(state["total"]) + float(t.item()) / ctx.world_size}
+        ctx.report(epoch + 1, loss=1.0 / (epoch + 1))
+        ctx.save_checkpoint(state, step=epoch + 1)
+        if ctx.should_stop():
+            break
+    if ctx.rank == 0 and not ctx.resizing:
+        (ctx.trial_dir / "sizes.json").write_text(json.dumps(state["sizes"]))
+    return {"loss": 1.0 / max(1, int(state["epoch"])), "epochs_done": float(state["epoch"]),
+            "total": float(state["total"])}

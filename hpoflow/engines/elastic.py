@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "fifo", "longest_remaining", "most_promising", "speedup"]
+__all__ = ["Candidate", "ElasticBook", "fifo", "longest_remaining", "most_promising", "speedup"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,162 @@ def speedup(k: int, curve: Sequence[float] | None = None, efficiency: float = 0.
         step_eff = (curve[-1] / curve[-2]) / (last / (last - 1)) if last >= 2 else efficiency
         return float(curve[-1] * (k / last) * step_eff ** math.log2(k / last))
     return float(k * efficiency ** math.log2(k))
+
+
+# -- the real engines' book of elastic trials ------------------------------------------------------
+_FASTER = 0.97  # a grown trial must run its epochs at least 3 % faster than before, or it shrinks back
+_IGNORED_LIMIT = 2  # answers asking a resize a trial did not act on before it is treated as fixed
+
+
+@dataclass
+class _Tracked:
+    number: int
+    sizes: tuple[int, ...]
+    cores_per_rank: int
+    policy: str
+    size: int
+    epochs: int | None
+    started: float
+    segment_start: float
+    last_report: float | None = None
+    reports: int = 0
+    last_value: float | None = None
+    epoch_s: dict[int, float] | None = None  # ranks -> seconds per report interval, last measured
+    target: int = 0  # the size asked at the last answer (0: none)
+    ignored: int = 0
+    cap: int = 0  # no growth above this size (a grow that did not pay); 0: sizes[-1]
+    grown_from: int = 0  # the size before the last grow, until its first epoch is measured
+
+
+class ElasticBook:
+    """What an engine that runs real elastic trials (local, compss) needs to decide their sizes.
+
+    The engine tells it when an elastic trial starts (``add``), reports (``on_report``), restarts on
+    another number of ranks (``on_restart``) and ends (``remove``). When an elastic trial waits for
+    the answer to a report (it is at an epoch boundary), ``decide`` returns the number of ranks it
+    should continue with: fewer when submitted trials wait for cores it holds beyond its minimum,
+    more when cores are idle and the policy ranks it first among the trials that can use them; 0 for
+    no change. Cores promised to a trial not yet restarted count as taken.
+
+    A grow must pay: a trial grows only after one whole epoch at its size was timed (report to report),
+    and the first whole epoch after the grow must be at least 3 % faster; if not, the trial shrinks
+    back and never grows past that size again. Where the work left is under two epochs, nothing grows.
+    """
+
+    def __init__(self, direction: str = "maximize", metric: str = "") -> None:
+        self.direction = direction
+        self.metric = metric
+        self._trials: dict[int, _Tracked] = {}
+
+    def __contains__(self, number: object) -> bool:
+        return number in self._trials
+
+    def add(self, number: int, sizes: Sequence[int], cores_per_rank: int, policy: str, size: int,
+            epochs: int | None, now: float) -> None:
+        self._trials[number] = _Tracked(number, tuple(sizes), max(1, cores_per_rank), policy, size, epochs, now, now,
+                                        epoch_s={})
+
+    def remove(self, number: int) -> None:
+        self._trials.pop(number, None)
+
+    def size(self, number: int) -> int:
+        return self._trials[number].size
+
+    def on_report(self, number: int, metrics: dict[str, float], now: float) -> None:
+        t = self._trials.get(number)
+        if t is None:
+            return
+        if t.last_report is not None and t.epoch_s is not None:  # a whole epoch at this size (no start-up)
+            t.epoch_s[t.size] = now - t.last_report
+        t.last_report = now
+        t.reports += 1
+        value = metrics.get(self.metric)
+        if value is not None:
+            t.last_value = float(value)
+
+    def on_restart(self, number: int, size: int, now: float) -> None:
+        t = self._trials.get(number)
+        if t is None:
+            return
+        t.grown_from = t.size if size > t.size else 0  # a grow is judged once its first epoch is timed
+        t.size, t.target, t.ignored = size, 0, 0
+        t.segment_start, t.last_report = now, None
+        if t.epoch_s is not None:
+            t.epoch_s.pop(size, None)  # measured afresh at this size
+
+    def fit(self, number: int, free_cores: int) -> int:
+        """The size to restart ``number`` with: its asked size, or the largest allowed that fits in
+        ``free_cores`` (at least its minimum, whose cores the engine always keeps for it)."""
+        t = self._trials[number]
+        want = t.target or t.size
+        fits = [k for k in t.sizes if k <= want and k * t.cores_per_rank <= free_cores]
+        return max(fits) if fits else t.sizes[0]
+
+    def promised(self, exclude: int | None = None) -> int:
+        """Cores asked for by trials that will grow at their restart (not yet taken)."""
+        return sum((t.target - t.size) * t.cores_per_rank for t in self._trials.values()
+                   if t.number != exclude and t.target > t.size)
+
+    def decide(self, number: int, free_cores: int, demand_cores: int) -> int:
+        """The number of ranks trial ``number`` (at an epoch boundary now) should continue with; 0:
+        as it is. ``free_cores``: idle now; ``demand_cores``: cores submitted trials wait for."""
+        t = self._trials.get(number)
+        if t is None:
+            return 0
+        if t.target and t.target != t.size:  # asked before, and it reported again without acting on it
+            t.ignored += 1
+            if t.ignored >= _IGNORED_LIMIT:
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "trial %d did not restart when asked to resize (a training function must save a checkpoint "
+                    "before should_stop() and return when it is True); it keeps %d ranks", number, t.size)
+                t.sizes, t.target = (t.size,), 0
+                return 0
+        t.target = self._target(t, free_cores - self.promised(exclude=number), demand_cores)
+        return t.target if t.target != t.size else 0
+
+    def _target(self, t: _Tracked, free: int, demand: int) -> int:
+        epoch_s = t.epoch_s or {}
+        if t.grown_from and t.size in epoch_s and t.grown_from in epoch_s:
+            before = t.grown_from
+            t.grown_from = 0
+            if epoch_s[t.size] > _FASTER * epoch_s[before]:  # it did not pay: back, and no more of it
+                t.cap = before
+                return before
+        if demand > 0 and t.size > t.sizes[0]:
+            smaller = [k for k in t.sizes if k < t.size and (t.size - k) * t.cores_per_rank >= demand]
+            return max(smaller) if smaller else t.sizes[0]
+        if t.cap and t.size > t.cap:
+            return t.cap
+        if free <= 0 or (t.epochs is not None and t.epochs - t.reports < 2):
+            return t.size
+        # Idle cores: hand them out in the policy's order; this trial grows by what is left for it.
+        from hpoflow.registry import ELASTIC
+
+        policy = ELASTIC.get(t.policy)
+        ranked = policy([self._candidate(x) for x in self._trials.values() if self._can_grow(x)], self.direction)
+        left = free + sum((x.target - x.size) * x.cores_per_rank for x in self._trials.values()
+                          if x.number != t.number and x.target > x.size)  # re-plan what others were promised
+        for c in ranked:
+            x = self._trials[c.number]
+            grow = max((k for k in x.sizes if k <= self._ceiling(x) and (k - x.size) * x.cores_per_rank <= left),
+                       default=x.size)
+            if x.number == t.number:
+                return grow
+            left -= (grow - x.size) * x.cores_per_rank
+        return t.size
+
+    def _ceiling(self, t: _Tracked) -> int:
+        return t.cap or t.sizes[-1]
+
+    def _can_grow(self, t: _Tracked) -> bool:
+        """Below its ceiling, with two epochs left, and one whole epoch measured at its size since it
+        last started (a grow is judged against it)."""
+        return (t.size < self._ceiling(t) and (t.epochs is None or t.epochs - t.reports >= 2)
+                and t.size in (t.epoch_s or {}))
+
+    def _candidate(self, t: _Tracked) -> Candidate:
+        epoch_s = (t.epoch_s or {}).get(t.size, 1.0)
+        left = (t.epochs - t.reports) if t.epochs is not None else 1
+        return Candidate(t.number, t.size, self._ceiling(t), max(0, left) * epoch_s, t.started, t.last_value)

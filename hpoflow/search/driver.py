@@ -310,6 +310,8 @@ class Driver:
             gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout,
             pruning=self.spec.search.pruner.type != "none", python_path=self.python_path,
             seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),
+            elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
+            elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
         )
         self._inflight[trial.number] = _InFlight(trial, request, params)
         if self.listener:

@@ -35,6 +35,7 @@ __all__ = [
     "BUILTIN_METRICS",
     "CategoricalParam",
     "CheckpointSpec",
+    "ElasticRange",
     "FloatParam",
     "IntParam",
     "Objective",

@@ -10,17 +10,28 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import did_you_mean
-from hpoflow.registry import ENGINES, MODELS, PRUNERS, SAMPLERS, STRATEGIES, Registry, check_class, is_class_path
+from hpoflow.registry import (
+    ELASTIC,
+    ENGINES,
+    MODELS,
+    PRUNERS,
+    SAMPLERS,
+    STRATEGIES,
+    Registry,
+    check_class,
+    is_class_path,
+)
 
 __all__ = [
     "PLACEHOLDER",
     "CategoricalParam",
     "CheckpointSpec",
     "ConditionMap",
+    "ElasticRange",
     "FloatParam",
     "IntParam",
     "Objective",
@@ -182,7 +193,7 @@ class StudySection(_Strict):
                 data = {**data}
                 if "metric" in data and data["metric"] != first.get("name"):
                     raise PydanticCustomError(
-                        "metric_vs_metrics", "metric {m!r} is not the first of metrics ({f!r}). Fix: drop metric "
+                        "metric_vs_metrics", "metric '{m}' is not the first of metrics ('{f}'). Fix: drop metric "
                         "(metrics names every objective)", {"m": data["metric"], "f": first.get("name")})
                 data.setdefault("metric", first.get("name"))
                 data.setdefault("direction", first.get("direction"))
@@ -218,7 +229,7 @@ def parse_constraint(text: str) -> tuple[str, str, float]:
     """``'name <= 8000'`` -> (name, op, bound); ``PydanticCustomError`` with the rule otherwise."""
     m = _CONSTRAINT.match(text)
     if m is None:
-        raise PydanticCustomError("bad_constraint", "constraint {c!r} must read 'NAME <= NUMBER' or 'NAME >= NUMBER' "
+        raise PydanticCustomError("bad_constraint", "constraint '{c}' must read 'NAME <= NUMBER' or 'NAME >= NUMBER' "
                                   "(NAME a metric the trial returns, or system_rss_peak_mb and the like). Fix: e.g. "
                                   "'peak_memory_mb <= 8000'", {"c": text})
     return m.group(1), m.group(2), float(m.group(3))
@@ -296,7 +307,7 @@ class SearchSpec(_Strict):
             unknown = sorted(set(algo) - {"class", "options"})
             if unknown or not isinstance(algo.get("class"), str):
                 raise PydanticCustomError(
-                    "bad_class", "algorithm: a sampler class is written {{class: pkg.mod.Class, options: {{...}}}}, "
+                    "bad_class", "algorithm: a sampler class is written {class: pkg.mod.Class, options: {...}}, "
                     "but got {value}", {"value": algo})
             data = {**data, "algorithm": algo["class"], "sampler_options": algo.get("options") or {}}
         return data
@@ -405,8 +416,31 @@ class TrainConfig(_Strict):
         return self
 
 
+class ElasticRange(_Strict):
+    """An elastic trial's sizes (``resources.processes: {min: 1, max: 8}``): it starts with ``min``
+    ranks, may grow up to ``max`` onto idle slots at an epoch boundary and shrinks back when a new
+    trial needs them; ``policy`` (a registered elastic policy) picks which trial grows first."""
+
+    min: int = Field(default=1, ge=1)
+    max: int = Field(ge=1)
+    policy: str = "longest_remaining"
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticRange:
+        if self.max < self.min:
+            raise PydanticCustomError("bad_range", "max ({max}) must be >= min ({min}). Fix: swap them",
+                                      {"max": self.max, "min": self.min})
+        if self.policy not in ELASTIC:
+            raise PydanticCustomError("unknown_plugin", "policy: {msg}", {"msg": ELASTIC.unknown(self.policy)})
+        return self
+
+
 class ResourcesSpec(_Strict):
-    processes: int = Field(default=1, ge=1, description="DDP world size of one trial.")
+    processes: int = Field(default=1, ge=1, description="DDP world size of one trial; {min, max} (and an "
+                           "optional policy) makes the trial elastic: it starts with min ranks and grows "
+                           "onto idle slots up to max (docs/elastic.md).")
+    elastic: ElasticRange | None = Field(
+        default=None, description="Set from processes: {min, max}: the elastic sizes and policy.")
     cpus_per_process: int = Field(default=1, ge=1)
     gpus_per_process: int = Field(default=0, ge=0)
     nodes: int = Field(default=1, ge=1, description="Nodes one trial spans (compss engine).")
@@ -414,6 +448,47 @@ class ResourcesSpec(_Strict):
     max_retries: int = Field(
         default=2, ge=0, description="Reruns of a trial killed by the system (signal, lost rank or node, "
                                      "timeout), from its last checkpoint; never for errors in user code.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_processes(cls, data: Any) -> Any:
+        """``processes: {min, max, policy}`` -> ``processes: min`` and ``elastic``."""
+        if isinstance(data, dict) and isinstance(data.get("processes"), dict):
+            if "elastic" in data:
+                raise PydanticCustomError("elastic_twice", "give the elastic range once, as processes: {min, "
+                                          "max}, not also elastic:", {})
+            try:
+                rng = ElasticRange.model_validate(data["processes"])
+            except ValidationError as exc:
+                err = exc.errors(include_url=False)[0]
+                at = ".".join(["processes", *(str(x) for x in err["loc"])])
+                raise PydanticCustomError("elastic_range", "{at}: {msg}. An elastic trial reads processes: {min: 1, "
+                                          "max: 8} (optional policy)", {"at": at, "msg": err["msg"]}) from None
+            data = {**data, "processes": rng.min, "elastic": rng}
+        return data
+
+    @model_validator(mode="after")
+    def _elastic_matches(self) -> ResourcesSpec:
+        if self.elastic is not None and self.elastic.min != self.processes:
+            raise PydanticCustomError("elastic_min", "processes ({p}) must equal elastic.min ({m}). Fix: write "
+                                      "processes: {min: {m}, max: {x}}",
+                                      {"p": self.processes, "m": self.elastic.min, "x": self.elastic.max})
+        return self
+
+    @property
+    def max_processes(self) -> int:
+        return self.elastic.max if self.elastic is not None else self.processes
+
+    def elastic_sizes(self, batch_size: int | None) -> tuple[int, ...]:
+        """The numbers of ranks an elastic trial may run with: ``min .. max``, multiples of ``nodes``,
+        and, for the built-in trainer (``batch_size`` given), dividing the global batch
+        ``batch_size x min`` so every size trains with the same global batch. ``()``: not elastic."""
+        if self.elastic is None:
+            return ()
+        lo, hi = self.elastic.min, self.elastic.max
+        sizes = tuple(k for k in range(lo, hi + 1) if k % self.nodes == 0
+                      and (batch_size is None or (batch_size * lo) % k == 0))
+        return sizes if len(sizes) > 1 else ()
 
 
 class TrackingSpec(_Strict):
@@ -479,13 +554,28 @@ class StudySpec(_Strict):
         if self.search.pruner.type != "none":
             raise PydanticCustomError(
                 "multi_objective_pruning", "search.pruner: Optuna does not prune trials of a study with several "
-                "objectives (study.metrics), but the pruner is {p!r}. Fix: remove the pruner, or keep one metric",
+                "objectives (study.metrics), but the pruner is '{p}'. Fix: remove the pruner, or keep one metric",
                 {"p": self.search.pruner.type})
         if self.search.algorithm in ("cmaes",):
             raise PydanticCustomError(
                 "multi_objective_sampler", "search.algorithm: {a} optimises one objective, but study.metrics has "
                 "{n}. Fix: use tpe, nsga2, nsga3, gp or random", {"a": self.search.algorithm,
                                                                   "n": len(self.study.objectives)})
+        return self
+
+    @model_validator(mode="after")
+    def _check_elastic(self) -> StudySpec:
+        """An elastic built-in trial hands its model and optimizer from rank 0 to any number of ranks,
+        which holds only where every rank keeps the same state: the allreduce strategy."""
+        if self.resources.elastic is None or self.training.get("function"):
+            return self
+        strategy = self.training.get("strategy", "allreduce")
+        if isinstance(strategy, str) and not PLACEHOLDER.match(strategy) and strategy != "allreduce":
+            raise PydanticCustomError(
+                "elastic_strategy", "resources.processes: an elastic trial of the built-in trainer needs "
+                "training.strategy allreduce (every rank holds the same model and optimizer, so a checkpoint "
+                "resumes on any number of ranks), but the strategy is '{s}'. Fix: use allreduce, or a fixed "
+                "processes: N", {"s": strategy})
         return self
 
     @model_validator(mode="after")

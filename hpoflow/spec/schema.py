@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from hpoflow.registry import ENGINES, MODELS, PRUNERS, SAMPLERS, STRATEGIES, Registry
+from hpoflow.registry import ELASTIC, ENGINES, MODELS, PRUNERS, SAMPLERS, STRATEGIES, Registry
 from hpoflow.spec._models import PLACEHOLDER, StudySpec, TrainConfig
 
 __all__ = ["SCHEMA_ID", "study_schema"]
@@ -73,4 +73,10 @@ def study_schema() -> dict[str, Any]:
     props["engine_options"] = _options(ENGINES, defs)
     props["engine"]["enum"] = ENGINES.names()
     search["algorithm"]["enum"] = SAMPLERS.names()
+    # processes: a number, or an elastic range {min, max, policy} (read into ``elastic``)
+    resources = defs["ResourcesSpec"]["properties"]
+    defs["ElasticRange"]["properties"]["policy"]["enum"] = ELASTIC.names()
+    resources["processes"] = {"anyOf": [resources["processes"], {"$ref": "#/$defs/ElasticRange"}],
+                              "description": resources["processes"].get("description", "")}
+    resources.pop("elastic", None)
     return schema

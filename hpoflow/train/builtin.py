@@ -20,6 +20,11 @@ checkpoint directory holds a checkpoint valid on every rank restores all of it a
 the next epoch: on CPU the result is bitwise the uninterrupted run's (docs/checkpointing.md). The
 metrics carry ``resumed_from_epoch`` (0: a fresh start) and ``checkpoint_s`` (time the training
 thread spent checkpointing).
+
+Elastic trials (``resources.processes: {min, max}``, docs/elastic.md): the global batch is
+``batch_size x min x grad_accum_steps`` on any number of ranks (each rank takes its share); when
+``should_stop()`` sets ``resize_to``, every rank checkpoints at that epoch boundary and returns, and
+the engine restarts the trial on the new number of ranks, which resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -200,6 +205,20 @@ def _restore(ctx: TrialContext, saved: dict[str, Any], model: nn.Module, optimiz
     return progress, {k: float(v) for k, v in saved["metrics"].items()}
 
 
+def _batch_for(ctx: TrialContext, world: int) -> tuple[int, int]:
+    """(ranks the config is written for, per-rank batch on ``world`` ranks). An elastic trial keeps its
+    global batch ``batch_size x base x grad_accum_steps`` on every size: ``DistributedSampler`` deals
+    the shuffled epoch out rank by rank, so step ``j`` of any world trains on the same samples."""
+    cfg = ctx.config
+    if not ctx.elastic:
+        return world, cfg.batch_size
+    base = ctx.base_world
+    if (cfg.batch_size * base) % world:
+        raise ValueError(f"an elastic trial of global batch {cfg.batch_size * base} (batch_size x "
+                         f"{base} ranks) cannot run on {world} ranks: it does not divide")
+    return base, cfg.batch_size * base // world
+
+
 def train_builtin(ctx: TrialContext) -> dict[str, float]:
     cfg = ctx.config
     torch.manual_seed(cfg.seed)
@@ -215,21 +234,22 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
         sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
             train_set, num_replicas=world, rank=env.rank, shuffle=True, seed=cfg.seed,
             drop_last=False)
-        loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+        base, local_batch = _batch_for(ctx, world)
+        loader = DataLoader(train_set, batch_size=local_batch, sampler=sampler)
         steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum_steps)
-        schedule = LrSchedule.from_config(cfg, world, steps_per_epoch)
-        base = make_optimizer(cfg.optimizer, model.parameters(), schedule.lr_at(0), cfg.momentum,
-                              cfg.weight_decay)
-        opt: OptimizerLike = LARS(base, cfg.lars_trust_coefficient) if cfg.lars else base
+        schedule = LrSchedule.from_config(cfg, base, steps_per_epoch)
+        opt_base = make_optimizer(cfg.optimizer, model.parameters(), schedule.lr_at(0), cfg.momentum,
+                                  cfg.weight_decay)
+        opt: OptimizerLike = LARS(opt_base, cfg.lars_trust_coefficient) if cfg.lars else opt_base
         strategy.prepare_optimizer(opt)
         metrics: dict[str, float] = {}
         every = cfg.checkpoint.every
         fingerprint = config_fingerprint(cfg)
         progress = Progress()
-        if every > 0:  # resume from the newest checkpoint valid on every rank (a collective)
+        if every > 0 or ctx.elastic:  # resume from the newest checkpoint valid on every rank (a collective)
             saved = ctx.load_checkpoint()
             if saved is not None:
-                progress, metrics = _restore(ctx, saved, model, base, strategy, fingerprint)
+                progress, metrics = _restore(ctx, saved, model, opt_base, strategy, fingerprint)
         resumed = float(progress.epoch)
         for epoch in range(progress.epoch, cfg.epochs):
             sampler.set_epoch(epoch)
@@ -237,7 +257,7 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
             t_sync = time.perf_counter()
             strategy.end_epoch()
             progress.t_train += stats.seconds + time.perf_counter() - t_sync
-            progress.samples += stats.seen
+            progress.samples += stats.seen * world  # global samples (the world may change: elastic)
             progress.epoch, progress.step = epoch + 1, step
             t_train, samples = progress.t_train, progress.samples
             train_loss = stats.loss_sum / max(stats.seen, 1)
@@ -251,9 +271,9 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                 "train_loss": train_loss,
                 "train_accuracy": stats.correct / max(stats.seen, 1),
                 "epoch": float(epoch + 1),
-                "samples_per_s": samples * world / t_train if t_train > 0 else 0.0,
+                "samples_per_s": samples / t_train if t_train > 0 else 0.0,
                 "lr": schedule.lr_at(max(step - 1, 0)),
-                "global_batch": float(cfg.batch_size * world * cfg.grad_accum_steps),
+                "global_batch": float(local_batch * world * cfg.grad_accum_steps),
                 "world_size": float(world),
                 "resumed_from_epoch": resumed,
                 **strategy.comm_stats(),
@@ -261,11 +281,18 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
             ctx.report(epoch + 1, **metrics)
             # Epoch boundary: every rank is consistent here.
             if every > 0 and (epoch + 1) % every == 0:
-                ctx.save_checkpoint(_checkpoint_state(progress, model, base, strategy, metrics, fingerprint),
+                ctx.save_checkpoint(_checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint),
                                     step=epoch + 1)
-            if ctx.should_stop():
+            stop = ctx.should_stop()
+            if not stop and ctx.resize_to:  # elastic: checkpoint here, leave, resume on resize_to ranks
+                ctx.save_checkpoint(_checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint),
+                                    step=epoch + 1)
+                stop = ctx.should_stop()
+            if stop:
                 break
         ctx.flush_checkpoints()
+        if ctx.resizing:
+            return metrics
         metrics["resumed_from_epoch"] = resumed
         metrics["checkpoint_s"] = ctx.checkpoint_s
         metrics["ranks_identical"] = _finish(ctx, strategy.eval_module())

@@ -19,6 +19,11 @@ Pruning: a rank deletes its file for step ``s`` only when ``s`` is not among its
 a newer step has files from every rank (seen in the directory listing), so a crash of one rank in the
 middle of a write never leaves the ranks without a common checkpoint.
 
+Elastic trials (``elastic=True``; every rank holds the same state): a step is complete when the
+ranks of the world that wrote it (``world_size`` in rank 0's file) all have a valid file; it resumes
+on any number of ranks, ranks beyond that world taking rank 0's state (``latest_any_world``), and
+rank 0 deletes committed-over files of ranks a shrunk trial no longer has.
+
 Threads: ``Checkpointer.save`` copies the state (CPU tensors, new containers) on the calling thread;
 with ``background=True`` a writer thread serialises and writes it while training goes on. A save
 first waits for the previous write. ``close()`` waits for the last one and stops the writer. One
@@ -209,7 +214,7 @@ class Checkpointer:
     """Saves and finds this rank's checkpoints in ``directory``; see the module docstring."""
 
     def __init__(self, directory: Path, rank: int = 0, world_size: int = 1, keep: int = 2,
-                 background: bool = True) -> None:
+                 background: bool = True, elastic: bool = False) -> None:
         if keep < 1:
             raise ValueError(f"checkpoint keep >= 1 must hold, but got keep={keep}. Fix: set training.checkpoint.keep")
         self.directory = Path(directory)
@@ -217,6 +222,9 @@ class Checkpointer:
         self.world_size = world_size
         self.keep = keep
         self.background = background
+        # Elastic (every rank holds the same state, e.g. DDP's model and optimizer): a step written by
+        # W ranks resumes on any number of ranks; ranks >= W take rank 0's state (``latest``).
+        self.elastic = elastic
         self.last_step: int | None = None  # newest step saved (or resumed from) by this rank
         self.last_size = 0  # bytes of the newest file written
         self.write_s = 0.0  # seconds the writes took (in the background thread when background)
@@ -329,6 +337,12 @@ class Checkpointer:
         for step in own[: -self.keep]:
             if step < committed:
                 (self.directory / checkpoint_name(step, self.rank)).unlink(missing_ok=True)
+        if self.elastic and self.rank == 0:  # files of ranks a shrunk trial no longer has
+            for r, steps in listing.items():
+                if r >= self.world_size:
+                    for step in steps:
+                        if step < committed:
+                            (self.directory / checkpoint_name(step, r)).unlink(missing_ok=True)
 
     def _scan(self) -> dict[int, dict[str, Any]]:
         """This rank's usable checkpoints, step -> payload; warns once per unusable file."""
@@ -348,15 +362,71 @@ class Checkpointer:
             found[step] = payload
         return found
 
-    def _mismatch(self, payload: Any, step: int) -> str | None:
+    def _mismatch(self, payload: Any, step: int, rank: int | None = None) -> str | None:
         if not isinstance(payload, dict) or "state" not in payload:
             return "not an hpoflow checkpoint payload (no 'state')"
+        rank = self.rank if rank is None else rank
         got = (payload.get("step"), payload.get("rank"), payload.get("world_size"))
+        if self.elastic:  # any world size resumes; it must be a number
+            if got[:2] != (step, rank) or not isinstance(got[2], int) or got[2] < 1:
+                return (f"it holds step={got[0]}, rank={got[1]}, world_size={got[2]} but its name says "
+                        f"step={step}, rank={rank}")
+            return None
         if got != (step, self.rank, self.world_size):
             return (f"it holds step={got[0]}, rank={got[1]}, world_size={got[2]} but this rank expects "
                     f"step={step}, rank={self.rank}, world_size={self.world_size} (a checkpoint resumes "
                     "only with the same number of processes)")
         return None
+
+    def _scan_elastic(self) -> dict[int, tuple[dict[str, Any], bool]]:
+        """Elastic: step -> (this rank's state for it, whether it is another rank's), for every step
+        whose writers (ranks ``0 .. W-1`` of the world ``W`` that wrote it) all left a file under its
+        final name and whose file this rank reads (its own if it was among them, else rank 0's)."""
+        listing = self._listing()
+        found: dict[int, tuple[dict[str, Any], bool]] = {}
+        for step in sorted(listing.get(0, set()), reverse=True):
+            try:
+                chief = read_checkpoint(self.directory / checkpoint_name(step, 0))
+                problem = self._mismatch(chief, step, 0)
+                if problem is None:
+                    world = int(chief["world_size"])
+                    missing = [r for r in range(world) if step not in listing.get(r, set())]
+                    if missing:
+                        continue  # not written by every rank yet (or a crash in the middle): not a step
+                    own: Any = chief
+                    if 0 < self.rank < world:
+                        own = read_checkpoint(self.directory / checkpoint_name(step, self.rank))
+                        problem = self._mismatch(own, step)
+            except (CheckpointError, OSError) as exc:
+                problem = str(exc)
+            if problem:
+                warnings.warn(f"hpoflow: rank {self.rank}: skipping checkpoint step {step} in {self.directory}: "
+                              f"{problem}", RuntimeWarning, stacklevel=3)
+                continue
+            found[step] = (own, self.rank >= world)
+        return found
+
+    def latest_any_world(self, gather: Gather | None = None) -> tuple[int, dict[str, Any], bool] | None:
+        """Elastic ``latest``: the newest step usable on every rank, this rank's state for it, and
+        whether that state is rank 0's (this rank did not exist when it was written: its RNG states
+        are not its own)."""
+        self.wait()
+        self._remove_temp_files()
+        found = self._scan_elastic()
+        mine = sorted(found)
+        lists = gather(mine) if gather is not None else [mine]
+        common = set(mine)
+        for steps in lists:
+            common &= set(steps)
+        chosen = max(common) if common else None
+        for step in self._listing().get(self.rank, set()):
+            if chosen is None or step > chosen:
+                (self.directory / checkpoint_name(step, self.rank)).unlink(missing_ok=True)
+        if chosen is None:
+            return None
+        self.last_step = chosen
+        payload, foreign = found[chosen]
+        return chosen, payload["state"], foreign
 
     def latest(self, gather: Gather | None = None) -> tuple[int, dict[str, Any]] | None:
         """The newest step valid on every rank and this rank's state for it, or ``None``.

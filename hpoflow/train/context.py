@@ -47,6 +47,16 @@ class TrialContext:
     _prune: bool = False
     resumed_step: int | None = None  # the step load_checkpoint() resumed from (None: fresh start)
     checkpoint_s: float = 0.0  # seconds save_checkpoint() held the calling thread (snapshot + waits)
+    # Elastic trials (resources.processes: {min, max}; docs/elastic.md): base_world is the number of
+    # ranks the config is written for (its global batch); resize_to, set by should_stop() on every
+    # rank, the number the engine wants the trial to continue with (0: no change).
+    elastic: bool = False
+    base_world: int = 1
+    seed: int = 0
+    resize_to: int = 0
+    resizing: bool = False  # should_stop() returned True to restart the trial with resize_to ranks
+    _resize: int = 0  # rank 0: the engine's last answer
+    _saved_since_stop_check: bool = False
     _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     @property
@@ -80,20 +90,30 @@ class TrialContext:
         if self.rank != 0:
             return
         wants = self.pruning and self.metric in clean and math.isfinite(clean[self.metric])
-        self._prune = self.channel.report(int(step), clean, wants)
+        self._prune = self.channel.report(int(step), clean, wants or self.elastic)
+        self._resize = self.channel.resize_to if self.elastic else 0
 
     def should_stop(self) -> bool:
-        """Whether the trial has been pruned. Collective in a DDP trial: every rank must call it."""
-        flag = self._prune
+        """Whether the trial should stop here: pruned, or (elastic trials) to be restarted with
+        ``resize_to`` ranks. Collective in a DDP trial: every rank must call it.
+
+        A resize stops the trial only where every rank saved a checkpoint since the last
+        ``should_stop()`` (``save_checkpoint``), so it resumes from here on the new ranks; the
+        built-in trainer saves one when ``resize_to`` is set. A function that returns when this is
+        True is restarted by its engine and resumes with ``load_checkpoint()``."""
+        flag, resize = self._prune, self._resize
         if self.distributed:
             import torch
             import torch.distributed as dist
 
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            t = torch.tensor([1 if flag else 0, resize], dtype=torch.int64)
             dist.broadcast(t, src=0)
-            flag = bool(t.item())
+            flag, resize = bool(t[0].item()), int(t[1].item())
         self._prune = flag
-        return flag
+        self.resize_to = resize if self.elastic and resize not in (0, self.world_size) else 0
+        saved, self._saved_since_stop_check = self._saved_since_stop_check, False
+        self.resizing = not flag and self.resize_to > 0 and saved
+        return flag or self.resizing
 
     # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
     @property
@@ -106,7 +126,7 @@ class TrialContext:
             directory = self.checkpoint_dir or self.trial_dir / "checkpoints"
             world = self.world_size if self.distributed else 1
             self._checkpointer = Checkpointer(directory, self.rank if self.distributed else 0, world,
-                                              keep=ck.keep, background=ck.async_)
+                                              keep=ck.keep, background=ck.async_, elastic=self.elastic)
         return self._checkpointer
 
     def save_checkpoint(self, state: dict[str, Any], step: int | None = None, *, rng: bool = True) -> None:
@@ -126,6 +146,7 @@ class TrialContext:
 
             payload["rng"] = capture_rng()
         cp.save(payload, int(step))
+        self._saved_since_stop_check = True
         self.checkpoint_s += time.perf_counter() - t0
 
     def load_checkpoint(self, *, restore_rng: bool = True) -> dict[str, Any] | None:
@@ -145,12 +166,21 @@ class TrialContext:
                 out: list[Any] = [None] * self.world_size
                 dist.all_gather_object(out, mine)
                 return [list(x) for x in out]
-        found = cp.latest(gather)
+        foreign = False
+        if self.elastic:  # written by any number of ranks (a resized trial)
+            any_world = cp.latest_any_world(gather)
+            found = None if any_world is None else any_world[:2]
+            foreign = any_world is not None and any_world[2]
+        else:
+            found = cp.latest(gather)
         if found is None:
             self.resumed_step = None
             return None
         step, payload = found
-        if restore_rng and "rng" in payload:
+        if foreign:  # rank 0's state: this rank did not exist then; its own streams, from the seed
+            if restore_rng:
+                _seed_rank(self.seed, step, self.rank)
+        elif restore_rng and "rng" in payload:
             from hpoflow.train.checkpoint import restore_rng as restore_rng_state
 
             restore_rng_state(payload["rng"])
@@ -163,3 +193,19 @@ class TrialContext:
         if self._checkpointer is not None:
             self._checkpointer.close()
 
+
+
+def _seed_rank(seed: int, step: int, rank: int) -> None:
+    """Seed Python's, NumPy's and torch's generators for a rank that joins a resized trial at ``step``
+    (a function of the trial's seed, the step and the rank: reruns draw the same)."""
+    import hashlib
+    import random
+
+    import numpy as np
+    import torch
+
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little")
+    random.seed(value)
+    np.random.seed(value % (2**32))
+    torch.manual_seed(value % (2**63))

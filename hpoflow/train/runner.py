@@ -173,7 +173,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             rank=job.rank, world_size=job.world_size, local_rank=job.local_rank,
             device_name="cuda:0" if use_cuda else "cpu",
             metric=req.metric, pruning=req.pruning, channel=channel, attempt=req.attempt,
-            checkpoint_dir=Path(req.checkpoints),
+            checkpoint_dir=Path(req.checkpoints), elastic=req.elastic, base_world=req.base_processes,
+            seed=req.seed,
         )
         if job.world_size > 1:
             from hpoflow.train import dist as hdist
@@ -193,6 +194,10 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         metrics = _final_metrics(ret, ctx)
         pruned = ctx._prune
         value = metrics.get(req.metric)
+        if ctx.resizing and not pruned:  # left at a boundary, checkpointed: the engine restarts it resized
+            finished = True
+            return RankOutcome("resized", metrics, started_at=started_at, run_s=run_s,
+                               usage=_usage(usage, req, job.rank))
         if job.rank == 0 and not pruned:
             if value is None:
                 raise KeyError(

@@ -12,10 +12,12 @@ file, fsync, rename: ``hpoflow.fileio``) except the report log, which is append-
 - ``reports.jsonl``: rank 0 appends one line per report (``seq``, ``step``, ``metrics``,
   ``wants_answer``) and fsyncs it. A reader uses only complete lines (ending in ``\\n``), so a line
   being written is never half read.
-- ``answer-<seq>.json``: the engine's pruning decision for report ``seq`` (``{"prune": bool}``).
+- ``answer-<seq>.json``: the engine's decision for report ``seq`` (``{"prune": bool}``, and for an
+  elastic trial ``"world"``: the number of ranks to continue with, 0 for no change).
 - ``STOP``: written by the engine to cancel the attempt; rank processes watch it and kill their
   process group.
-- ``result.json``: the task's ``TrialResult`` (written last; its presence means the task ended).
+- ``result.json``: the task's ``TrialResult`` (written last; its presence means the task ended);
+  ``status: resized`` when an elastic trial's ranks all left to be restarted on another size.
 - ``outcome-<rank>.json``, ``job.json``, ``heartbeat``: between the task and its rank processes.
 
 Standard library only: the engine, the task body (inside a persistent COMPSs worker) and the node
@@ -27,23 +29,36 @@ from __future__ import annotations
 import abc
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from hpoflow.fileio import read_json
+from hpoflow.fileio import append_jsonl, read_json
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Channel", "FileChannel", "NullChannel", "PipeChannel", "ReportReader", "TrialFiles"]
 
 class Channel(abc.ABC):
+    """Rank 0's line to its engine. An answer to a report carries the pruning decision and, for an
+    elastic trial, ``world``: the number of ranks the engine wants the trial to continue with (0: as it
+    is), kept in ``resize_to`` until the next answer."""
+
+    resize_to: int = 0
+
     @abc.abstractmethod
     def report(self, step: int, metrics: dict[str, float], wants_answer: bool) -> bool:
         """Send a report; with ``wants_answer`` block for and return the prune decision."""
+
+    def _answered(self, answer: Any) -> bool:
+        """Take an answer (a bool, or ``{"prune": bool, "world": int}``); the prune decision."""
+        if isinstance(answer, dict):
+            self.resize_to = max(0, int(answer.get("world") or 0))
+            return bool(answer.get("prune"))
+        self.resize_to = 0
+        return bool(answer)
 
     @abc.abstractmethod
     def send(self, kind: str, payload: Any) -> None:
@@ -73,7 +88,7 @@ class PipeChannel(Channel):
         if not wants_answer:
             return False
         kind, payload = self.conn.recv()
-        return bool(kind == "prune" and payload)
+        return self._answered(payload) if kind == "prune" else False
 
     def send(self, kind: str, payload: Any) -> None:
         self.conn.send((kind, payload))
@@ -169,11 +184,7 @@ class FileChannel(Channel):
         files.dir.mkdir(parents=True, exist_ok=True)
 
     def _append(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, sort_keys=True) + "\n"
-        with open(self.files.reports, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.files.reports, record)
 
     def report(self, step: int, metrics: dict[str, float], wants_answer: bool) -> bool:
         seq = self.seq
@@ -188,7 +199,7 @@ class FileChannel(Channel):
         while time.monotonic() < deadline:
             data = read_json(path)
             if isinstance(data, dict):
-                return bool(data.get("prune"))
+                return self._answered(data)
             if self.files.stop_requested():
                 return True  # cancelled: stop training as if pruned; the watcher kills us anyway
             time.sleep(delay)

@@ -35,7 +35,7 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,9 @@ from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, r
 from hpoflow.engines.compss._body import HEARTBEAT_S, run_trial
 from hpoflow.engines.compss.options import CompssOptions
 from hpoflow.engines.compss.shape import TaskShape
+from hpoflow.engines.elastic import ElasticBook
 from hpoflow.errors import EngineError
-from hpoflow.fileio import read_json, write_json_atomic
+from hpoflow.fileio import append_jsonl, read_json, write_json_atomic
 from hpoflow.train.transport import ReportReader, TrialFiles
 
 __all__ = ["CompssEngine", "CompssOptions", "TaskShape", "pycompss_available", "runtime_active"]
@@ -69,6 +70,15 @@ class _Trial:
     cancel_time: float | None = None
     group_cancelled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # elastic trials run as one task per size (segments; see ``_restart``)
+    segment: int = 0
+    segment_start: float = 0.0
+    core_s: float = 0.0
+    max_ranks: int = 0
+    deferred: bool | None = None  # a prune decision whose answer waits for the next poll
+
+    def cores(self) -> int:
+        return self.request.processes * self.request.cpus_per_process
 
 
 class CompssEngine(Engine):
@@ -110,6 +120,7 @@ class CompssEngine(Engine):
         self._trials: dict[int, _Trial] = {}
         self._events: list[Event] = []
         self._closed = False
+        self._book: ElasticBook | None = None
         if shape is not None:
             self._load_task(shape)
 
@@ -134,9 +145,22 @@ class CompssEngine(Engine):
                 f"trial {request.number} submitted while trial {next(iter(self._trials))} runs; sequential "
                 "mode runs one trial at a time (capacity() is 1)"
             )
+        if request.elastic:
+            if self._book is None:
+                self._book = ElasticBook(request.direction, request.metric)
+            epochs = request.train.get("epochs") if not request.train.get("function") else None
+            self._book.add(request.number, request.elastic_sizes, request.cpus_per_process, request.elastic_policy,
+                           request.processes, int(epochs) if isinstance(epochs, int) else None, time.monotonic())
+        self._launch(request, shape)
+
+    def _launch(self, request: TrialRequest, shape: TaskShape, prior: _Trial | None = None) -> None:
+        """Call the trial's task: a new trial, or (``prior``) the next segment of an elastic trial on
+        ``request.processes`` ranks, in the same attempt directory (its protocol files start afresh)."""
         files = TrialFiles(Path(request.trial_dir), request.attempt)
         self._fresh_attempt_dir(files)
-        group = f"trial-{request.number}" + (f".{request.attempt}" if request.attempt else "")
+        segment = prior.segment + 1 if prior is not None else 0
+        group = f"trial-{request.number}" + (f".{request.attempt}" if request.attempt else "") + \
+            (f".s{segment}" if segment else "")
         opts_json = json.dumps(self.options.for_task())
         if self.sequential:
             if self._pool is None:
@@ -146,11 +170,61 @@ class CompssEngine(Engine):
             task_fn = self._task_for(request, shape)
             with api().TaskGroup(group, implicit_barrier=False):
                 future = task_fn(request.to_json(), opts_json)
-        self._trials[request.number] = _Trial(request, files, future, group, time.monotonic(),
-                                              ReportReader(files.reports))
+        now = time.monotonic()
+        if prior is None:
+            self._trials[request.number] = _Trial(request, files, future, group, now, ReportReader(files.reports),
+                                                  segment_start=now, max_ranks=request.processes)
+        else:
+            self._trials[request.number] = replace(
+                prior, request=request, files=files, future=future, group=group, reader=ReportReader(files.reports),
+                pending_answer=None, deferred=None, segment=segment, segment_start=now,
+                max_ranks=max(prior.max_ranks, request.processes), extra={})
+
+    def _free_slots(self, exclude: int | None = None) -> int:
+        """``compss.slots`` minus the cores of the trials submitted (running or queued in COMPSs)."""
+        if self.options.slots is None:
+            return 0
+        used = sum(t.cores() for t in self._trials.values() if t.request.number != exclude)
+        return self.options.slots - used
+
+    def _flush_answers(self) -> None:
+        """Answer elastic trials' reports now that the driver has submitted what it could: the prune
+        decision with the number of ranks to continue with."""
+        book = self._book
+        if book is None:
+            return
+        free = self._free_slots()
+        for t in self._trials.values():
+            if t.deferred is None or t.pending_answer is None:
+                continue
+            prune, t.deferred = t.deferred, None
+            seq, t.pending_answer = t.pending_answer, None
+            world = 0 if prune or self.options.slots is None else \
+                book.decide(t.request.number, max(0, free), max(0, -free))
+            with contextlib.suppress(OSError):
+                write_json_atomic(t.files.answer(seq), {"prune": bool(prune), "world": world})
+
+    def _restart(self, t: _Trial) -> None:
+        """An elastic trial's task ended at an epoch boundary, checkpointed: submit its next segment
+        with the size its book asked for, or the largest that fits in what is free."""
+        book = self._book
+        number = t.request.number
+        now = time.monotonic()
+        t.core_s += (now - t.segment_start) * t.cores()
+        if book is None or number not in book:
+            raise EngineError(f"trial {number} resized but is not elastic")
+        free = self._free_slots(exclude=number) if self.options.slots is not None else t.cores()
+        size = book.fit(number, free)
+        request = replace(t.request, processes=size)
+        with contextlib.suppress(OSError):
+            append_jsonl(Path(t.request.trial_dir) / "elastic.jsonl",
+                         {"time": time.time(), "from": t.request.processes, "to": size})
+        self._launch(request, self.options.task_shape(request), prior=t)
+        book.on_restart(number, size, now)
 
     def poll(self, timeout: float | None) -> list[Event]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._flush_answers()
         while True:
             for t in list(self._trials.values()):
                 self._check(t)
@@ -166,6 +240,9 @@ class CompssEngine(Engine):
     def answer(self, number: int, prune: bool) -> None:
         t = self._trials.get(number)
         if t is None or t.pending_answer is None:
+            return
+        if t.request.elastic:  # answered at the next poll, with its size (_flush_answers)
+            t.deferred = prune
             return
         seq, t.pending_answer = t.pending_answer, None
         with contextlib.suppress(OSError):
@@ -224,6 +301,10 @@ class CompssEngine(Engine):
     def _task_for(self, request: TrialRequest, shape: TaskShape) -> Any:
         if self._shape is None:
             self._load_task(shape)
+        elif shape != self._shape and request.elastic:  # another size of an elastic trial: its own task
+            from hpoflow.engines.compss import _tasks as _compss_tasks
+
+            return _compss_tasks.build(shape, elastic=True)
         elif shape != self._shape:
             raise EngineError(
                 f"trial {request.number} asks for {shape.describe()}, but this COMPSs application registered "
@@ -244,6 +325,9 @@ class CompssEngine(Engine):
                 continue
             if t.first_report is None:
                 t.first_report = time.monotonic()
+            if self._book is not None:
+                self._book.on_report(t.request.number, {str(k): float(v) for k, v in
+                                                        (item.get("metrics") or {}).items()}, time.monotonic())
             wants = bool(item.get("wants_answer"))
             if wants:
                 t.pending_answer = int(item.get("seq", 0))
@@ -286,7 +370,15 @@ class CompssEngine(Engine):
             return
         self._read_reports(t)  # every report before the result
         data = self._collect(t)
+        if isinstance(data, dict) and data.get("status") == "resized" and t.cancel_reason is None:
+            self._restart(t)
+            return
         res = self._to_result(t, data)
+        if t.request.elastic:
+            res = replace(res, timings={**res.timings, "core_s": t.core_s + (time.monotonic() - t.segment_start)
+                                        * t.cores(), "resizes": float(t.segment), "max_ranks": float(t.max_ranks)})
+            if self._book is not None:
+                self._book.remove(t.request.number)
         self._events.append(res)
         del self._trials[t.request.number]
 

@@ -39,6 +39,10 @@ class CompssOptions(Options):
     python: interpreter for rank processes on every node (default: this one).
     memory_size_gb: memory (whole GB) each node of a trial needs; COMPSs places tasks by it.
     time_out_grace_s: added to resources.timeout for the task's COMPSs ``time_out`` (a backstop).
+    slots: the computing units the study's trials may hold at once (its workers' cores): elastic
+    trials (``resources.processes: {min, max}``) grow onto what of it is idle and shrink back when
+    submitted trials need it; unset, elastic trials keep their minimum size (COMPSs does not tell an
+    application what is idle).
     env: extra environment for every rank (e.g. ``NCCL_SOCKET_IFNAME``).
     socket_ifname: ``auto`` sets ``GLOO_SOCKET_IFNAME`` to the interface that routes to the
     rendezvous in multi-node trials; ``none`` leaves it alone.
@@ -61,6 +65,7 @@ class CompssOptions(Options):
     time_out_grace_s: float = Field(default=120.0, gt=0)
     memory_size_gb: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1)
+    slots: int | None = Field(default=None, ge=1)
 
     @field_validator("env", mode="before")
     @classmethod

@@ -25,7 +25,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -34,10 +34,12 @@ from typing import Any
 from pydantic import BaseModel
 
 from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.elastic import ElasticBook
 from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
+from hpoflow.fileio import append_jsonl
 from hpoflow.train.rendezvous import private_dir, store_path
 from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
@@ -129,10 +131,21 @@ class _Trial:
     failure: str | None = None
     retryable: bool = False
     store: str = ""  # the rendezvous file store of a multi-rank trial
+    # Elastic trials run in segments, one per size (see ``_restart``): when this one started, the
+    # core-seconds of the ended ones, how many resizes, and the prune decision whose answer waits for
+    # the next poll (the engine adds the size to it then).
+    segment_start: float = 0.0
+    core_s: float = 0.0
+    resizes: int = 0
+    max_ranks: int = 0
+    deferred: bool | None = None
 
     @property
     def done(self) -> bool:
         return len(self.outcomes) == len(self.workers)
+
+    def cores(self) -> int:
+        return self.request.processes * self.request.cpus_per_process
 
 
 class LocalEngine(Engine):
@@ -171,6 +184,8 @@ class LocalEngine(Engine):
         self._next_wid = 0
         self._events: list[Event] = []
         self._rendezvous = private_dir()  # file stores of multi-rank trials: no rendezvous socket
+        self._book: ElasticBook | None = None  # elastic trials' sizes (hpoflow.engines.elastic)
+        self._queued: list[TrialRequest] = []  # submitted, waiting for cores lent to elastic trials
         self._lock = threading.RLock()
         self._closed = False
         while _PRESTARTED:  # light workers started by prestart() before this engine existed
@@ -307,10 +322,24 @@ class LocalEngine(Engine):
         self.check_fits(request)
         placement = plan_placement(request, self.free_cores, self.free_gpus)
         if placement is None:
+            if request.processes * request.cpus_per_process <= len(self.free_cores) + self._lent_cores() \
+                    and request.processes * request.gpus_per_process <= len(self.free_gpus):
+                self._queued.append(request)  # elastic trials give the cores back at their next epoch end
+                return
             raise EngineError(
                 f"trial {request.number} submitted while its resources are taken; the driver must "
                 "not submit more than capacity() trials at once"
             )
+        self._launch(request, placement)
+
+    def _lent_cores(self) -> int:
+        """Cores elastic trials hold beyond their minimum (they give them back when asked)."""
+        return sum((t.request.processes - t.request.base_processes) * t.request.cpus_per_process
+                   for t in self._trials.values() if t.request.elastic)
+
+    def _launch(self, request: TrialRequest, placement: list[Placement], prior: _Trial | None = None) -> None:
+        """Start the ranks of ``request`` on ``placement``: a new trial, or (``prior``) the next segment
+        of an elastic trial, restarted with ``request.processes`` ranks."""
         for p in placement:
             for c in p.cores:
                 self.free_cores.remove(c)
@@ -320,8 +349,20 @@ class LocalEngine(Engine):
         trial_dir.mkdir(parents=True, exist_ok=True)
         store = store_path(self._rendezvous, request.number, request.attempt) if request.processes > 1 else ""
         now = time.monotonic()
-        trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
-                       submitted_wall=time.time(), store=store)
+        if prior is None:
+            trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
+                           submitted_wall=time.time(), store=store, segment_start=now, max_ranks=request.processes)
+            if request.elastic:
+                if self._book is None:
+                    self._book = ElasticBook(request.direction, request.metric)
+                epochs = request.train.get("epochs") if not request.train.get("function") else None
+                self._book.add(request.number, request.elastic_sizes, request.cpus_per_process,
+                               request.elastic_policy, request.processes,
+                               int(epochs) if isinstance(epochs, int) else None, now)
+        else:
+            trial = replace(prior, request=request, placement=placement, workers=[], outcomes={}, store=store,
+                            segment_start=now, resizes=prior.resizes + 1, deferred=None,
+                            max_ranks=max(prior.max_ranks, request.processes))
         torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)
         if torch_first and self._warm.ident is None:  # light so far: now a trial needs the preload
             self._warm.start()
@@ -348,8 +389,63 @@ class LocalEngine(Engine):
                     pass  # loop sees its sentinel and fails the trial as a lost (retryable) rank
         self._trials[request.number] = trial
 
+    def _restart(self, t: _Trial) -> None:
+        """An elastic trial left at an epoch boundary (every rank ``resized``, checkpointed): free its
+        cores, start the trials waiting for them, and restart it with the size its book asked for,
+        or the largest that fits now (its minimum always does)."""
+        book = self._book
+        number = t.request.number
+        now = time.monotonic()
+        t.core_s += (now - t.segment_start) * t.cores()
+        self._release(t)
+        del self._trials[number]
+        self._start_queued()
+        if book is None or number not in book:  # cannot happen: only elastic trials resize
+            raise EngineError(f"trial {number} resized but is not elastic")
+        size = book.fit(number, len(self.free_cores))
+        placement = None
+        for k in sorted((k for k in t.request.elastic_sizes if k <= size), reverse=True):
+            placement = plan_placement(replace(t.request, processes=k), self.free_cores, self.free_gpus)
+            if placement is not None:
+                size = k
+                break
+        if placement is None:  # its minimum's cores were kept for it; a bug if not
+            raise EngineError(f"elastic trial {number} cannot be restarted: its minimum does not fit")
+        log.info("trial %d: restarting on %d rank(s) (was %d)", number, size, t.request.processes)
+        with contextlib.suppress(OSError):
+            append_jsonl(Path(t.request.trial_dir) / "elastic.jsonl",
+                         {"time": time.time(), "from": t.request.processes, "to": size})
+        self._launch(replace(t.request, processes=size), placement, prior=t)
+        book.on_restart(number, size, now)
+
+    def _start_queued(self) -> None:
+        for request in list(self._queued):
+            placement = plan_placement(request, self.free_cores, self.free_gpus)
+            if placement is not None:
+                self._queued.remove(request)
+                self._launch(request, placement)
+
+    def _flush_answers(self) -> None:
+        """Answer elastic trials' reports now that the driver has submitted what it could: the prune
+        decision with the size to continue with (``ElasticBook.decide``)."""
+        book = self._book
+        if book is None:
+            return
+        waiting = sum(r.processes * r.cpus_per_process for r in self._queued)
+        free = len(self.free_cores)
+        for t in self._trials.values():
+            if t.deferred is None:
+                continue
+            prune, t.deferred = t.deferred, None
+            world = 0 if prune else book.decide(t.request.number, free - waiting, max(0, waiting - free))
+            try:
+                t.workers[0].conn.send(("prune", {"prune": prune, "world": world}))
+            except (BrokenPipeError, OSError):
+                pass
+
     def poll(self, timeout: float | None) -> list[Event]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._flush_answers()
         while True:
             self._check_deadlines()
             self._finish_ready()
@@ -357,7 +453,10 @@ class LocalEngine(Engine):
                 out, self._events = self._events, []
                 return out
             if not self._trials:
-                return []
+                self._start_queued()  # (cannot stay queued with nothing running; belt and braces)
+                if not self._trials:
+                    return []
+                continue
             now = time.monotonic()
             wait_for = self._next_wakeup(now, deadline)
             if wait_for is not None and wait_for <= 0:
@@ -387,19 +486,27 @@ class LocalEngine(Engine):
         t = self._trials.get(number)
         if t is None or 0 in t.outcomes:
             return
+        if t.request.elastic:  # answered at the next poll, with its size (_flush_answers)
+            t.deferred = prune
+            return
         try:
             t.workers[0].conn.send(("prune", prune))
         except (BrokenPipeError, OSError):
             pass
 
     def cancel(self, number: int, reason: str) -> None:
+        queued = [r for r in self._queued if r.number == number]
+        if queued:
+            self._queued.remove(queued[0])
+            self._events.append(TrialResult(number, "cancelled", error=reason))
+            return
         t = self._trials.get(number)
         if t is not None and t.cancel_reason is None and not t.done:
             t.cancel_reason = reason
             self._kill_unfinished(t)
 
     def running(self) -> list[int]:
-        return sorted(self._trials)
+        return sorted([*self._trials, *(r.number for r in self._queued)])
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until the warm workers are up (the forkserver has preloaded and forked one per core);
@@ -431,6 +538,7 @@ class LocalEngine(Engine):
                 self._retire(w)
             self._idle.clear()
             self._trials.clear()
+            self._queued.clear()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     # -- internals ------------------------------------------------------------------------------
@@ -448,6 +556,8 @@ class LocalEngine(Engine):
                     step, metrics, wants = payload
                     if t.first_report is None:
                         t.first_report = time.monotonic()
+                    if self._book is not None:
+                        self._book.on_report(t.request.number, metrics, time.monotonic())
                     self._events.append(TrialReport(t.request.number, step, metrics, wants))
                 elif kind == "outcome":
                     outcome = t.outcomes[w.rank] = RankOutcome.from_dict(payload)
@@ -493,14 +603,24 @@ class LocalEngine(Engine):
         for number, t in list(self._trials.items()):
             if not t.done:
                 continue
+            if t.failure is None and t.cancel_reason is None and t.outcomes and \
+                    all(o.status == "resized" for o in t.outcomes.values()):
+                self._restart(t)
+                continue
             self._events.append(self._result(t))
             self._release(t)
             del self._trials[number]
+            if self._book is not None:
+                self._book.remove(number)
+        self._start_queued()
 
     def _result(self, t: _Trial) -> TrialResult:
         req = t.request
         now = time.monotonic()
         timings = {"duration_s": now - t.submitted}
+        if t.request.elastic:  # the cores it held over its segments, and how often it changed size
+            timings.update(core_s=t.core_s + (now - t.segment_start) * t.cores(), resizes=float(t.resizes),
+                           max_ranks=float(t.max_ranks))
         if t.first_report is not None:
             timings["to_first_report_s"] = t.first_report - t.submitted
         trial_dir = Path(req.trial_dir)
