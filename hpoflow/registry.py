@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 from hpoflow.errors import HpoflowError, did_you_mean
 
 __all__ = [
+    "COST_MODELS",
     "ELASTIC",
     "ENGINES",
     "LAUNCHERS",
@@ -246,6 +247,9 @@ MODELS: Registry[Any] = Registry(
 ELASTIC: Registry[Any] = Registry(
     "elastic policy", "a callable (candidates: list[hpoflow.engines.elastic.Candidate], direction: str) -> the "
                       "candidates in the order they should grow", "elastic policies")
+COST_MODELS: Registry[Any] = Registry(
+    "cost model", "a callable (options: its options model) -> a callable (TrialRequest) -> "
+                  "hpoflow.engines.simulated.TrialCost, for the simulated engine's cost: {type: NAME, ...}")
 
 # -- built-in plug-ins: one line each ------------------------------------------------------------
 ENGINES.register("local", "hpoflow.engines.local:LocalEngine.from_options",
@@ -255,6 +259,8 @@ ENGINES.register("compss", "hpoflow.engines.compss:CompssEngine.from_options",
 ENGINES.register("simulated", "hpoflow.engines.simulated.engine:SimulatedEngine.from_options",
                  "hpoflow.engines.simulated.options:SimulatedOptions",
                  summary="a virtual clock and a cost model, for planning and driver tests (trains nothing)")
+COST_MODELS.register("oracle", "hpoflow.oracle.simcost:oracle_cost", "hpoflow.oracle.simcost:OracleCostOptions",
+                     summary="durations from the parallelism oracle's time-to-train, a synthetic metric")
 for _name in ("longest_remaining", "most_promising", "fifo"):
     ELASTIC.register(_name, f"hpoflow.engines.elastic:{_name}")
 

@@ -14,7 +14,7 @@ from hpoflow.engines.elastic import Candidate, longest_remaining, most_promising
 from hpoflow.engines.simulated.engine import SimulatedEngine, TrialCost
 from hpoflow.engines.simulated.options import SimulatedOptions
 from hpoflow.errors import SpecError
-from hpoflow.spec import spec_from_mapping
+from hpoflow.spec import TrainConfig, spec_from_mapping
 
 
 def _spec(n: int, slots: int, **search: Any) -> dict[str, Any]:
@@ -146,3 +146,33 @@ def test_a_user_cost_function_sets_durations_values_and_curves(tmp_path: Path,
         assert t.value == pytest.approx(1.0 - x)
         assert t.user_attrs["timings"]["duration_s"] == pytest.approx(10.0 + 100.0 * x)
         assert sorted(t.intermediate_values) == [1, 2, 3]  # the last epoch is the final value
+
+
+def test_the_oracle_cost_model_gives_each_trial_the_predicted_time_to_train(tmp_path: Path) -> None:
+    from hpoflow.oracle.cluster import load_cluster
+    from hpoflow.oracle.trial import check_trial
+
+    spec = {**_spec(6, 2), "space": {"batch_size": {"type": "categorical", "choices": [32, 128]}},
+            "training": {"model": "cnn", "dataset": "digits", "epochs": 4, "batch_size": "${batch_size}"}}
+    eng = _engine(2, cost={"type": "oracle", "cluster": "p100-cluster"})
+    res = hpoflow.optimize(spec, tmp_path / "run", engine=eng, handle_signals=False)
+    assert res.summary.n_complete == 6
+    cluster = load_cluster("p100-cluster")
+    for f in (tmp_path / "run" / "trials").glob("*/result.json"):
+        data = json.loads(f.read_text())
+        train = TrainConfig(model="cnn", dataset="digits", epochs=4,
+                            batch_size=data["params"]["batch_size"]).model_dump(mode="json")
+        predicted = check_trial(train, 1, 0, cluster).predicted["time_to_train_s"]
+        assert data["timings"]["duration_s"] == pytest.approx(predicted, rel=1e-9)
+    # the learning curve is reported at each epoch boundary before the end (the 4th is the result)
+    assert len(res.study.trials[0].intermediate_values) == 3
+
+
+def test_cost_models_are_plugins_checked_at_validate_time() -> None:
+    spec = {**_spec(4, 2), "engine": "simulated"}
+    with pytest.raises(SpecError, match=r"unknown cost model 'orcale'.*did you mean 'oracle'"):
+        spec_from_mapping({**spec, "engine_options": {"cost": {"type": "orcale"}}})
+    with pytest.raises(SpecError, match=r"cost\.clustr"):
+        spec_from_mapping({**spec, "engine_options": {"cost": {"type": "oracle", "clustr": "x"}}})
+    with pytest.raises(SpecError, match="exactly one cost model"):
+        spec_from_mapping({**spec, "engine_options": {"lognormal": {}, "cost": {"type": "oracle"}}})

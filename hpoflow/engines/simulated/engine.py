@@ -340,6 +340,13 @@ def _cost_model(options: SimulatedOptions) -> Callable[[TrialRequest], TrialCost
         return _function_cost(options.function, options.epochs)
     if options.replay is not None:
         return _replay_cost(Path(options.replay))
+    if options.cost is not None:  # a registered cost model (hpoflow.registry.COST_MODELS)
+        from hpoflow.registry import COST_MODELS
+
+        name = str(options.cost["type"])
+        model = COST_MODELS.options(name, {k: v for k, v in options.cost.items() if k != "type"})
+        factory: Callable[[BaseModel], Callable[[TrialRequest], TrialCost]] = COST_MODELS.get(name)
+        return factory(model)
     raise EngineError("the simulated engine needs a cost model: lognormal, function or replay")
 
 

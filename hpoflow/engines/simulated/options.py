@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from hpoflow.registry import Options
+from hpoflow.registry import COST_MODELS, Options
 
 __all__ = ["ElasticOptions", "LogNormalCost", "SimulatedOptions"]
 
@@ -54,7 +55,9 @@ class SimulatedOptions(Options):
     """``slots``: the simulated allocation (a trial takes ``resources.processes`` of them). The cost
     model, exactly one of: ``lognormal`` (synthetic), ``function`` (``module:function`` called as
     ``function(params, number)`` returning ``duration_s`` and metrics, optionally ``curve``: the study
-    metric per epoch), ``replay`` (a run directory: trial i replays that run's trial i mod n).
+    metric per epoch), ``replay`` (a run directory: trial i replays that run's trial i mod n), ``cost``
+    (a registered cost model, ``{type: oracle, cluster: p100-cluster}``: the parallelism oracle's
+    time-to-train of each trial's training config on that cluster, with a synthetic metric).
     ``epochs``: the epochs (reports) of a lognormal trial; a function's ``curve`` sets its own, and a
     trial without a curve reports nothing before its end."""
 
@@ -63,12 +66,19 @@ class SimulatedOptions(Options):
     lognormal: LogNormalCost | None = None
     function: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     replay: str | None = None
+    cost: dict[str, Any] | None = None
     elastic: ElasticOptions | None = None
 
     @model_validator(mode="after")
     def _one_cost_model(self) -> SimulatedOptions:
-        given = [k for k in ("lognormal", "function", "replay") if getattr(self, k) is not None]
+        given = [k for k in ("lognormal", "function", "replay", "cost") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one cost model: lognormal, function or replay"
+            raise ValueError("give exactly one cost model: lognormal, function, replay or cost: {type: NAME, ...} "
+                             f"(a registered cost model: {', '.join(COST_MODELS.names())})"
                              + (f" (got {', '.join(given)})" if given else ""))
+        if self.cost is not None:
+            name = self.cost.get("type")
+            if name not in COST_MODELS:
+                raise ValueError(f"cost.type: {COST_MODELS.unknown(str(name))}")
+            COST_MODELS.check(str(name), {k: v for k, v in self.cost.items() if k != "type"}, at="cost")
         return self
