@@ -1,7 +1,10 @@
 """The driver: asks the search for configurations, keeps trials in flight, tells results back.
 
 It keeps ``min(max_concurrent, engine capacity)`` trials running and consumes every event in the
-order it happens, so no slot waits for a batch. Budgets: ``n_trials`` is exact (finished trials:
+order it happens, so no slot waits for a batch. Ask-ahead (``search.ask_ahead``): while every slot is
+busy it asks the sampler for the next trial, so a freed slot gets it at once instead of waiting for a
+slow sampler (``auto``: once the median ask takes over 1 % of the median trial).
+Budgets: ``n_trials`` is exact (finished trials:
 complete, pruned or failed; a trial interrupted by a stop or a crash does not count and is rerun
 with the same parameters), ``timeout`` stops new trials and lets running ones finish,
 ``max_failures`` stops the study. Imports neither torch nor pycompss.
@@ -27,8 +30,8 @@ from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
 
-__all__ = ["ATTR_IMPORTED", "ATTR_REPLACES", "Driver", "DriverListener", "DriverSummary", "count_finished",
-           "interrupted", "is_counted"]
+__all__ = ["ATTR_IMPORTED", "ATTR_REPLACES", "ATTR_UNUSED", "Driver", "DriverListener", "DriverSummary",
+           "count_finished", "interrupted", "is_counted"]
 
 # An interrupted trial (a stop signal, a crashed driver, a cancel) is told FAIL and rerun as a new
 # trial whose user attr ATTR_REPLACES holds its number: the interrupted one does not count.
@@ -37,6 +40,7 @@ _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written befor
 ATTR_GRID = "grid_index"
 ATTR_ENQUEUED = "hpoflow_enqueued"  # user attr: index in search.enqueue of a known configuration
 ATTR_IMPORTED = "hpoflow_warm_start"  # user attr: a completed trial imported from another study (a prior)
+ATTR_UNUSED = "hpoflow_asked_unused"  # user attr: asked ahead, never run (the study ended first): not counted
 ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -113,7 +117,7 @@ def is_counted(trials: list[FrozenTrial]) -> Callable[[FrozenTrial], bool]:
     """A predicate: does this trial count (it was not interrupted and rerun, nor imported by a warm
     start)?"""
     skip = interrupted(trials)
-    return lambda t: t.number not in skip and ATTR_IMPORTED not in t.user_attrs
+    return lambda t: t.number not in skip and ATTR_IMPORTED not in t.user_attrs and ATTR_UNUSED not in t.user_attrs
 
 
 def count_finished(study: optuna.Study) -> int:
@@ -158,6 +162,12 @@ class Driver:
         self._failures = 0
         self._best: float | None = None
         self.summary = DriverSummary(self.n_trials)
+        # Ask-ahead (search.ask_ahead): a trial asked while every slot was busy, submitted when one frees
+        self._ready: _InFlight | None = None
+        self._ask_s: list[float] = []  # seconds each ask (sample + suggest + precheck) took
+        self._trial_s: list[float] = []  # durations of finished trials
+        self.asked_ahead = 0  # trials asked while every slot was busy
+        self._slots_hint = 1
 
     # -- public ---------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
@@ -184,6 +194,7 @@ class Driver:
                 "here. Fix: lower resources, or use an engine/allocation that has them"
             )
         slots = max(1, min(self.spec.search.max_concurrent, capacity))
+        self._slots_hint = slots
         cancelling = False
         try:
             while True:
@@ -199,6 +210,9 @@ class Driver:
                     if not self._start_one():
                         summary.stopped_by = "grid_exhausted"
                         break
+                if not cancelling and summary.stopped_by == "budget" and self._should_ask_ahead(slots):
+                    if not self._prepare():  # every slot is busy: ask for the next trial now
+                        summary.stopped_by = "grid_exhausted"
                 overhead += time.monotonic() - t0
                 if not self._inflight:
                     break
@@ -215,6 +229,14 @@ class Driver:
             if self._inflight:  # an exception escaped: leave nothing running
                 for number in list(self._inflight):
                     self.engine.cancel(number, "driver error")
+            if self._ready is not None:  # asked ahead, never started
+                ready, self._ready = self._ready, None
+                if self._stop_reason == "signal":  # rerun with its parameters on resume
+                    self._interrupt(ready.trial.number, ready.params,
+                                    self._carry_over(ready.trial.number, dict(ready.trial.user_attrs)))
+                else:  # the study is over (max_failures, timeout, a stop): it never ran and does not count
+                    ready.trial.set_user_attr(ATTR_UNUSED, True)
+                    self.study.tell(ready.trial, state=TrialState.FAIL)
         if self._stop_reason is not None:
             summary.stopped_by = self._stop_reason
         elif self.spec.search.max_failures and self._failures >= self.spec.search.max_failures:
@@ -270,10 +292,27 @@ class Driver:
     def _can_start(self, slots: int) -> bool:
         if len(self._inflight) >= slots:
             return False
-        if self._finished + len(self._inflight) >= self.n_trials:
+        if self._ready is None and self._finished + len(self._inflight) >= self.n_trials:
             return False
         mf = self.spec.search.max_failures
         return not (mf is not None and self._failures >= mf)
+
+    def _should_ask_ahead(self, slots: int) -> bool:
+        """Every slot busy, budget left, nothing asked ahead yet, and asking is worth hiding: always with
+        ``ask_ahead: true``; with ``auto`` once the median ask took over 1 % of the median trial."""
+        mode = self.spec.search.ask_ahead
+        if mode is False or self._ready is not None or len(self._inflight) < slots:
+            return False
+        if self._finished + len(self._inflight) + 1 > self.n_trials:
+            return False
+        mf = self.spec.search.max_failures
+        if mf is not None and self._failures >= mf:
+            return False
+        if mode is True:
+            return True
+        if slots < 2 or not self._ask_s or not self._trial_s:  # one slot: keep sequential search sequential
+            return False
+        return _median(self._ask_s) > 0.01 * _median(self._trial_s)
 
     def _next_grid_index(self) -> int | None:
         n = len(self.grid) if self.grid is not None else 0
@@ -291,6 +330,21 @@ class Driver:
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
     def _start_one(self) -> bool:
+        """Submit the trial asked ahead, or ask for one and submit it; False when the grid is exhausted."""
+        if self._ready is None and not self._prepare():
+            return False
+        ready, self._ready = self._ready, None
+        if ready is not None:  # None: the precheck recorded it as pruned already
+            self._inflight[ready.trial.number] = ready
+            if self.listener:
+                self.listener.on_trial_start(ready.trial.number, ready.params)
+            self.engine.submit(ready.request)
+        return True
+
+    def _prepare(self) -> bool:
+        """Ask the study for the next trial and build its request into ``_ready`` (or record it pruned
+        when the oracle says it cannot fit); False when the grid is exhausted."""
+        t_ask = time.monotonic()
         if self.grid is not None and not self._has_waiting():
             idx = self._next_grid_index()
             if idx is None:
@@ -313,17 +367,21 @@ class Driver:
             elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
             elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
         )
-        self._inflight[trial.number] = _InFlight(trial, request, params)
-        if self.listener:
-            self.listener.on_trial_start(trial.number, params)
+        fl = _InFlight(trial, request, params)
         verdict = self.precheck(request) if self.precheck else None
+        self._ask_s.append(time.monotonic() - t_ask)
         if verdict is not None:
             if verdict.predicted:
                 trial.set_user_attr("oracle", verdict.summary())
             if not verdict.feasible:  # recorded as pruned, with the numbers, without taking a slot
+                self._inflight[trial.number] = fl
+                if self.listener:
+                    self.listener.on_trial_start(trial.number, params)
                 self._on_result(TrialResult(trial.number, "pruned", error=f"oracle: {verdict.reason}"))
                 return True
-        self.engine.submit(request)
+        if len(self._inflight) >= self._slots_hint:
+            self.asked_ahead += 1
+        self._ready = fl
         return True
 
     def _on_report(self, ev: TrialReport) -> None:
@@ -357,6 +415,8 @@ class Driver:
             self.engine.submit(retry)
             return
         del self._inflight[res.number]
+        if "duration_s" in res.timings and res.status in ("complete", "pruned"):  # failures are no guide
+            self._trial_s.append(float(res.timings["duration_s"]))
         trial = fl.trial
         values, missing = self._objective_values(res)
         if res.status == "complete" and missing:
@@ -436,3 +496,8 @@ class Driver:
         d.mkdir(parents=True, exist_ok=True)
         payload = {"params": request.params, "attempt": request.attempt, **res.to_dict()}
         write_atomic(d / "result.json", json.dumps(payload, indent=1, default=str))
+
+
+def _median(xs: list[float]) -> float:
+    ordered = sorted(xs[-200:])  # recent ones: samplers slow down as the study grows
+    return ordered[len(ordered) // 2]

@@ -296,6 +296,9 @@ class SearchSpec(_Strict):
         default=None, description="Run directory of an earlier, compatible study (same metric and direction) whose "
                                   "completed trials the sampler learns from before the first trial.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    ask_ahead: bool | Literal["auto"] = Field(
+        default="auto", description="Ask the sampler for the next trial while every slot is busy, so a freed slot "
+        "never waits for it; auto: when asking takes over 1 % of a trial's time (slow samplers, short trials).")
 
     @model_validator(mode="before")
     @classmethod

@@ -351,3 +351,49 @@ def test_a_warm_start_needs_the_same_metric_and_direction(tmp_path: Path) -> Non
     data["search"]["warm_start"] = str(tmp_path / "prior")
     with pytest.raises(RunDirError, match="only a study of the same metric and direction"):
         optimize(data, tmp_path / "run", engine=ThreadEngine(lambda p, r: p["x"], 1))
+
+
+class _SlowSampler(optuna.samplers.RandomSampler):
+    """A random sampler whose every ask takes ``delay`` seconds (a stand-in for GP on a big study)."""
+
+    def __init__(self, delay: float, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.delay = delay
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        time.sleep(self.delay)
+        super().before_trial(study, trial)
+
+
+def test_ask_ahead_asks_while_every_slot_is_busy_and_keeps_the_budget_exact(tmp_path: Path) -> None:
+    spec = make(n_trials=10, max_concurrent=2, ask_ahead=True)
+    study = optuna.create_study(direction="maximize", sampler=_SlowSampler(0.03))
+    driver, engine, study = run_driver(spec, lambda p, r: _sleep_then(0.05, p["x"]), 2, tmp_path, study)
+    assert driver.asked_ahead >= 5  # after the first two, trials were asked while both slots ran
+    assert count_finished(study) == 10 and len(study.trials) == 10  # none asked beyond the budget
+    assert engine.max_in_flight == 2
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+
+
+def test_ask_ahead_auto_turns_on_for_a_slow_sampler_and_stays_off_for_one_slot(tmp_path: Path) -> None:
+    slow = make(n_trials=8, max_concurrent=2)  # ask_ahead: auto
+    driver, _, _ = run_driver(slow, lambda p, r: _sleep_then(0.02, p["x"]), 2, tmp_path / "a",
+                              optuna.create_study(direction="maximize", sampler=_SlowSampler(0.02)))
+    assert driver.asked_ahead > 0
+    one = make(n_trials=5, max_concurrent=1)
+    driver, _, _ = run_driver(one, lambda p, r: _sleep_then(0.02, p["x"]), 1, tmp_path / "b",
+                              optuna.create_study(direction="maximize", sampler=_SlowSampler(0.02)))
+    assert driver.asked_ahead == 0
+    fast = make(n_trials=8, max_concurrent=2)  # a fast sampler and 0.2 s trials: nothing to hide
+    driver, _, _ = run_driver(fast, lambda p, r: _sleep_then(0.2, p["x"]), 2, tmp_path / "c")
+    assert driver.asked_ahead == 0
+
+
+def test_a_trial_asked_ahead_when_the_study_ends_does_not_count(tmp_path: Path) -> None:
+    spec = make(n_trials=50, max_concurrent=2, ask_ahead=True, timeout=0.5)
+    driver, _, study = run_driver(spec, lambda p, r: _sleep_then(0.1, p["x"]), 2, tmp_path)
+    assert driver.summary.stopped_by == "timeout"
+    unused = [t for t in study.trials if t.user_attrs.get("hpoflow_asked_unused")]
+    assert len(unused) == 1 and unused[0].state == TrialState.FAIL
+    assert count_finished(study) == len(study.trials) - 1 == driver.summary.n_finished
+    assert not study.get_trials(states=(TrialState.WAITING, TrialState.RUNNING))
