@@ -29,14 +29,12 @@ from typing import Any
 
 from _common import BENCH, emit, median
 
-REAL_SPACE = {"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
-              "epochs": {"type": "int", "low": 4, "high": 30}}
 
-
-def real_spec(processes: Any, n_trials: int) -> dict[str, Any]:
+def real_spec(processes: Any, n_trials: int, max_epochs: int = 30) -> dict[str, Any]:
     return {
         "study": {"name": "elastic-real", "metric": "val_accuracy", "direction": "maximize"},
-        "space": REAL_SPACE,
+        "space": {"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
+                  "epochs": {"type": "int", "low": 4, "high": max_epochs}},
         "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": 2, "seed": 6},
         "training": {"model": "cnn", "model_options": {"channels": 128}, "dataset": "digits", "epochs": "${epochs}",
                      "batch_size": 256, "optimizer": "adam", "lr": "${lr}"},
@@ -45,13 +43,13 @@ def real_spec(processes: Any, n_trials: int) -> dict[str, Any]:
     }
 
 
-def real_run(processes: Any, n_trials: int) -> dict[str, Any]:
+def real_run(processes: Any, n_trials: int, max_epochs: int) -> dict[str, Any]:
     import json
 
     from hpoflow.api import optimize
 
     with tempfile.TemporaryDirectory() as d:
-        res = optimize(real_spec(processes, n_trials), Path(d) / "run", handle_signals=False)
+        res = optimize(real_spec(processes, n_trials, max_epochs), Path(d) / "run", handle_signals=False)
         makespan, best = res.summary.elapsed_s, res.best_value
         core_s, values, resizes = 0.0, {}, 0
         for f in sorted((Path(d) / "run" / "trials").glob("*/result.json")):
@@ -64,11 +62,11 @@ def real_run(processes: Any, n_trials: int) -> dict[str, Any]:
             "values": values, "resizes": resizes}
 
 
-def real(repeats: int, n_trials: int) -> dict[str, Any]:
+def real(repeats: int, n_trials: int, max_epochs: int = 30) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"fixed": [], "elastic": []}
     for i in range(repeats):
         for label, processes in (("fixed", 1), ("elastic", {"min": 1, "max": 2})):
-            r = real_run(processes, n_trials)
+            r = real_run(processes, n_trials, max_epochs)
             runs[label].append(r)
             print(f"real, repeat {i + 1}, {label}: makespan {r['makespan_s']:.1f} s, busy {r['busy']:.3f}, "
                   f"best {r['best_value']:.4f}, resizes {r['resizes']}", flush=True)
@@ -133,7 +131,7 @@ def main() -> None:
     a = ap.parse_args()
     out: dict[str, Any] = {}
     if not a.no_real:
-        out["real"] = real(1 if a.quick else a.repeats, 3 if a.quick else 5)
+        out["real"] = real(1, 3, max_epochs=6) if a.quick else real(a.repeats, 5)
     if a.no_simulated:
         emit(out)
         return

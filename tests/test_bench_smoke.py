@@ -24,7 +24,8 @@ CASES = {
                    {"help_s", "validate_s", "status_s", "run_2_trials_s", "first_trial_start_s", "run_fixed_s",
                     "run_overhead_ms_per_trial_slot", "optuna_threads_2_trials_s"}),
     "simulate.py": (["--quick"], {"scale", "sampler_ms_per_trial", "replay"}),
-    "elastic.py": (["--quick"], {"speedup_2", "64_slots"}),
+    "elastic.py": (["--quick"], {"speedup_2", "64_slots", "real"}),
+    "ask_ahead.py": (["--trials", "6", "--trial-s", "0.05", "--repeats", "1"], {"off", "on", "makespan_ratio"}),
 }
 
 pytestmark = pytest.mark.slow  # runs the benchmark scripts
