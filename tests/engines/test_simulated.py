@@ -176,3 +176,14 @@ def test_cost_models_are_plugins_checked_at_validate_time() -> None:
         spec_from_mapping({**spec, "engine_options": {"cost": {"type": "oracle", "clustr": "x"}}})
     with pytest.raises(SpecError, match="exactly one cost model"):
         spec_from_mapping({**spec, "engine_options": {"lognormal": {}, "cost": {"type": "oracle"}}})
+
+
+def test_resources_processes_min_max_makes_simulated_trials_elastic_too(tmp_path: Path) -> None:
+    base = {"lognormal": {"median_s": 60.0, "sigma": 1.0, "seed": 0}}
+    spec = {**_spec(200, 16), "resources": {"processes": {"min": 1, "max": 16, "policy": "longest_remaining"}}}
+    fixed = _engine(16, **base)
+    hpoflow.optimize(_spec(200, 16), tmp_path / "fixed", engine=fixed)
+    grown = _engine(16, **base)  # no engine_options.elastic: the spec's elastic range is enough
+    hpoflow.optimize(spec, tmp_path / "elastic", engine=grown)
+    f, g = fixed.stats(), grown.stats()
+    assert g["resizes"] > 0 and g["busy"] > f["busy"]

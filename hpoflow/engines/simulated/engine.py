@@ -5,7 +5,8 @@ virtual slots; its per-epoch metrics are reported at evenly spaced points of its
 see learning curves and a pruned trial frees its slots early. ``poll`` jumps the clock to the next
 event (no waiting), so 10,000 trials on 4,096 slots take as long as the driver's own work.
 
-Elastic (``elastic`` option): at each ``poll`` the driver has submitted everything it could, so idle
+Elastic (``elastic`` option, or trials with ``resources.processes: {min, max}``, which use its
+defaults with their policy and ``max``): at each ``poll`` the driver has submitted everything it could, so idle
 slots are lent to running trials chosen by the policy (``hpoflow.engines.elastic``), applied at each
 one's next epoch boundary (plus ``resize_s``); a submitted trial that finds no free slot takes lent
 ones back at once (the lender pays ``resize_s``). The work left runs at ``speedup(slots)``.
@@ -120,6 +121,13 @@ class SimulatedEngine(Engine):
             raise EngineError(f"a trial of {need} processes cannot fit {self.slots} simulated slots. Fix: raise "
                               "engine_options.slots or lower resources.processes")
         self.direction = request.direction or self.direction
+        if request.elastic and self.options.elastic is None:  # resources.processes: {min, max}: the same
+            from hpoflow.engines.simulated.options import ElasticOptions  # lending, at 0.9 per doubling
+            from hpoflow.registry import ELASTIC
+
+            self.options = self.options.model_copy(update={"elastic": ElasticOptions(
+                policy=request.elastic_policy, max_slots=request.elastic_sizes[-1] * max(1, request.cpus_per_process))})
+            self._policy = ELASTIC.get(request.elastic_policy)
         self._reclaim(need)
         try:
             cost = self._cost(request)
