@@ -26,7 +26,9 @@ def run(args: argparse.Namespace) -> int:
         probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
         check_fits(probe, len(machine_cores()), len(detect_gpus()))
     n = spec.search.n_trials
+    r = spec.resources
+    ranks = f"{r.processes}-{r.elastic.max} process(es) per trial (elastic, {r.elastic.policy})" \
+        if r.elastic is not None else f"{r.processes} process(es) per trial"
     print(f"{args.spec}: valid — study {spec.study.name!r}, {len(spec.space)} parameters, "
-          f"{spec.search.algorithm}, {n if n is not None else 'all grid'} trials, "
-          f"{spec.resources.processes} process(es) per trial, engine {spec.engine}")
+          f"{spec.search.algorithm}, {n if n is not None else 'all grid'} trials, {ranks}, engine {spec.engine}")
     return 0
