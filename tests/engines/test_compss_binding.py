@@ -143,6 +143,36 @@ def drive(spec_json: str) -> None:
     os._exit(0)  # the engine would wait for tasks that never run; nothing else to clean up
 
 
+def drive_elastic(tmp_str: str) -> None:
+    """The binding's master, then an elastic trial of 1 rank restarted on 2 (the engine's own path)."""
+    from dataclasses import replace
+
+    tmp = Path(tmp_str)
+    link = _RecordingLink(str(tmp / "master"))
+    sys.modules["compss"] = link
+    from pycompss.util.context import CONTEXT
+
+    CONTEXT.set_master()
+    from pycompss.api.api import compss_start
+    from pycompss.runtime.binding import get_tmp_path
+    from pycompss.runtime.commons import GLOBALS
+
+    compss_start("off", False, False)
+    (tmp / "master").mkdir()
+    GLOBALS.set_temporary_directory(get_tmp_path())
+
+    from hpoflow.engines.compss import CompssEngine, CompssOptions
+
+    options = CompssOptions(slots=2)
+    req = replace(make_request(tmp / "trials" / "0", 0, processes=1, cpus_per_process=1), elastic_sizes=(1, 2))
+    engine = CompssEngine(tmp, shape=options.task_shape(req), slots=2)
+    engine.submit(req)
+    grown = replace(req, processes=2)
+    engine._launch(grown, options.task_shape(grown), prior=engine._trials[0])  # what _restart does
+    print("RESULT " + json.dumps({"calls": link.calls}), flush=True)
+    os._exit(0)
+
+
 def drive_worker(variant: str) -> None:
     """A worker imports the task module and looks the task up by name (no build there)."""
     from pycompss.util.context import CONTEXT
@@ -198,3 +228,23 @@ def test_a_worker_finds_each_task_variant_by_name(tmp_path: Path) -> None:
         out = _run(f"from tests.engines.test_compss_binding import drive_worker; drive_worker({variant!r})",
                    tmp_path)
         assert out == {"name": variant, "module": "hpoflow.engines.compss._tasks"}
+
+
+@needs_binding
+def test_the_real_binding_registers_each_elastic_size_as_its_own_task(tmp_path: Path) -> None:
+    out = _run(f"from tests.engines.test_compss_binding import drive_elastic; drive_elastic({str(tmp_path)!r})",
+               tmp_path)
+    regs = [args for n, args in out["calls"] if n == "register_core_element"]
+    tasks = [args for n, args in out["calls"] if n == "process_task"]
+    base, grown = "hpoflow.engines.compss._tasks.trial_cpu", "hpoflow.engines.compss._tasks.trial_cpu__1n2u0g"
+    assert [(r[0], r[2]) for r in regs] == [(base, "computing_units:1;"), (grown, "computing_units:2;")]
+    assert [t[1] for t in tasks] == [base, grown]
+    groups = [args[0] for n, args in out["calls"] if n == "open_task_group"]
+    assert groups == ["trial-0", "trial-0.s1"]
+
+
+@needs_binding
+def test_a_worker_finds_an_elastic_size_task_by_name(tmp_path: Path) -> None:
+    out = _run("from tests.engines.test_compss_binding import drive_worker; drive_worker('trial_cpu__1n2u0g')",
+               tmp_path)
+    assert out == {"name": "trial_cpu__1n2u0g", "module": "hpoflow.engines.compss._tasks"}
