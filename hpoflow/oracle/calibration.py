@@ -148,10 +148,17 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return max(0.0, (sy - c * sx) / sw), c
 
 
+# DDP's cost is timed over this many consecutive steps, as training runs them: right after a
+# barrier the ranks enter the all-reduce together and a step costs less (on 2 shared cores about
+# 0.7 ms against 1.7 ms in steady state, where a rank that is ahead waits in gloo while its peer
+# computes), so a short run after a barrier under-measures what training sees.
+_STEADY_STEPS = 12
+
+
 def _paired_ddp_cost(plain_step: Callable[[], None], ddp_step: Callable[[], None], first: bool,
-                     inner: int) -> tuple[float, float]:
+                     inner: int = _STEADY_STEPS) -> tuple[float, float]:
     """(plain step seconds, DDP step minus plain step) timed back to back, each after a barrier
-    (with warm-up steps when ``first``)."""
+    (with warm-up steps when ``first``), each the mean of ``inner`` consecutive steps."""
     warmup = 2 if first else 0
     dist.barrier()
     plain = timed(plain_step, 1, warmup=warmup, inner=inner)
@@ -172,7 +179,7 @@ def _probe_comm(scale: float, world: int) -> dict[str, float]:
         ddp_step = _train_step(ddp, x, y, _sgd(ddp))
         # plain and DDP timings alternate, so a drift of the machine's speed hits both; the
         # figure is the median of the paired differences
-        diffs = [_paired_ddp_cost(plain_step, ddp_step, r == 0, 3)[1] for r in range(reps)]
+        diffs = [_paired_ddp_cost(plain_step, ddp_step, r == 0)[1] for r in range(reps)]
         sizes.append(4.0 * n * n)
         costs.append(max(statistics.median(diffs), 1e-6))
     fixed, per_byte = _fit_line(sizes, costs)
@@ -386,7 +393,7 @@ def _probe_sync_wait(scale: float, world: int) -> list[tuple[float, float]]:
     for r in range(reps):
         costs = []
         for i, (plain_step, ddp_step) in enumerate(steps):
-            t, cost = _paired_ddp_cost(plain_step, ddp_step, r == 0, 2)
+            t, cost = _paired_ddp_cost(plain_step, ddp_step, r == 0)
             costs.append(cost)
             plains[i].append(t)
         for i, c in enumerate(costs):
