@@ -186,6 +186,8 @@ def elastic_epochs(ctx: TrialContext) -> dict[str, float]:
     epochs, work_s = int(ctx.options["epochs"]), float(ctx.options["work_s"])
     for epoch in range(int(state["epoch"]), epochs):
         time.sleep(work_s / ctx.world_size if ctx.options.get("split", True) else work_s)
+        if ctx.attempt == 0 and ctx.rank == 1 and epoch + 1 == ctx.options.get("kill_rank1_at"):
+            os._exit(9)  # a lost rank in the middle of an epoch (the first attempt only)
         t = torch.tensor([1.0])
         if ctx.distributed:
             dist.all_reduce(t)

@@ -182,3 +182,27 @@ def test_on_the_compss_engine_without_slots_an_elastic_trial_keeps_its_size(tmp_
         eng.close()
     assert results[0].status == "complete"
     assert json.loads((tmp_path / "0" / "sizes.json").read_text()) == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_a_grown_trial_that_loses_a_rank_is_rerun_from_the_checkpoint_its_two_ranks_wrote(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpoflow.api import optimize
+
+    spec = {
+        "study": {"name": "elastic-crash", "metric": "loss", "direction": "minimize"},
+        "space": {"x": {"type": "categorical", "choices": [1]}},
+        "search": {"algorithm": "grid", "max_concurrent": 1},
+        "training": {"function": "trainfns:elastic_epochs", "epochs": 6,
+                     "options": {"epochs": 6, "work_s": 0.6, "kill_rank1_at": 4}},
+        "resources": {"processes": {"min": 1, "max": 2}, "max_retries": 1},
+    }
+    monkeypatch.chdir(ROOT / "tests")  # training.function is looked up in the current directory
+    res = optimize(spec, tmp_path / "run", handle_signals=False)
+    assert res.summary.n_complete == 1, res.summary
+    trial = res.study.trials[0]
+    assert trial.user_attrs["attempts"] == 2  # the lost rank made it retryable; it was rerun once
+    sizes = json.loads((tmp_path / "run" / "trials" / "0" / "sizes.json").read_text())
+    # epochs 1-2 on one rank, 3 on two (saved by both), 4 lost with rank 1; the rerun starts on one
+    # rank from epoch 3's checkpoint, then grows again: every epoch counted once
+    assert len(sizes) == 6 and sizes[:3] == [1, 1, 2] and sizes[3] == 1, sizes
