@@ -206,3 +206,28 @@ def test_a_grown_trial_that_loses_a_rank_is_rerun_from_the_checkpoint_its_two_ra
     # epochs 1-2 on one rank, 3 on two (saved by both), 4 lost with rank 1; the rerun starts on one
     # rank from epoch 3's checkpoint, then grows again: every epoch counted once
     assert len(sizes) == 6 and sizes[:3] == [1, 1, 2] and sizes[3] == 1, sizes
+
+
+def test_a_trial_queued_for_lent_cores_can_be_cancelled_before_it_starts(engine: LocalEngine,
+                                                                         tmp_path: Path) -> None:
+    a = elastic_request(tmp_path, 0, epochs=6, work_s=0.4)
+    b = replace(elastic_request(tmp_path, 1, epochs=2, work_s=0.1), elastic_sizes=())
+    engine.submit(a)
+    results: dict[int, TrialResult] = {}
+    reports = 0
+    t0 = time.monotonic()
+    while engine.running():
+        assert time.monotonic() - t0 < 60
+        for ev in engine.poll(0.5):
+            if isinstance(ev, TrialReport):
+                reports += 1
+                engine.answer(ev.number, False)
+            else:
+                results[ev.number] = ev
+        if reports == 3 and 1 not in engine.running() and 1 not in results:
+            engine.submit(b)  # A holds both cores: B waits for one
+            assert 1 in engine.running()
+            engine.cancel(1, "changed my mind")
+    assert results[1].status == "cancelled" and results[1].error == "changed my mind"
+    assert results[0].status == "complete"
+    assert not (tmp_path / "1" / "rank0.log").exists()  # it never started
