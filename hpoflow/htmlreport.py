@@ -52,6 +52,8 @@ class Interval:
     submit: float
     end: float
     run_s: float  # time in the training function (the busy part)
+    max_ranks: int = 0  # elastic trials: the most ranks it ran on (0: a fixed-size trial)
+    resizes: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ def intervals(study: optuna.Study) -> list[Interval]:
             continue
         submit = float(tm["started_at"]) - float(tm.get("launch_s", 0.0))
         out.append(Interval(t.number, t.state.name, submit, submit + float(tm["duration_s"]),
-                            float(tm.get("run_s", tm["duration_s"]))))
+                            float(tm.get("run_s", tm["duration_s"])), int(tm.get("max_ranks", 0)),
+                            int(tm.get("resizes", 0))))
     return sorted(out, key=lambda i: (i.submit, i.number))
 
 
@@ -140,14 +143,19 @@ def _timeline(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
         fig.add_trace(go.Bar(
             name=state.lower(), orientation="h", base=[i.submit - t0 for i in sel], x=[i.end - i.submit for i in sel],
             y=[f"slot {lane[i.number]}" for i in sel], marker_color=_STATE_COLOURS.get(state, "#6c757d"),
-            text=[str(i.number) for i in sel],
+            # an elastic trial that grew is hatched and says how far (docs/elastic.md)
+            marker_pattern_shape=["/" if i.resizes else "" for i in sel],
+            text=[f"{i.number} (up to {i.max_ranks} ranks)" if i.resizes else str(i.number) for i in sel],
             hovertemplate="trial %{text}: %{base:.1f} s + %{x:.1f} s<extra></extra>"))
     busy = busy_fraction(items, slots)
     fig.update_layout(barmode="overlay", xaxis_title="seconds since the first submit",
                       height=max(260, 120 + 36 * slots), title=f"busy fraction {busy:.3f} on {slots} slot(s)")
     fig.update_yaxes(autorange="reversed")
+    grown = [i for i in items if i.resizes]
+    elastic = (f"; {len(grown)} elastic trial(s) grew onto idle cores (hatched; a slot here is a trial's, whatever "
+               "its size)") if grown else ""
     return Panel("slot timeline", fig, note=f"busy fraction {busy:.3f}: time in training functions / (slots x "
-                                          "makespan), makespan from the first submit to the last result")
+                                          "makespan), makespan from the first submit to the last result" + elastic)
 
 
 _COSTS = (("samples_per_s", "samples/s"), ("step_time_s", "step time (s)"), ("comm_fraction", "communication fraction"),

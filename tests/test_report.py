@@ -103,3 +103,28 @@ def test_png_export_writes_each_figure(run_dir: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     pngs = sorted((tmp_path / "png").glob("*.png"))
     assert len(pngs) == 8 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_the_timeline_hatches_elastic_trials_that_grew() -> None:
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from hpoflow.htmlreport import PANELS
+
+    study = optuna.create_study()
+    for number, timings in enumerate([
+            {"started_at": 100.0, "launch_s": 0.1, "duration_s": 5.0, "run_s": 4.8},
+            {"started_at": 100.5, "launch_s": 0.1, "duration_s": 9.0, "run_s": 8.8, "resizes": 1.0, "max_ranks": 2.0,
+             "core_s": 12.0}]):
+        study.add_trial(optuna.trial.create_trial(
+            value=float(number), params={"x": 0.5}, distributions={"x": FloatDistribution(0.0, 1.0)},
+            user_attrs={"timings": timings}))
+    items = intervals(study)
+    assert [(i.max_ranks, i.resizes) for i in items] == [(0, 0), (2, 1)]
+    timeline = next(p for p in PANELS if p.__name__ == "_timeline")
+    panel = timeline(study, {"slots": 2})
+    assert panel is not None and panel.figure is not None
+    bar = panel.figure.data[0]
+    assert list(bar.marker.pattern.shape) == ["", "/"]
+    assert list(bar.text) == ["0", "1 (up to 2 ranks)"]
+    assert "1 elastic trial(s) grew" in panel.note
