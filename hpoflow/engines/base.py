@@ -12,7 +12,9 @@ Contract, for every engine:
   Each submitted trial produces exactly one ``TrialResult``, after all of its ``TrialReport``s.
 - A trial never raises through the engine: failures (exceptions in user code, a rank that died or
   hung, a timeout) come back as a ``TrialResult`` with status ``failed`` and the error and stderr tail.
-- ``answer(number, prune)`` replies to a report that asked for a pruning decision.
+- ``answer(number, prune)`` replies to a report that asked for a pruning decision. An engine may hold
+  the reply until its next ``poll`` (the local and compss engines do for elastic trials: by then the
+  driver has submitted what it could, and the reply adds the number of ranks to continue with).
 - ``cancel(number, reason)`` stops a running trial; its result arrives later with status
   ``cancelled`` (or whatever it had already finished with).
 - ``close()`` cancels what is running, reaps every process, and is idempotent.
