@@ -269,6 +269,9 @@ class ProgressListener:
         value = "" if result.value is None else f" value={result.value:.4g}"
         dur = result.timings.get("duration_s")
         took = "" if dur is None else f" in {dur:.1f}s"
+        resizes = int(result.timings.get("resizes", 0))
+        if resizes:  # an elastic trial (docs/elastic.md)
+            took += f" (elastic: up to {int(result.timings.get('max_ranks', 0))} ranks, {resizes} resize(s))"
         ps = " ".join(f"{k}={_fmt(v)}" for k, v in params.items())
         err = f"  error: {result.error}" if result.error and result.status != "complete" else ""
         self._print(f"trial {result.number:>4} {result.status:<9}{value}{took}  {ps}{err}"

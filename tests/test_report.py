@@ -128,3 +128,22 @@ def test_the_timeline_hatches_elastic_trials_that_grew() -> None:
     assert list(bar.marker.pattern.shape) == ["", "/"]
     assert list(bar.text) == ["0", "1 (up to 2 ranks)"]
     assert "1 elastic trial(s) grew" in panel.note
+
+
+def test_the_progress_line_says_when_an_elastic_trial_changed_size() -> None:
+    import io
+
+    from rich.console import Console
+
+    from hpoflow.report import ProgressListener
+    from hpoflow.trial import TrialResult
+
+    out = io.StringIO()
+    listener = ProgressListener(Console(file=out, width=200))
+    listener.on_start(2, 0)
+    listener.on_trial_end(TrialResult(0, "complete", 0.9, timings={"duration_s": 3.0}), {"lr": 0.1}, 0.9)
+    listener.on_trial_end(TrialResult(1, "complete", 0.95, timings={"duration_s": 2.0, "resizes": 2.0,
+                                                                     "max_ranks": 4.0}), {"lr": 0.2}, 0.95)
+    lines = out.getvalue().splitlines()
+    assert "elastic" not in lines[0]
+    assert "in 2.0s (elastic: up to 4 ranks, 2 resize(s))" in lines[1]
