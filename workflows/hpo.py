@@ -31,6 +31,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=decode_app_value,
                    help="run directory on a shared file system (default: runs/<study name>)")
     p.add_argument("--n-trials", type=int, help="override search.n_trials")
+    p.add_argument("--slots", type=int, help="compss.slots when the spec does not set it (hpoflow launch gives "
+                   "the batch job's worker cores, for elastic trials)")
     return p.parse_args(argv)
 
 
@@ -50,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "mode). Launch with runcompss/enqueue_compss (hpoflow launch) to run them as "
                   "COMPSs tasks.", file=sys.stderr, flush=True)
         options = spec.engine_option_values()
+        if args.slots is not None and "slots" not in options:
+            options["slots"] = args.slots
         shape = CompssOptions.from_mapping(options).task_shape(spec.resources)  # before any task import
         engine = CompssEngine(run_dir=run_dir, sequential=not in_runtime, shape=shape, **options)
         try:

@@ -17,9 +17,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpoflow.cli._args import non_negative_int, positive_int
 from hpoflow.errors import EngineError
+
+if TYPE_CHECKING:
+    from hpoflow.spec import StudySpec
 
 __all__ = ["register"]
 
@@ -84,6 +88,25 @@ def _warn(message: str) -> None:
     print(f"hpoflow: warning: {message}", file=sys.stderr)
 
 
+def _elastic_slots(spec: StudySpec, batch: bool, nodes: int | None, cpus_per_node: int | None,
+                   compss_args: list[str]) -> int | None:
+    """``compss.slots`` for a batch job of elastic trials that does not set it: the workers' cores,
+    ``(nodes - 1) x cpus_per_node`` (the master node runs no tasks) plus ``--worker_in_master_cpus``
+    when given after ``--``; None when not elastic, set already, or the job's size is unknown."""
+    if spec.resources.elastic is None or "slots" in spec.engine_option_values() or not batch:
+        return None
+    if nodes is None or cpus_per_node is None:
+        _warn("elastic trials grow onto idle cores only when compss.slots is known; give --nodes and "
+              "--cpus-per-node, or set compss.slots in the spec")
+        return None
+    in_master = 0
+    for arg in compss_args:
+        if arg.startswith("--worker_in_master_cpus="):
+            value = arg.partition("=")[2]
+            in_master = int(value) if value.isdigit() else 0
+    return (nodes - 1) * cpus_per_node + in_master
+
+
 def run(args: argparse.Namespace) -> int:
     from hpoflow.engines.compss.batch import job_time, qos_warning, sc_cfg_file
     from hpoflow.engines.compss.launch import (
@@ -139,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         qos = qos_warning(args.qos, sc_cfg_file(args.sc_cfg))
         if qos:
             _warn(qos)
+    app_args: tuple[str, ...] = ("--n-trials", str(args.n_trials)) if args.n_trials else ()
+    slots = _elastic_slots(spec, batch, args.nodes, args.cpus_per_node, args.compss_args)
+    if slots is not None:
+        app_args += ("--slots", str(slots))
     opts = LaunchOptions(
         spec=str(Path(args.spec).resolve()), run_dir=str(run_dir.resolve()), workflow=str(workflow),
         batch=batch, nodes=args.nodes, cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node,
@@ -147,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level, python=sys.executable, pythonpath=pythonpath,
         project_xml=str(Path(project_xml).resolve()) if project_xml else None,
         resources_xml=str(Path(resources_xml).resolve()) if resources_xml else None,
-        extra_args=tuple(args.compss_args), app_args=("--n-trials", str(args.n_trials)) if args.n_trials else (),
+        extra_args=tuple(args.compss_args), app_args=app_args,
     )
     if args.generate_resources:
         from hpoflow.engines.compss.runtime_xml import detect_node, write_config

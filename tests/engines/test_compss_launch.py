@@ -283,3 +283,43 @@ def test_generated_xml_escapes_values_and_round_trips(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cpus >= 1"):
         NodeConfig(cpus=0)
     assert (ROOT / "runtime_config" / "slurm_job.sh").read_text().count("enqueue_compss") >= 1
+
+
+def test_cli_gives_elastic_trials_the_batch_jobs_worker_cores_as_slots(capsys: pytest.CaptureFixture[str],
+                                                                       tmp_path: Path) -> None:
+    spec = tmp_path / "elastic.yaml"
+    spec.write_text(Path(DIGITS).read_text().replace("  processes: 1\n", "  processes: {min: 1, max: 4}\n", 1))
+    assert main(["launch", str(spec), "--nodes", "3", "--cpus-per-node", "48", "--dry-run"]) == 0
+    assert " --slots 96" in capsys.readouterr().out  # 2 worker nodes x 48 cores; the master runs no tasks
+    assert main(["launch", str(spec), "--nodes", "3", "--cpus-per-node", "48", "--dry-run", "--",
+                 "--worker_in_master_cpus=8"]) == 0
+    assert " --slots 104" in capsys.readouterr().out
+    assert main(["launch", str(spec), "--nodes", "3", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "--slots" not in out and "compss.slots" in err  # the job's size is unknown: said, not guessed
+    assert main(["launch", str(DIGITS), "--nodes", "3", "--cpus-per-node", "48", "--dry-run"]) == 0
+    assert "--slots" not in capsys.readouterr().out  # not elastic
+
+
+def test_the_workflow_gives_slots_to_the_engine_and_an_elastic_trial_grows(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """workflows/hpo.py in sequential mode (no COMPSs runtime): ``--slots 2`` becomes compss.slots, so
+    the lone elastic trial grows onto the second core (real rank processes)."""
+    import importlib.util
+
+    spec = tmp_path / "elastic.yaml"
+    spec.write_text(json.dumps({
+        "study": {"name": "wf-elastic", "metric": "loss", "direction": "minimize"},
+        "space": {"x": {"type": "categorical", "choices": [1]}},
+        "search": {"algorithm": "grid", "max_concurrent": 1}, "engine": "compss",
+        "training": {"function": "trainfns:elastic_epochs", "epochs": 4, "options": {"epochs": 4, "work_s": 0.6}},
+        "resources": {"processes": {"min": 1, "max": 2}}}))
+    monkeypatch.chdir(ROOT / "tests")  # training.function is looked up in the current directory
+    path = ROOT / "workflows" / "hpo.py"
+    module_spec = importlib.util.spec_from_file_location("hpo_workflow", path)
+    assert module_spec is not None and module_spec.loader is not None
+    hpo = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(hpo)
+    assert hpo.main([str(spec), "--run-dir", str(tmp_path / "run"), "--slots", "2"]) == 0
+    sizes = json.loads((tmp_path / "run" / "trials" / "0" / "sizes.json").read_text())
+    assert sizes[0] == 1 and sizes[-1] == 2 and len(sizes) == 4, sizes
