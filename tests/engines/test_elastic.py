@@ -78,6 +78,8 @@ def test_a_lone_elastic_trial_grows_onto_the_idle_core_and_resumes_where_it_left
     assert res.timings["resizes"] == 1.0 and res.timings["max_ranks"] == 2.0
     log = [json.loads(line) for line in (tmp_path / "0" / "elastic.jsonl").read_text().splitlines()]
     assert [(e["from"], e["to"]) for e in log] == [(1, 2)]
+    # system usage covers both sizes: the 1-rank segment's rank and the 2-rank segment's two
+    assert res.system["rss_peak_mb"] > 0 and "cpu_percent" in res.system
 
 
 def test_a_grown_trial_gives_the_core_back_when_a_new_trial_is_submitted(engine: LocalEngine,
@@ -169,6 +171,7 @@ def test_on_the_compss_engine_an_elastic_trial_grows_as_a_task_of_the_new_size(t
     assert sizes[0] == 1 and sizes[-1] == 2 and len(sizes) == 5, sizes
     assert [r.step for r in reports] == [1, 2, 3, 4, 5]
     assert res.timings["resizes"] == 1.0 and res.metrics["total"] == pytest.approx(5.0)
+    assert res.system.get("rss_peak_mb", 0) > 0  # the task's system usage reaches the result
 
 
 def test_on_the_compss_engine_without_slots_an_elastic_trial_keeps_its_size(tmp_path: Path) -> None:

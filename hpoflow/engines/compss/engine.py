@@ -50,6 +50,7 @@ from hpoflow.engines.elastic import ElasticBook
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl, read_json, write_json_atomic
 from hpoflow.train.transport import ReportReader, TrialFiles
+from hpoflow.trial import aggregate_usage
 
 __all__ = ["CompssEngine", "CompssOptions", "TaskShape", "pycompss_available", "runtime_active"]
 
@@ -76,6 +77,7 @@ class _Trial:
     core_s: float = 0.0
     max_ranks: int = 0
     deferred: bool | None = None  # a prune decision whose answer waits for the next poll
+    usage: list[dict[str, float]] = field(default_factory=list)  # system usage of the ended segments
 
     def cores(self) -> int:
         return self.request.processes * self.request.cpus_per_process
@@ -371,12 +373,16 @@ class CompssEngine(Engine):
         self._read_reports(t)  # every report before the result
         data = self._collect(t)
         if isinstance(data, dict) and data.get("status") == "resized" and t.cancel_reason is None:
+            if isinstance(data.get("system"), dict) and data["system"]:
+                t.usage.append({str(k): float(v) for k, v in data["system"].items() if isinstance(v, int | float)})
             self._restart(t)
             return
         res = self._to_result(t, data)
         if t.request.elastic:
             res = replace(res, timings={**res.timings, "core_s": t.core_s + (time.monotonic() - t.segment_start)
                                         * t.cores(), "resizes": float(t.segment), "max_ranks": float(t.max_ranks)})
+            if t.usage:  # the usage of every size it ran on
+                res = replace(res, system=aggregate_usage([*t.usage, res.system]))
             if self._book is not None:
                 self._book.remove(t.request.number)
         self._events.append(res)
@@ -416,7 +422,7 @@ class CompssEngine(Engine):
         merged = {**res.timings, "engine_duration_s": timings["duration_s"]}
         if t.cancel_reason is not None and res.status == "failed":
             return TrialResult(n, "cancelled", error=t.cancel_reason, stderr_tail=res.stderr_tail, timings=merged)
-        return TrialResult(n, res.status, res.value, res.metrics, res.error, res.stderr_tail, merged, res.retryable)
+        return replace(res, timings=merged)  # everything the task reported, system usage included
 
 
 def _mtime(path: Path) -> float | None:

@@ -41,7 +41,7 @@ from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
 from hpoflow.train.rendezvous import private_dir, store_path
-from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
+from hpoflow.trial import RankJob, RankOutcome, aggregate_usage, needs_torch, result_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class _Trial:
     resizes: int = 0
     max_ranks: int = 0
     deferred: bool | None = None
+    usage: list[dict[str, float]] = field(default_factory=list)  # ranks' usage in the ended segments
 
     @property
     def done(self) -> bool:
@@ -397,6 +398,7 @@ class LocalEngine(Engine):
         number = t.request.number
         now = time.monotonic()
         t.core_s += (now - t.segment_start) * t.cores()
+        t.usage += [o.usage for _, o in sorted(t.outcomes.items()) if o.usage]
         self._release(t)
         del self._trials[number]
         self._start_queued()
@@ -629,9 +631,13 @@ class LocalEngine(Engine):
             logs = [tail(trial_dir / f"rank{r}.log", 2000) for r in range(len(t.workers))]
             return "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs) if text.strip())
 
-        return result_from_ranks(req, t.outcomes, timings=timings, failure=t.failure, retryable=t.retryable,
-                                 cancelled=t.cancel_reason if t.failure is None else None, stderr_tail=stderr,
-                                 submitted_wall=t.submitted_wall)
+        result = result_from_ranks(req, t.outcomes, timings=timings, failure=t.failure, retryable=t.retryable,
+                                   cancelled=t.cancel_reason if t.failure is None else None, stderr_tail=stderr,
+                                   submitted_wall=t.submitted_wall)
+        if t.usage:  # an elastic trial: the usage of every size it ran on
+            current = [o.usage for _, o in sorted(t.outcomes.items()) if o.usage]
+            result = replace(result, system=aggregate_usage(t.usage + current))
+        return result
 
     def _release(self, t: _Trial) -> None:
         if t.store:
