@@ -150,13 +150,14 @@ def test_every_example_spec_validates_with_its_options_normalised() -> None:
 
 
 @pytest.mark.parametrize(("strategy", "options", "priced_as"), [
-    ("allreduce", {}, ("ring", {})),
+    ("allreduce", {}, ("allreduce", {"bucket_mb": 25.0, "grad_dtype": "fp32"})),
+    ("allreduce", {"compression": "bf16", "bucket_cap_mb": 4}, ("allreduce", {"bucket_mb": 4.0, "grad_dtype": "bf16"})),
     ("parameter_server", {"servers": 2}, ("ps", {"servers": 2})),
     ("easgd", {"tau": 8}, ("easgd", {"period": 8})),
     ("local_sgd", {"period": 16}, ("easgd", {"period": 16})),
 ])
 def test_the_oracle_prices_the_trials_own_strategy(strategy: str, options: dict[str, Any],
-                                                   priced_as: tuple[str, dict[str, int]]) -> None:
+                                                   priced_as: tuple[str, dict[str, Any]]) -> None:
     from hpoflow.oracle.trial import check_trial, strategy_plan
 
     plan = strategy_plan(strategy, options)

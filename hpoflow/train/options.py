@@ -35,8 +35,11 @@ class AllReduceOptions(Options):
     powersgd_start_iter: int = Field(default=2, ge=2)
 
     def oracle_plan(self) -> dict[str, Any]:
-        """How the oracle prices this strategy: ``hpoflow.oracle.Plan`` fields."""
-        return {"strategy": "ring"}
+        """How the oracle prices this strategy: ``hpoflow.oracle.Plan`` fields. DDP's buckets, and its
+        compression hooks' all-reduce dtype (PowerSGD's low-rank factors are not modelled: priced as
+        fp32); the algorithm is the fastest applicable, as NCCL picks it."""
+        dtype = self.compression if self.compression in ("fp16", "bf16") else "fp32"
+        return {"strategy": "allreduce", "bucket_mb": self.bucket_cap_mb, "grad_dtype": dtype}
 
 
 class ParameterServerOptions(Options):
