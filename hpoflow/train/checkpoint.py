@@ -413,15 +413,7 @@ class Checkpointer:
         self.wait()
         self._remove_temp_files()
         found = self._scan_elastic()
-        mine = sorted(found)
-        lists = gather(mine) if gather is not None else [mine]
-        common = set(mine)
-        for steps in lists:
-            common &= set(steps)
-        chosen = max(common) if common else None
-        for step in self._listing().get(self.rank, set()):
-            if chosen is None or step > chosen:
-                (self.directory / checkpoint_name(step, self.rank)).unlink(missing_ok=True)
+        chosen, _, _ = self._agree(sorted(found), gather)
         if chosen is None:
             return None
         self.last_step = chosen
@@ -440,15 +432,7 @@ class Checkpointer:
         self._remove_temp_files()
         found = self._scan()
         mine = sorted(found)
-        lists = gather(mine) if gather is not None else [mine]
-        common = set(mine)
-        for steps in lists:
-            common &= set(steps)
-        chosen = max(common) if common else None
-        own_files = self._listing().get(self.rank, set())
-        for step in own_files:
-            if chosen is None or step > chosen:
-                (self.directory / checkpoint_name(step, self.rank)).unlink(missing_ok=True)
+        chosen, lists, own_files = self._agree(mine, gather)
         if chosen is None:
             if own_files:
                 warnings.warn(
@@ -458,6 +442,21 @@ class Checkpointer:
             return None
         self.last_step = chosen
         return chosen, found[chosen]["state"]
+
+    def _agree(self, mine: list[int], gather: Gather | None) -> tuple[int | None, list[list[int]], set[int]]:
+        """The newest of this rank's usable ``mine`` that every rank has (``gather``: every rank's
+        list; None: this rank's only), every rank's lists, and this rank's files before this rank's
+        files newer than the chosen step (an abandoned future of a crashed run) were deleted."""
+        lists = gather(mine) if gather is not None else [mine]
+        common = set(mine)
+        for steps in lists:
+            common &= set(steps)
+        chosen = max(common) if common else None
+        own_files = self._listing().get(self.rank, set())
+        for step in own_files:
+            if chosen is None or step > chosen:
+                (self.directory / checkpoint_name(step, self.rank)).unlink(missing_ok=True)
+        return chosen, lists, own_files
 
     def _remove_temp_files(self) -> None:
         try:
