@@ -20,9 +20,11 @@ Built in (HyperSched's idea, SoCC 2019: give the idle resources to the trial mos
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["Candidate", "ElasticBook", "fifo", "longest_remaining", "most_promising", "speedup"]
+from hpoflow.trial import TrialRequest, aggregate_usage
+
+__all__ = ["Candidate", "ElasticBook", "Segments", "fifo", "longest_remaining", "most_promising", "speedup"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,14 @@ class ElasticBook:
             epochs: int | None, now: float) -> None:
         self._trials[number] = _Tracked(number, tuple(sizes), max(1, cores_per_rank), policy, size, epochs, now, now,
                                         epoch_s={})
+
+    def add_request(self, request: TrialRequest, now: float) -> None:
+        """``add`` an elastic trial from its request (the built-in trainer's epochs tell the work left;
+        a training function's are unknown); the study's direction and metric come with it."""
+        self.direction, self.metric = request.direction, request.metric
+        epochs = None if request.train.get("function") else request.train.get("epochs")
+        self.add(request.number, request.elastic_sizes, request.cpus_per_process, request.elastic_policy,
+                 request.processes, epochs if isinstance(epochs, int) else None, now)
 
     def remove(self, number: int) -> None:
         self._trials.pop(number, None)
@@ -231,3 +241,37 @@ class ElasticBook:
         epoch_s = (t.epoch_s or {}).get(t.size, 1.0)
         left = (t.epochs - t.reports) if t.epochs is not None else 1
         return Candidate(t.number, t.size, self._ceiling(t), max(0, left) * epoch_s, t.started, t.last_value)
+
+
+@dataclass
+class Segments:
+    """An elastic trial's runs, one per size, as its engine sees them: the current one's start and
+    size, and what the ended ones add up to (core-seconds, resizes, the most ranks, system usage)."""
+
+    start: float
+    ranks: int
+    cpus_per_rank: int
+    core_s: float = 0.0
+    resizes: int = 0
+    max_ranks: int = 0
+    usage: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.max_ranks = max(self.max_ranks, self.ranks)
+
+    def restart(self, now: float, ranks: int, usage: Sequence[dict[str, float]]) -> None:
+        """The current segment ended at ``now`` with this ``usage``; the next one runs on ``ranks``."""
+        self.core_s += (now - self.start) * self.ranks * self.cpus_per_rank
+        self.usage += [u for u in usage if u]
+        self.start, self.ranks = now, ranks
+        self.resizes += 1
+        self.max_ranks = max(self.max_ranks, ranks)
+
+    def timings(self, now: float) -> dict[str, float]:
+        """The result's timings: core-seconds held over every segment, resizes, the most ranks."""
+        core_s = self.core_s + (now - self.start) * self.ranks * self.cpus_per_rank
+        return {"core_s": core_s, "resizes": float(self.resizes), "max_ranks": float(self.max_ranks)}
+
+    def system(self, last: Sequence[dict[str, float]]) -> dict[str, float] | None:
+        """System usage over every segment (the last one's ``last`` included); None when only one ran."""
+        return aggregate_usage([*self.usage, *last]) if self.usage else None

@@ -168,7 +168,10 @@ def drive_elastic(tmp_str: str) -> None:
     engine = CompssEngine(tmp, shape=options.task_shape(req), slots=2)
     engine.submit(req)
     grown = replace(req, processes=2)
-    engine._launch(grown, options.task_shape(grown), prior=engine._trials[0])  # what _restart does
+    trial = engine._trials[0]
+    assert trial.segments is not None
+    trial.segments.restart(trial.submitted + 1.0, 2, [])  # what _restart does
+    engine._launch(grown, options.task_shape(grown), prior=trial)
     print("RESULT " + json.dumps({"calls": link.calls}), flush=True)
     os._exit(0)
 

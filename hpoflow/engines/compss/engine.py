@@ -46,11 +46,10 @@ from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, r
 from hpoflow.engines.compss._body import HEARTBEAT_S, run_trial
 from hpoflow.engines.compss.options import CompssOptions
 from hpoflow.engines.compss.shape import TaskShape
-from hpoflow.engines.elastic import ElasticBook
+from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl, read_json, write_json_atomic
 from hpoflow.train.transport import ReportReader, TrialFiles
-from hpoflow.trial import aggregate_usage
 
 __all__ = ["CompssEngine", "CompssOptions", "TaskShape", "pycompss_available", "runtime_active"]
 
@@ -71,13 +70,10 @@ class _Trial:
     cancel_time: float | None = None
     group_cancelled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
-    # elastic trials run as one task per size (segments; see ``_restart``)
-    segment: int = 0
-    segment_start: float = 0.0
-    core_s: float = 0.0
-    max_ranks: int = 0
-    deferred: bool | None = None  # a prune decision whose answer waits for the next poll
-    usage: list[dict[str, float]] = field(default_factory=list)  # system usage of the ended segments
+    # elastic trials run as one task per size (see ``_restart``), and their prune decision waits for
+    # the next poll (the engine adds the size to the answer then)
+    segments: Segments | None = None
+    deferred: bool | None = None
 
     def cores(self) -> int:
         return self.request.processes * self.request.cpus_per_process
@@ -122,7 +118,7 @@ class CompssEngine(Engine):
         self._trials: dict[int, _Trial] = {}
         self._events: list[Event] = []
         self._closed = False
-        self._book: ElasticBook | None = None
+        self._book = ElasticBook()  # elastic trials' sizes (hpoflow.engines.elastic)
         if shape is not None:
             self._load_task(shape)
 
@@ -147,20 +143,18 @@ class CompssEngine(Engine):
                 f"trial {request.number} submitted while trial {next(iter(self._trials))} runs; sequential "
                 "mode runs one trial at a time (capacity() is 1)"
             )
-        if request.elastic:
-            if self._book is None:
-                self._book = ElasticBook(request.direction, request.metric)
-            epochs = request.train.get("epochs") if not request.train.get("function") else None
-            self._book.add(request.number, request.elastic_sizes, request.cpus_per_process, request.elastic_policy,
-                           request.processes, int(epochs) if isinstance(epochs, int) else None, time.monotonic())
         self._launch(request, shape)
+        if request.elastic:
+            t = self._trials[request.number]
+            t.segments = Segments(t.submitted, request.processes, request.cpus_per_process)
+            self._book.add_request(request, t.submitted)
 
     def _launch(self, request: TrialRequest, shape: TaskShape, prior: _Trial | None = None) -> None:
         """Call the trial's task: a new trial, or (``prior``) the next segment of an elastic trial on
         ``request.processes`` ranks, in the same attempt directory (its protocol files start afresh)."""
         files = TrialFiles(Path(request.trial_dir), request.attempt)
         self._fresh_attempt_dir(files)
-        segment = prior.segment + 1 if prior is not None else 0
+        segment = prior.segments.resizes if prior is not None and prior.segments is not None else 0
         group = f"trial-{request.number}" + (f".{request.attempt}" if request.attempt else "") + \
             (f".s{segment}" if segment else "")
         opts_json = json.dumps(self.options.for_task())
@@ -174,13 +168,11 @@ class CompssEngine(Engine):
                 future = task_fn(request.to_json(), opts_json)
         now = time.monotonic()
         if prior is None:
-            self._trials[request.number] = _Trial(request, files, future, group, now, ReportReader(files.reports),
-                                                  segment_start=now, max_ranks=request.processes)
+            self._trials[request.number] = _Trial(request, files, future, group, now, ReportReader(files.reports))
         else:
             self._trials[request.number] = replace(
                 prior, request=request, files=files, future=future, group=group, reader=ReportReader(files.reports),
-                pending_answer=None, deferred=None, segment=segment, segment_start=now,
-                max_ranks=max(prior.max_ranks, request.processes), extra={})
+                pending_answer=None, deferred=None, extra={})
 
     def _free_slots(self, exclude: int | None = None) -> int:
         """``compss.slots`` minus the cores of the trials submitted (running or queued in COMPSs)."""
@@ -193,8 +185,6 @@ class CompssEngine(Engine):
         """Answer elastic trials' reports now that the driver has submitted what it could: the prune
         decision with the number of ranks to continue with."""
         book = self._book
-        if book is None:
-            return
         free = self._free_slots()
         for t in self._trials.values():
             if t.deferred is None or t.pending_answer is None:
@@ -206,14 +196,14 @@ class CompssEngine(Engine):
             with contextlib.suppress(OSError):
                 write_json_atomic(t.files.answer(seq), {"prune": bool(prune), "world": world})
 
-    def _restart(self, t: _Trial) -> None:
-        """An elastic trial's task ended at an epoch boundary, checkpointed: submit its next segment
-        with the size its book asked for, or the largest that fits in what is free."""
+    def _restart(self, t: _Trial, usage: dict[str, float]) -> None:
+        """An elastic trial's task ended at an epoch boundary, checkpointed (with this system
+        ``usage``): submit its next segment with the size its book asked for, or the largest that fits
+        in what is free."""
         book = self._book
         number = t.request.number
         now = time.monotonic()
-        t.core_s += (now - t.segment_start) * t.cores()
-        if book is None or number not in book:
+        if t.segments is None or number not in book:
             raise EngineError(f"trial {number} resized but is not elastic")
         free = self._free_slots(exclude=number) if self.options.slots is not None else t.cores()
         size = book.fit(number, free)
@@ -221,6 +211,7 @@ class CompssEngine(Engine):
         with contextlib.suppress(OSError):
             append_jsonl(Path(t.request.trial_dir) / "elastic.jsonl",
                          {"time": time.time(), "from": t.request.processes, "to": size})
+        t.segments.restart(now, size, [usage])
         self._launch(request, self.options.task_shape(request), prior=t)
         book.on_restart(number, size, now)
 
@@ -327,13 +318,11 @@ class CompssEngine(Engine):
                 continue
             if t.first_report is None:
                 t.first_report = time.monotonic()
-            if self._book is not None:
-                self._book.on_report(t.request.number, {str(k): float(v) for k, v in
-                                                        (item.get("metrics") or {}).items()}, time.monotonic())
             wants = bool(item.get("wants_answer"))
             if wants:
                 t.pending_answer = int(item.get("seq", 0))
             metrics = {str(k): float(v) for k, v in (item.get("metrics") or {}).items()}
+            self._book.on_report(t.request.number, metrics, time.monotonic())
             self._events.append(TrialReport(t.request.number, int(item["step"]), metrics, wants))
 
     def _finished(self, t: _Trial) -> bool:
@@ -373,18 +362,17 @@ class CompssEngine(Engine):
         self._read_reports(t)  # every report before the result
         data = self._collect(t)
         if isinstance(data, dict) and data.get("status") == "resized" and t.cancel_reason is None:
-            if isinstance(data.get("system"), dict) and data["system"]:
-                t.usage.append({str(k): float(v) for k, v in data["system"].items() if isinstance(v, int | float)})
-            self._restart(t)
+            system = data.get("system")
+            self._restart(t, {str(k): float(v) for k, v in system.items() if isinstance(v, int | float)}
+                          if isinstance(system, dict) else {})
             return
         res = self._to_result(t, data)
-        if t.request.elastic:
-            res = replace(res, timings={**res.timings, "core_s": t.core_s + (time.monotonic() - t.segment_start)
-                                        * t.cores(), "resizes": float(t.segment), "max_ranks": float(t.max_ranks)})
-            if t.usage:  # the usage of every size it ran on
-                res = replace(res, system=aggregate_usage([*t.usage, res.system]))
-            if self._book is not None:
-                self._book.remove(t.request.number)
+        if t.segments is not None:  # every size's cores, resizes and usage
+            res = replace(res, timings={**res.timings, **t.segments.timings(time.monotonic())})
+            system = t.segments.system([res.system])
+            if system is not None:
+                res = replace(res, system=system)
+        self._book.remove(t.request.number)
         self._events.append(res)
         del self._trials[t.request.number]
 

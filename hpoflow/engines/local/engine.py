@@ -34,14 +34,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
-from hpoflow.engines.elastic import ElasticBook
+from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
 from hpoflow.train.rendezvous import private_dir, store_path
-from hpoflow.trial import RankJob, RankOutcome, aggregate_usage, needs_torch, result_from_ranks
+from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -131,22 +131,18 @@ class _Trial:
     failure: str | None = None
     retryable: bool = False
     store: str = ""  # the rendezvous file store of a multi-rank trial
-    # Elastic trials run in segments, one per size (see ``_restart``): when this one started, the
-    # core-seconds of the ended ones, how many resizes, and the prune decision whose answer waits for
-    # the next poll (the engine adds the size to it then).
-    segment_start: float = 0.0
-    core_s: float = 0.0
-    resizes: int = 0
-    max_ranks: int = 0
+    # Elastic trials run in segments, one per size (see ``_restart``), and their prune decision waits
+    # for the next poll (the engine adds the size to the answer then).
+    segments: Segments | None = None
     deferred: bool | None = None
-    usage: list[dict[str, float]] = field(default_factory=list)  # ranks' usage in the ended segments
 
     @property
     def done(self) -> bool:
         return len(self.outcomes) == len(self.workers)
 
-    def cores(self) -> int:
-        return self.request.processes * self.request.cpus_per_process
+    def usage(self) -> list[dict[str, float]]:
+        """The ranks' system usage, in rank order."""
+        return [o.usage for _, o in sorted(self.outcomes.items()) if o.usage]
 
 
 class LocalEngine(Engine):
@@ -185,7 +181,7 @@ class LocalEngine(Engine):
         self._next_wid = 0
         self._events: list[Event] = []
         self._rendezvous = private_dir()  # file stores of multi-rank trials: no rendezvous socket
-        self._book: ElasticBook | None = None  # elastic trials' sizes (hpoflow.engines.elastic)
+        self._book = ElasticBook()  # elastic trials' sizes (hpoflow.engines.elastic)
         self._queued: list[TrialRequest] = []  # submitted, waiting for cores lent to elastic trials
         self._lock = threading.RLock()
         self._closed = False
@@ -352,18 +348,13 @@ class LocalEngine(Engine):
         now = time.monotonic()
         if prior is None:
             trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
-                           submitted_wall=time.time(), store=store, segment_start=now, max_ranks=request.processes)
+                           submitted_wall=time.time(), store=store)
             if request.elastic:
-                if self._book is None:
-                    self._book = ElasticBook(request.direction, request.metric)
-                epochs = request.train.get("epochs") if not request.train.get("function") else None
-                self._book.add(request.number, request.elastic_sizes, request.cpus_per_process,
-                               request.elastic_policy, request.processes,
-                               int(epochs) if isinstance(epochs, int) else None, now)
+                trial.segments = Segments(now, request.processes, request.cpus_per_process)
+                self._book.add_request(request, now)
         else:
             trial = replace(prior, request=request, placement=placement, workers=[], outcomes={}, store=store,
-                            segment_start=now, resizes=prior.resizes + 1, deferred=None,
-                            max_ranks=max(prior.max_ranks, request.processes))
+                            deferred=None)
         torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)
         if torch_first and self._warm.ident is None:  # light so far: now a trial needs the preload
             self._warm.start()
@@ -397,12 +388,10 @@ class LocalEngine(Engine):
         book = self._book
         number = t.request.number
         now = time.monotonic()
-        t.core_s += (now - t.segment_start) * t.cores()
-        t.usage += [o.usage for _, o in sorted(t.outcomes.items()) if o.usage]
         self._release(t)
         del self._trials[number]
         self._start_queued()
-        if book is None or number not in book:  # cannot happen: only elastic trials resize
+        if t.segments is None or number not in book:  # cannot happen: only elastic trials resize
             raise EngineError(f"trial {number} resized but is not elastic")
         size = book.fit(number, len(self.free_cores))
         placement = None
@@ -417,6 +406,7 @@ class LocalEngine(Engine):
         with contextlib.suppress(OSError):
             append_jsonl(Path(t.request.trial_dir) / "elastic.jsonl",
                          {"time": time.time(), "from": t.request.processes, "to": size})
+        t.segments.restart(now, size, t.usage())
         self._launch(replace(t.request, processes=size), placement, prior=t)
         book.on_restart(number, size, now)
 
@@ -431,8 +421,6 @@ class LocalEngine(Engine):
         """Answer elastic trials' reports now that the driver has submitted what it could: the prune
         decision with the size to continue with (``ElasticBook.decide``)."""
         book = self._book
-        if book is None:
-            return
         waiting = sum(r.processes * r.cpus_per_process for r in self._queued)
         free = len(self.free_cores)
         for t in self._trials.values():
@@ -454,11 +442,8 @@ class LocalEngine(Engine):
             if self._events:
                 out, self._events = self._events, []
                 return out
-            if not self._trials:
-                self._start_queued()  # (cannot stay queued with nothing running; belt and braces)
-                if not self._trials:
-                    return []
-                continue
+            if not self._trials:  # (_finish_ready started what was queued: with nothing running, it fits)
+                return []
             now = time.monotonic()
             wait_for = self._next_wakeup(now, deadline)
             if wait_for is not None and wait_for <= 0:
@@ -558,8 +543,7 @@ class LocalEngine(Engine):
                     step, metrics, wants = payload
                     if t.first_report is None:
                         t.first_report = time.monotonic()
-                    if self._book is not None:
-                        self._book.on_report(t.request.number, metrics, time.monotonic())
+                    self._book.on_report(t.request.number, metrics, time.monotonic())
                     self._events.append(TrialReport(t.request.number, step, metrics, wants))
                 elif kind == "outcome":
                     outcome = t.outcomes[w.rank] = RankOutcome.from_dict(payload)
@@ -612,17 +596,15 @@ class LocalEngine(Engine):
             self._events.append(self._result(t))
             self._release(t)
             del self._trials[number]
-            if self._book is not None:
-                self._book.remove(number)
+            self._book.remove(number)
         self._start_queued()
 
     def _result(self, t: _Trial) -> TrialResult:
         req = t.request
         now = time.monotonic()
         timings = {"duration_s": now - t.submitted}
-        if t.request.elastic:  # the cores it held over its segments, and how often it changed size
-            timings.update(core_s=t.core_s + (now - t.segment_start) * t.cores(), resizes=float(t.resizes),
-                           max_ranks=float(t.max_ranks))
+        if t.segments is not None:  # the cores it held over its segments, and how often it changed size
+            timings.update(t.segments.timings(now))
         if t.first_report is not None:
             timings["to_first_report_s"] = t.first_report - t.submitted
         trial_dir = Path(req.trial_dir)
@@ -634,10 +616,8 @@ class LocalEngine(Engine):
         result = result_from_ranks(req, t.outcomes, timings=timings, failure=t.failure, retryable=t.retryable,
                                    cancelled=t.cancel_reason if t.failure is None else None, stderr_tail=stderr,
                                    submitted_wall=t.submitted_wall)
-        if t.usage:  # an elastic trial: the usage of every size it ran on
-            current = [o.usage for _, o in sorted(t.outcomes.items()) if o.usage]
-            result = replace(result, system=aggregate_usage(t.usage + current))
-        return result
+        system = t.segments.system(t.usage()) if t.segments is not None else None
+        return result if system is None else replace(result, system=system)  # every size's usage
 
     def _release(self, t: _Trial) -> None:
         if t.store:
