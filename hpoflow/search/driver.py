@@ -167,7 +167,6 @@ class Driver:
         self._ask_s: list[float] = []  # seconds each ask (sample + suggest + precheck) took
         self._trial_s: list[float] = []  # durations of finished trials
         self.asked_ahead = 0  # trials asked while every slot was busy
-        self._slots_hint = 1
 
     # -- public ---------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
@@ -194,7 +193,6 @@ class Driver:
                 "here. Fix: lower resources, or use an engine/allocation that has them"
             )
         slots = max(1, min(self.spec.search.max_concurrent, capacity))
-        self._slots_hint = slots
         cancelling = False
         try:
             while True:
@@ -213,6 +211,8 @@ class Driver:
                 if not cancelling and summary.stopped_by == "budget" and self._should_ask_ahead(slots):
                     if not self._prepare():  # every slot is busy: ask for the next trial now
                         summary.stopped_by = "grid_exhausted"
+                    elif self._ready is not None:  # (None: the precheck recorded it pruned)
+                        self.asked_ahead += 1
                 overhead += time.monotonic() - t0
                 if not self._inflight:
                     break
@@ -289,24 +289,23 @@ class Driver:
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
         self.study.enqueue_trial(params, user_attrs={**user_attrs, ATTR_REPLACES: number}, skip_if_exists=False)
 
-    def _can_start(self, slots: int) -> bool:
-        if len(self._inflight) >= slots:
-            return False
-        if self._ready is None and self._finished + len(self._inflight) >= self.n_trials:
+    def _room(self, more: int) -> bool:
+        """Whether the budget (``n_trials``, ``max_failures``) allows ``more`` trials beyond those finished
+        and in flight."""
+        if self._finished + len(self._inflight) + more > self.n_trials:
             return False
         mf = self.spec.search.max_failures
         return not (mf is not None and self._failures >= mf)
+
+    def _can_start(self, slots: int) -> bool:
+        # a trial asked ahead is within the budget already
+        return len(self._inflight) < slots and self._room(0 if self._ready is not None else 1)
 
     def _should_ask_ahead(self, slots: int) -> bool:
         """Every slot busy, budget left, nothing asked ahead yet, and asking is worth hiding: always with
         ``ask_ahead: true``; with ``auto`` once the median ask took over 1 % of the median trial."""
         mode = self.spec.search.ask_ahead
-        if mode is False or self._ready is not None or len(self._inflight) < slots:
-            return False
-        if self._finished + len(self._inflight) + 1 > self.n_trials:
-            return False
-        mf = self.spec.search.max_failures
-        if mf is not None and self._failures >= mf:
+        if mode is False or self._ready is not None or len(self._inflight) < slots or not self._room(1):
             return False
         if mode is True:
             return True
@@ -379,8 +378,6 @@ class Driver:
                     self.listener.on_trial_start(trial.number, params)
                 self._on_result(TrialResult(trial.number, "pruned", error=f"oracle: {verdict.reason}"))
                 return True
-        if len(self._inflight) >= self._slots_hint:
-            self.asked_ahead += 1
         self._ready = fl
         return True
 
