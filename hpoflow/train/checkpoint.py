@@ -67,6 +67,7 @@ __all__ = [
     "parse_name",
     "read_checkpoint",
     "restore_rng",
+    "seed_joining_rank",
     "snapshot",
     "write_checkpoint",
 ]
@@ -207,6 +208,17 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_joining_rank(seed: int, step: int, rank: int) -> None:
+    """Seed Python's, NumPy's and torch's generators for a rank that joins a resized (elastic) trial at
+    ``step``, whose checkpoint holds no RNG states of its own: a function of the trial's seed, the
+    step and the rank, so reruns draw the same."""
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little")
+    random.seed(value)
+    np.random.seed(value % (2**32))
+    torch.manual_seed(value % (2**63))
 
 
 # -- the per-rank manager ------------------------------------------------------------------------------

@@ -179,7 +179,9 @@ class TrialContext:
         step, payload = found
         if foreign:  # rank 0's state: this rank did not exist then; its own streams, from the seed
             if restore_rng:
-                _seed_rank(self.seed, step, self.rank)
+                from hpoflow.train.checkpoint import seed_joining_rank
+
+                seed_joining_rank(self.seed, step, self.rank)
         elif restore_rng and "rng" in payload:
             from hpoflow.train.checkpoint import restore_rng as restore_rng_state
 
@@ -194,18 +196,3 @@ class TrialContext:
             self._checkpointer.close()
 
 
-
-def _seed_rank(seed: int, step: int, rank: int) -> None:
-    """Seed Python's, NumPy's and torch's generators for a rank that joins a resized trial at ``step``
-    (a function of the trial's seed, the step and the rank: reruns draw the same)."""
-    import hashlib
-    import random
-
-    import numpy as np
-    import torch
-
-    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
-    value = int.from_bytes(digest[:8], "little")
-    random.seed(value)
-    np.random.seed(value % (2**32))
-    torch.manual_seed(value % (2**63))
