@@ -19,10 +19,14 @@ Built in (HyperSched's idea, SoCC 2019: give the idle resources to the trial mos
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hpoflow.registry import ELASTIC
 from hpoflow.trial import TrialRequest, aggregate_usage
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Candidate", "ElasticBook", "Segments", "fifo", "longest_remaining", "most_promising", "speedup"]
 
@@ -90,11 +94,10 @@ class _Tracked:
     size: int
     epochs: int | None
     started: float
-    segment_start: float
     last_report: float | None = None
     reports: int = 0
     last_value: float | None = None
-    epoch_s: dict[int, float] | None = None  # ranks -> seconds per report interval, last measured
+    epoch_s: dict[int, float] = field(default_factory=dict)  # ranks -> seconds per epoch, last measured
     target: int = 0  # the size asked at the last answer (0: none)
     ignored: int = 0
     cap: int = 0  # no growth above this size (a grow that did not pay); 0: sizes[-1]
@@ -126,8 +129,7 @@ class ElasticBook:
 
     def add(self, number: int, sizes: Sequence[int], cores_per_rank: int, policy: str, size: int,
             epochs: int | None, now: float) -> None:
-        self._trials[number] = _Tracked(number, tuple(sizes), max(1, cores_per_rank), policy, size, epochs, now, now,
-                                        epoch_s={})
+        self._trials[number] = _Tracked(number, tuple(sizes), max(1, cores_per_rank), policy, size, epochs, now)
 
     def add_request(self, request: TrialRequest, now: float) -> None:
         """``add`` an elastic trial from its request (the built-in trainer's epochs tell the work left;
@@ -140,14 +142,11 @@ class ElasticBook:
     def remove(self, number: int) -> None:
         self._trials.pop(number, None)
 
-    def size(self, number: int) -> int:
-        return self._trials[number].size
-
     def on_report(self, number: int, metrics: dict[str, float], now: float) -> None:
         t = self._trials.get(number)
         if t is None:
             return
-        if t.last_report is not None and t.epoch_s is not None:  # a whole epoch at this size (no start-up)
+        if t.last_report is not None:  # a whole epoch at this size (no start-up)
             t.epoch_s[t.size] = now - t.last_report
         t.last_report = now
         t.reports += 1
@@ -160,10 +159,8 @@ class ElasticBook:
         if t is None:
             return
         t.grown_from = t.size if size > t.size else 0  # a grow is judged once its first epoch is timed
-        t.size, t.target, t.ignored = size, 0, 0
-        t.segment_start, t.last_report = now, None
-        if t.epoch_s is not None:
-            t.epoch_s.pop(size, None)  # measured afresh at this size
+        t.size, t.target, t.ignored, t.last_report = size, 0, 0, None
+        t.epoch_s.pop(size, None)  # measured afresh at this size
 
     def fit(self, number: int, free_cores: int) -> int:
         """The size to restart ``number`` with: its asked size, or the largest allowed that fits in
@@ -187,18 +184,16 @@ class ElasticBook:
         if t.target and t.target != t.size:  # asked before, and it reported again without acting on it
             t.ignored += 1
             if t.ignored >= _IGNORED_LIMIT:
-                import logging
-
-                logging.getLogger(__name__).warning(
+                log.warning(
                     "trial %d did not restart when asked to resize (a training function must save a checkpoint "
                     "before should_stop() and return when it is True); it keeps %d ranks", number, t.size)
                 t.sizes, t.target = (t.size,), 0
                 return 0
-        t.target = self._target(t, free_cores - self.promised(exclude=number), demand_cores)
+        t.target = self._target(t, free_cores, demand_cores)
         return t.target if t.target != t.size else 0
 
     def _target(self, t: _Tracked, free: int, demand: int) -> int:
-        epoch_s = t.epoch_s or {}
+        epoch_s = t.epoch_s
         if t.grown_from and t.size in epoch_s and t.grown_from in epoch_s:
             before = t.grown_from
             t.grown_from = 0
@@ -210,15 +205,13 @@ class ElasticBook:
             return max(smaller) if smaller else t.sizes[0]
         if t.cap and t.size > t.cap:
             return t.cap
-        if free <= 0 or (t.epochs is not None and t.epochs - t.reports < 2):
+        if free - self.promised(exclude=t.number) <= 0 or (t.epochs is not None and t.epochs - t.reports < 2):
             return t.size
-        # Idle cores: hand them out in the policy's order; this trial grows by what is left for it.
-        from hpoflow.registry import ELASTIC
-
-        policy = ELASTIC.get(t.policy)
-        ranked = policy([self._candidate(x) for x in self._trials.values() if self._can_grow(x)], self.direction)
-        left = free + sum((x.target - x.size) * x.cores_per_rank for x in self._trials.values()
-                          if x.number != t.number and x.target > x.size)  # re-plan what others were promised
+        # Idle cores: hand them out in the policy's order (re-planning what others were promised); this
+        # trial grows by what is left for it.
+        ranked = ELASTIC.get(t.policy)([self._candidate(x) for x in self._trials.values() if self._can_grow(x)],
+                                       self.direction)
+        left = free
         for c in ranked:
             x = self._trials[c.number]
             grow = max((k for k in x.sizes if k <= self._ceiling(x) and (k - x.size) * x.cores_per_rank <= left),
@@ -235,10 +228,10 @@ class ElasticBook:
         """Below its ceiling, with two epochs left, and one whole epoch measured at its size since it
         last started (a grow is judged against it)."""
         return (t.size < self._ceiling(t) and (t.epochs is None or t.epochs - t.reports >= 2)
-                and t.size in (t.epoch_s or {}))
+                and t.size in t.epoch_s)
 
     def _candidate(self, t: _Tracked) -> Candidate:
-        epoch_s = (t.epoch_s or {}).get(t.size, 1.0)
+        epoch_s = t.epoch_s.get(t.size, 1.0)
         left = (t.epochs - t.reports) if t.epochs is not None else 1
         return Candidate(t.number, t.size, self._ceiling(t), max(0, left) * epoch_s, t.started, t.last_value)
 
