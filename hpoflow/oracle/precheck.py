@@ -20,13 +20,24 @@ from hpoflow.trial import TrialRequest, Verdict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OraclePrecheck"]
+__all__ = ["OraclePrecheck", "judged"]
 
 def _serve(conn: Connection, cluster: str | None) -> None:
     """Process entry (this module stays torch-free; the oracle and torch load in the child)."""
     from hpoflow.oracle.service import serve
 
     serve(conn, cluster)
+
+
+_JUDGED = ("model", "model_options", "dataset", "val_fraction", "batch_size", "optimizer", "momentum", "epochs",
+           "strategy", "strategy_options")
+
+
+def judged(request: TrialRequest) -> tuple[dict[str, Any], str]:
+    """The part of a built-in trial's training config the oracle judges, and a cache key for its
+    verdict (that part, the processes and the GPUs per process)."""
+    train = {k: request.train[k] for k in _JUDGED if request.train.get(k) is not None}
+    return train, json.dumps([train, request.processes, request.gpus_per_process], sort_keys=True, default=str)
 
 
 class OraclePrecheck:
@@ -45,10 +56,7 @@ class OraclePrecheck:
     def __call__(self, request: TrialRequest) -> Verdict | None:
         if request.train.get("function"):
             return None
-        keys = ("model", "model_options", "dataset", "val_fraction", "batch_size", "optimizer", "momentum",
-                "epochs", "strategy", "strategy_options")
-        train = {k: request.train[k] for k in keys if request.train.get(k) is not None}
-        key = json.dumps([train, request.processes, request.gpus_per_process], sort_keys=True, default=str)
+        train, key = judged(request)
         if key not in self._cache:
             self._cache[key] = self._ask(train, request.processes, request.gpus_per_process)
         return self._cache[key]

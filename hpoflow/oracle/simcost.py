@@ -13,25 +13,20 @@ Imports torch (the oracle traces a step on the meta device): in the driver proce
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Callable
-from typing import Any
 
 from pydantic import Field
 
 from hpoflow.engines.simulated.engine import TrialCost
 from hpoflow.oracle.cluster import ClusterSpec, load_cluster
+from hpoflow.oracle.precheck import judged
 from hpoflow.oracle.trial import check_trial
 from hpoflow.registry import Options
 from hpoflow.trial import TrialRequest
 
 __all__ = ["OracleCostOptions", "oracle_cost"]
-
-_KEYS = ("model", "model_options", "dataset", "val_fraction", "batch_size", "optimizer", "momentum", "epochs",
-         "strategy", "strategy_options")
-
 
 class OracleCostOptions(Options):
     """``cluster``: a preset name or a cluster YAML (default: laptop); ``seed``: of the synthetic metric."""
@@ -49,8 +44,7 @@ def oracle_cost(options: OracleCostOptions) -> Callable[[TrialRequest], TrialCos
         if req.train.get("function"):
             return TrialCost(0.0, {}, error="cost model oracle: a training.function is opaque to the oracle; "
                                             "use the function or lognormal cost model")
-        train: dict[str, Any] = {k: req.train[k] for k in _KEYS if req.train.get(k) is not None}
-        key = json.dumps([train, req.processes, req.gpus_per_process], sort_keys=True, default=str)
+        train, key = judged(req)
         if key not in cache:
             verdict = check_trial(train, req.processes, req.gpus_per_process, cluster)
             seconds = verdict.predicted.get("time_to_train_s")

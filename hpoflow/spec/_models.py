@@ -298,7 +298,8 @@ class SearchSpec(_Strict):
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
     ask_ahead: bool | Literal["auto"] = Field(
         default="auto", description="Ask the sampler for the next trial while every slot is busy, so a freed slot "
-        "never waits for it; auto: when asking takes over 1 % of a trial's time (slow samplers, short trials).")
+        "never waits for it; auto: with 2 or more slots, once asking takes over 1 % of a trial's time (slow "
+        "samplers, short trials).")
 
     @model_validator(mode="before")
     @classmethod
