@@ -296,7 +296,7 @@ class SearchSpec(_Strict):
         default=None, description="Run directory of an earlier, compatible study (same metric and direction) whose "
                                   "completed trials the sampler learns from before the first trial.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
-    ask_ahead: bool | Literal["auto"] = Field(
+    ask_ahead: Literal["auto", True, False] = Field(
         default="auto", description="Ask the sampler for the next trial while every slot is busy, so a freed slot "
         "never waits for it; auto: with 2 or more slots, once asking takes over 1 % of a trial's time (slow "
         "samplers, short trials).")

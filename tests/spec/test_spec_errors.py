@@ -70,6 +70,10 @@ CASES = [
     ("duplicate key", "  epochs: 2\n", "  epochs: 2\n  epochs: 3\n", "training.epochs", 17, "duplicate key"),
     ("grid needs step", "algorithm: tpe", "algorithm: grid", "space.lr", 6, "needs step"),
     ("unknown metric", "metric: val_accuracy", "metric: accuracy", "study.metric", 3, "did you mean"),
+    ("bad ask_ahead", "max_concurrent: 1", "max_concurrent: 1\n  ask_ahead: maybe", "search.ask_ahead", 14,
+     "choose one of: auto, True, False"),
+    ("elastic max < min", "n_trials: 4", "n_trials: 4\nresources:\n  processes: {min: 2, max: 1}",
+     "resources.processes", 14, "max (1) must be >= min (2)"),
 ]
 
 
