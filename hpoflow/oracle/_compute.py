@@ -193,17 +193,21 @@ def _flops_time(facts: ModelFacts, cluster: ClusterSpec, precision: str, batch: 
         return facts.train_flops * batch / dev.flops(precision, facts.conv_flops_fraction)
     peak = dev.peak(precision)
     eff, ceff = dev.kind_efficiency(precision)
-    conv_rest = facts.forward_flops * facts.conv_flops_fraction
-    other_rest = facts.forward_flops - conv_rest
+    # training FLOPs outside the leaf conv/linear layers (attention's matrix products, ...)
+    conv_rest = 3 * facts.forward_flops * facts.conv_flops_fraction
+    other_rest = 3 * facts.forward_flops - conv_rest
     seconds = 0.0
-    for kind, fwd, calls in facts.layers:
-        e = dev.layer_efficiency(kind, 3 * fwd * call_batch, precision)
-        if e is None:
-            continue
-        seconds += 3 * fwd * calls * batch / (peak * e)
+    for kind, fwd, calls, train in facts.layers:
         if kind == "conv":
-            conv_rest -= fwd * calls
+            conv_rest -= 3 * fwd * calls
         else:
-            other_rest -= fwd * calls
+            other_rest -= 3 * fwd * calls
+        e = dev.layer_efficiency(kind, train * call_batch, precision)
+        if e is not None:
+            seconds += train * calls * batch / (peak * e)
+        elif kind == "conv":
+            conv_rest += train * calls
+        else:
+            other_rest += train * calls
     rest = max(0.0, conv_rest) / ceff + max(0.0, other_rest) / eff
-    return seconds + 3 * batch * rest / peak
+    return seconds + batch * rest / peak

@@ -81,6 +81,14 @@ def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return step
 
 
+def step_flops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """FLOPs of one training step's forward and backward (as autograd runs them) on ``x``."""
+    with FlopCounterMode(display=False) as counter:
+        nn.functional.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
+
+
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
@@ -90,17 +98,17 @@ def _probe_compute(scale: float) -> dict[str, float]:
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     matmul = 2 * n**3 / timed(lambda: a @ b, reps, inner=4)
-    # linear training workload: 3 x 2 x batch x in x out FLOPs per layer and step
+    # training workloads, priced by the FLOPs their steps run (the first layer computes no
+    # gradient of its input: 2 x its forward, the next 3 x)
     lin = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
     x, y = torch.randn(64, 256), torch.randint(0, 256, (64,))
     t = timed(_train_step(lin, x, y, _sgd(lin)), reps, inner=4)
-    linear = 3 * 2 * 64 * 256 * 256 * 2 / t
+    linear = step_flops(lin, x, y) / t
     conv = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
                          nn.Linear(32 * 16 * 16, 10))
     xc, yc = torch.randn(32, 16, 16, 16), torch.randint(0, 10, (32,))
     t = timed(_train_step(conv, xc, yc, _sgd(conv)), reps, inner=2)
-    conv_flops = 3 * 2 * 32 * (16 * 16 * 32 * 16 * 9 + 32 * 16 * 16 * 10)
-    convolution = conv_flops / t
+    convolution = step_flops(conv, xc, yc) / t
     big = torch.empty(8 * 2**20)
     dst = torch.empty_like(big)
     bandwidth = 2 * big.numel() * 4 / timed(lambda: dst.copy_(big), reps, inner=2)

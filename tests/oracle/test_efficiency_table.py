@@ -48,11 +48,32 @@ def test_bad_tables_are_rejected() -> None:
 
 def test_facts_record_per_layer_flops() -> None:
     f = model_facts("cnn")
-    assert [k for k, _, _ in f.layers] == ["conv", "conv", "linear", "linear"]
-    assert sum(fl * n for _, fl, n in f.layers) == pytest.approx(f.forward_flops)
-    conv = sum(fl * n for k, fl, n in f.layers if k == "conv")
+    assert [k for k, *_ in f.layers] == ["conv", "conv", "linear", "linear"]
+    assert sum(fl * n for _, fl, n, _ in f.layers) == pytest.approx(f.forward_flops)
+    conv = sum(fl * n for k, fl, n, _ in f.layers if k == "conv")
     assert conv / f.forward_flops == pytest.approx(f.conv_flops_fraction)
     assert f.to_dict()["layers"][0][0] == "conv"
+    # training FLOPs as autograd runs them: the first conv computes no gradient of the input (the
+    # data), so it trains at 2 x its forward; every later layer at 3 x
+    train = [t / fl for _, fl, _, t in f.layers]
+    assert train == pytest.approx([2.0, 3.0, 3.0, 3.0])
+    assert f.train_flops == pytest.approx(sum(t * n for *_, n, t in f.layers))
+
+
+def test_a_first_layer_trains_without_an_input_gradient_on_the_real_autograd() -> None:
+    # what the traced 2 x stands for, on real tensors: convolution_backward of the first layer is
+    # asked for no input gradient (output_mask[0] false), a later layer's is
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    conv = torch.nn.Conv2d(1, 4, 3)
+    for needs_grad, factor in ((False, 2.0), (True, 3.0)):
+        x = torch.randn(2, 1, 6, 6, requires_grad=needs_grad)
+        with FlopCounterMode(display=False) as fwd:
+            y = conv(x)
+        with FlopCounterMode(display=False) as bwd:
+            y.sum().backward()
+        assert (fwd.get_total_flops() + bwd.get_total_flops()) / fwd.get_total_flops() == pytest.approx(factor)
 
 
 def test_layer_pricing_matches_hand_computation() -> None:
@@ -61,8 +82,8 @@ def test_layer_pricing_matches_hand_computation() -> None:
     b = 32
     cost = step_cost(f, c, Plan(batch_size=b, devices=1).validate(c), 1, b)
     peak = c.device.peak_flops["fp32"]
-    want = sum(3 * fl * n * b / (peak * c.device.layer_efficiency(k, 3 * fl * b))
-               for k, fl, n in f.layers)
+    want = sum(t * n * b / (peak * c.device.layer_efficiency(k, t * b))
+               for k, _, n, t in f.layers)
     assert cost.flops_s == pytest.approx(want)
     # a conv table's efficiencies include the per-call fixed cost: per_conv_s is not added again
     with_conv = load_cluster({**c.model_dump(), "overheads": {"per_conv_s": 1.0}})
@@ -120,3 +141,20 @@ def test_table_round_trips_through_yaml(tmp_path: Path) -> None:
     c = _cluster(TABLE)
     back = load_cluster(write_cluster(c, tmp_path / "t.yaml"))
     assert back.device.layer_efficiency("conv", 1e6) == pytest.approx(c.device.layer_efficiency("conv", 1e6))
+
+
+def test_calibration_probes_count_the_flops_their_steps_run() -> None:
+    # the probes' first layers compute no input gradient: a step of Linear-ReLU-Linear runs 5/6
+    # of the naive 3 x forward (2 x for the first layer, 3 x for the second), and the measured
+    # efficiency divides by what ran, not by the naive count
+    import torch
+    from torch import nn
+
+    from hpoflow.oracle.calibration import step_flops
+
+    lin = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+    x, y = torch.randn(4, 32), torch.randint(0, 8, (4,))
+    fwd = 2 * 4 * (32 * 16 + 16 * 8)
+    assert step_flops(lin, x, y) == pytest.approx(2 * 2 * 4 * 32 * 16 + 3 * 2 * 4 * 16 * 8)
+    assert step_flops(lin, x, y) < 3 * fwd
+    assert all(p.grad is None for p in lin.parameters())  # the count leaves no gradients behind
