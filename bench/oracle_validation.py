@@ -104,15 +104,17 @@ def _steal_fraction(a: list[int], b: list[int]) -> float | None:
     return round(delta[7] / sum(delta), 4) if sum(delta) else None
 
 
-def _measure_all(cases: list[Case], args: argparse.Namespace,
-                 console: Console) -> dict[str, float]:
+def _measure_all(cases: list[Case], args: argparse.Namespace, console: Console,
+                 reverse: bool = False) -> dict[str, float]:
+    """Measure every (case, world size); ``reverse`` runs them in the opposite order, so a drift
+    of the machine within a round does not always favour the same cases."""
+    runs = [(name, shape, world) for name, shape in cases for world in (1, 2)]
     out = {}
-    for name, shape in cases:
+    for name, shape, world in reversed(runs) if reverse else runs:
         facts = model_facts(name, shape, 10 if shape else None)
         steps = args.steps if facts.train_flops * args.batch_size < 5e9 else 20
-        for world in (1, 2):
-            console.print(f"  measuring {name} at world size {world}...")
-            out[f"{name}@{world}"] = measured_step(name, shape, world, args.batch_size, steps)
+        console.print(f"  measuring {name} at world size {world}...")
+        out[f"{name}@{world}"] = measured_step(name, shape, world, args.batch_size, steps)
     return out
 
 
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     # the machine's speed during a round then cancels to first order
     before = calibration(0)
     for r in range(rounds):
-        measured = _measure_all(cases, args, console)
+        measured = _measure_all(cases, args, console, reverse=r % 2 == 1)
         after = before if args.calibration else calibration(r + 1)
         cluster_name = after.name
         for name, shape in cases:
@@ -180,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     ok = all(0.75 <= r <= 1.25 for r in ratios.values())
     print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "cluster": cluster_name, "rounds": rounds,
-                      "per_round": per_round, "cpu_steal_fraction": steal}))
+                      "per_round": per_round,
+                      "per_round_ms": {case: [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m, _ in rows]
+                                       for case, rows in per_case.items()},
+                      "cpu_steal_fraction": steal}))
     return 0
 
 
