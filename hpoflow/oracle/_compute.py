@@ -193,21 +193,19 @@ def _flops_time(facts: ModelFacts, cluster: ClusterSpec, precision: str, batch: 
         return facts.train_flops * batch / dev.flops(precision, facts.conv_flops_fraction)
     peak = dev.peak(precision)
     eff, ceff = dev.kind_efficiency(precision)
-    # training FLOPs outside the leaf conv/linear layers (attention's matrix products, ...)
+    # the rest, at the per-kind efficiency: training FLOPs outside the leaf conv/linear layers
+    # (3 x forward: attention's matrix products, ...) and the layers the table does not price
     conv_rest = 3 * facts.forward_flops * facts.conv_flops_fraction
     other_rest = 3 * facts.forward_flops - conv_rest
     seconds = 0.0
     for kind, fwd, calls, train in facts.layers:
-        if kind == "conv":
-            conv_rest -= 3 * fwd * calls
-        else:
-            other_rest -= 3 * fwd * calls
         e = dev.layer_efficiency(kind, train * call_batch, precision)
         if e is not None:
             seconds += train * calls * batch / (peak * e)
-        elif kind == "conv":
-            conv_rest += train * calls
+        unpriced = (train if e is None else 0.0) - 3 * fwd  # the layer's own part of the rest
+        if kind == "conv":
+            conv_rest += unpriced * calls
         else:
-            other_rest += train * calls
+            other_rest += unpriced * calls
     rest = max(0.0, conv_rest) / ceff + max(0.0, other_rest) / eff
     return seconds + batch * rest / peak
