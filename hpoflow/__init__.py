@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from hpoflow._version import __version__
+
 # A library logs, it does not print: messages go to the "hpoflow" logger; the CLI and the rank
 # processes attach a handler (stderr, which a rank's log file captures).
 logging.getLogger("hpoflow").addHandler(logging.NullHandler())
-
-__version__ = "0.1.0"
 
 __all__ = ["StudyResult", "StudySpec", "TrialContext", "__version__", "load_spec", "optimize"]
 

@@ -1,4 +1,5 @@
-"""Plug-in registries: one per kind — engine, sampler, pruner, strategy, launcher, model.
+"""Plug-in registries: one per kind — engine, sampler, pruner, strategy, launcher, model, elastic
+policy, cost model.
 
 Every entry is a name, an implementation and a pydantic *options model* (the keys its option bag
 takes, with types, defaults and rules). The spec validates each option bag of a study
@@ -16,20 +17,39 @@ Adding a plug-in is one module plus one registration, from anywhere::
     from hpoflow.registry import ENGINES
     ENGINES.register("mine", MyEngine, MyEngineOptions)   # or "pkg.mod:MyEngine", "pkg.mod:Opts"
 
-What each kind's implementation must be is in the registry's ``contract`` (and docs/architecture.md).
+A study whose trials run in other processes names that module in its spec (``plugins: [pkg.mod]``),
+so the driver and every trial process import it before anything is looked up.
+
+Each registry is typed by what its entries are (``Registry[type[Engine]]``, ``Registry[type[BaseSampler]]``
+...), and each kind is built by one factory of its family (``hpoflow.engines.make_engine``,
+``hpoflow.search.samplers.make_sampler`` ...), which passes the validated options model on. What each
+kind's implementation must be is in the registry's ``contract`` (and docs/architecture.md). The types
+named here belong to higher layers and are imported for type checking only.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import HpoflowError, did_you_mean
+
+if TYPE_CHECKING:
+    import torch
+    from optuna.pruners import BasePruner
+    from optuna.samplers import BaseSampler
+
+    from hpoflow.engines.base import Engine
+    from hpoflow.engines.cluster.layout import LaunchJob
+    from hpoflow.engines.elastic import Candidate
+    from hpoflow.engines.simulated.costs import TrialCost
+    from hpoflow.train.strategies import Strategy
+    from hpoflow.trial import TrialRequest
 
 __all__ = [
     "COST_MODELS",
@@ -57,9 +77,14 @@ class PluginError(HpoflowError):
 
 
 class Options(BaseModel):
-    """Base of every options model: frozen, unknown keys rejected."""
+    """Base of every options model: frozen, unknown keys rejected. ``kwargs()`` is what the family's
+    factory passes to the implementation (every option by its name, unless a model says otherwise)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments the implementation is built with."""
+        return self.model_dump()
 
 
 class NoOptions(Options):
@@ -115,6 +140,15 @@ def check_class(path: str, options: Mapping[str, Any], base: str, at: str) -> ty
     return cls
 
 
+def _same(a: Any, b: Any) -> bool:
+    """The same implementation: equal, or the same definition imported again (a plug-in module that a
+    worker drops from ``sys.modules`` between trials and imports anew)."""
+    if a is b or a == b:
+        return True
+    key = (getattr(a, "__module__", None), getattr(a, "__qualname__", None))
+    return key[1] is not None and key == (getattr(b, "__module__", None), getattr(b, "__qualname__", None))
+
+
 @dataclass
 class _Entry:
     impl: Any  # object or "module:attr"
@@ -131,17 +165,18 @@ class Registry(Generic[T]):
         self.contract = contract
         self._entries: dict[str, _Entry] = {}
 
-    def register(self, name: str, impl: T | str, options: type[BaseModel] | str = NoOptions, *,
+    def register(self, name: str, impl: T | str, options: type[Options] | str = NoOptions, *,
                  summary: str = "", replace: bool = False) -> None:
         """Add ``name``. ``replace=False`` refuses a name already taken by another implementation."""
         if not isinstance(name, str) or not name.replace("-", "_").replace(".", "_").isidentifier():
             raise PluginError(f"a {self.kind} name must be an identifier (letters, digits, _ - .), got {name!r}")
         old = self._entries.get(name)
-        if old is not None and not replace and old.impl is not impl and old.impl != impl:
+        if old is not None and not replace and not _same(old.impl, impl):
             raise PluginError(f"{self.kind} {name!r} is already registered ({old.impl!r}); pass replace=True "
                               "to override it")
-        if not isinstance(options, str) and not (isinstance(options, type) and issubclass(options, BaseModel)):
-            raise PluginError(f"the options of {self.kind} {name!r} must be a pydantic model class, got {options!r}")
+        if not isinstance(options, str) and not (isinstance(options, type) and issubclass(options, Options)):
+            raise PluginError(f"the options of {self.kind} {name!r} must be a subclass of hpoflow.registry.Options "
+                              f"(a pydantic model), got {options!r}")
         self._entries[name] = _Entry(impl, options, summary)
 
     def unregister(self, name: str) -> None:
@@ -174,16 +209,19 @@ class Registry(Generic[T]):
         impl: T = entry.impl
         return impl
 
-    def options_model(self, name: str) -> type[BaseModel]:
+    def options_model(self, name: str) -> type[Options]:
         entry = self._entry(name)
-        entry.options = resolve(entry.options)
-        model: type[BaseModel] = entry.options
+        model = resolve(entry.options)
+        if not (isinstance(model, type) and issubclass(model, Options)):
+            raise PluginError(f"the options of {self.kind} {name!r} must be a subclass of hpoflow.registry.Options, "
+                              f"got {model!r}")
+        entry.options = model
         return model
 
     def summary(self, name: str) -> str:
         return self._entry(name).summary
 
-    def options(self, name: str, values: Mapping[str, Any] | None = None) -> BaseModel:
+    def options(self, name: str, values: Mapping[str, Any] | None = None) -> Options:
         """``values`` validated by ``name``'s options model (``PluginError`` on the first problem)."""
         try:
             return self.options_model(name).model_validate(dict(values or {}))
@@ -232,51 +270,58 @@ class Registry(Generic[T]):
         return key, f"{rule}, but got {err.get('input')!r} ({self.kind} '{name}')"
 
 
-ENGINES: Registry[Any] = Registry(
-    "engine", "a class (or factory) called as impl(options: <options model>, run_dir: Path) that returns "
-              "an hpoflow.engines.base.Engine")
-SAMPLERS: Registry[Any] = Registry(
-    "sampler", "a callable (options, seed: int | None, max_concurrent: int) -> optuna.samplers.BaseSampler")
-PRUNERS: Registry[Any] = Registry("pruner", "a callable (options) -> optuna.pruners.BasePruner")
-STRATEGIES: Registry[Any] = Registry(
+ENGINES: Registry[type[Engine]] = Registry(
+    "engine", "a subclass of hpoflow.engines.base.Engine, built as cls.from_options(options, run_dir) (options: "
+              "its options model) and checked at validate time with cls.check_fit(options, request)")
+SAMPLERS: Registry[type[BaseSampler]] = Registry(
+    "sampler", "a subclass of optuna.samplers.BaseSampler, built as cls(seed=seed, **options.kwargs()); an "
+               "options model that subclasses hpoflow.search.options.SamplerOptions sees the study's concurrency")
+PRUNERS: Registry[type[BasePruner]] = Registry(
+    "pruner", "a subclass of optuna.pruners.BasePruner, built as cls(**options.kwargs())")
+STRATEGIES: Registry[type[Strategy]] = Registry(
     "strategy", "a subclass of hpoflow.train.strategies.Strategy, built as cls(options: dict, env)", "strategies")
-LAUNCHERS: Registry[Any] = Registry(
-    "launcher", "a callable (plan, python, job_path, options) -> list of argv lists, one per launcher process")
-MODELS: Registry[Any] = Registry(
+LAUNCHERS: Registry[Callable[[LaunchJob], list[list[str]]]] = Registry(
+    "launcher", "a callable (job: hpoflow.engines.cluster.layout.LaunchJob) -> list of argv lists, one per "
+                "node launcher process")
+MODELS: Registry[Callable[..., torch.nn.Module]] = Registry(
     "model", "a callable (input_shape, n_classes, **options) -> torch.nn.Module")
-ELASTIC: Registry[Any] = Registry(
+ELASTIC: Registry[Callable[[list[Candidate], str], list[Candidate]]] = Registry(
     "elastic policy", "a callable (candidates: list[hpoflow.engines.elastic.Candidate], direction: str) -> the "
                       "candidates in the order they should grow", "elastic policies")
-COST_MODELS: Registry[Any] = Registry(
+COST_MODELS: Registry[Callable[[Any], Callable[[TrialRequest], TrialCost]]] = Registry(
     "cost model", "a callable (options: its options model) -> a callable (TrialRequest) -> "
-                  "hpoflow.engines.simulated.TrialCost, for the simulated engine's cost: {type: NAME, ...}")
+                  "hpoflow.engines.simulated.costs.TrialCost, for the simulated engine's cost: {type: NAME, ...}")
 
 # -- built-in plug-ins: one line each ------------------------------------------------------------
-ENGINES.register("local", "hpoflow.engines.local:LocalEngine.from_options",
-                 "hpoflow.engines.local.options:LocalOptions", summary="warm worker processes on this machine")
-ENGINES.register("compss", "hpoflow.engines.compss:CompssEngine.from_options",
-                 "hpoflow.engines.compss.options:CompssOptions", summary="PyCOMPSs tasks on a cluster")
-ENGINES.register("simulated", "hpoflow.engines.simulated.engine:SimulatedEngine.from_options",
+ENGINES.register("local", "hpoflow.engines.local.engine:LocalEngine", "hpoflow.engines.local.options:LocalOptions",
+                 summary="warm worker processes on this machine")
+ENGINES.register("compss", "hpoflow.engines.compss.engine:CompssEngine", "hpoflow.engines.compss.options:CompssOptions",
+                 summary="PyCOMPSs tasks on a cluster")
+ENGINES.register("simulated", "hpoflow.engines.simulated.engine:SimulatedEngine",
                  "hpoflow.engines.simulated.options:SimulatedOptions",
                  summary="a virtual clock and a cost model, for planning and driver tests (trains nothing)")
+for _name, _opts in [("lognormal", "LogNormalCostModel"), ("function", "FunctionCost"), ("replay", "ReplayCost")]:
+    COST_MODELS.register(_name, f"hpoflow.engines.simulated.costs:{_name}_cost",
+                         f"hpoflow.engines.simulated.options:{_opts}")
 COST_MODELS.register("oracle", "hpoflow.oracle.simcost:oracle_cost", "hpoflow.oracle.simcost:OracleCostOptions",
                      summary="durations from the parallelism oracle's time-to-train, a synthetic metric")
 for _name in ("longest_remaining", "most_promising", "fifo"):
     ELASTIC.register(_name, f"hpoflow.engines.elastic:{_name}")
 
-for _name, _cls in [("grid", "Grid"), ("random", "Random"), ("tpe", "TPE"), ("gp", "GP"), ("cmaes", "CmaEs"),
-                    ("nsga2", "NSGAII"), ("nsga3", "NSGAIII")]:
-    SAMPLERS.register(_name, f"hpoflow.search.samplers:make_{_name}",
-                      f"hpoflow.search.options:{_cls}Options")
-for _name, _cls in [("none", "Nop"), ("median", "Median"), ("percentile", "Percentile"), ("asha", "Asha"),
-                    ("hyperband", "Hyperband")]:
-    PRUNERS.register(_name, f"hpoflow.search.samplers:make_{_name}_pruner",
-                     f"hpoflow.search.options:{_cls}PrunerOptions")
+for _name, _cls, _opts in [("grid", "RandomSampler", "Grid"), ("random", "RandomSampler", "Random"),
+                           ("tpe", "TPESampler", "TPE"), ("gp", "GPSampler", "GP"), ("cmaes", "CmaEsSampler", "CmaEs"),
+                           ("nsga2", "NSGAIISampler", "NSGAII"), ("nsga3", "NSGAIIISampler", "NSGAIII")]:
+    # grid: the driver enqueues the grid points itself; a seeded RandomSampler stands behind them
+    SAMPLERS.register(_name, f"optuna.samplers:{_cls}", f"hpoflow.search.options:{_opts}Options")
+for _name, _cls, _opts in [("none", "NopPruner", "Nop"), ("median", "MedianPruner", "Median"),
+                           ("percentile", "PercentilePruner", "Percentile"),
+                           ("asha", "SuccessiveHalvingPruner", "Asha"), ("hyperband", "HyperbandPruner", "Hyperband")]:
+    PRUNERS.register(_name, f"optuna.pruners:{_cls}", f"hpoflow.search.options:{_opts}PrunerOptions")
 for _name, _cls in [("allreduce", "AllReduce"), ("parameter_server", "ParameterServer"), ("easgd", "EASGD"),
                     ("local_sgd", "LocalSGD")]:
     STRATEGIES.register(_name, f"hpoflow.train.strategies:{_cls}", f"hpoflow.train.options:{_cls}Options")
 for _name in ("srun", "mpirun", "ssh"):
-    LAUNCHERS.register(_name, f"hpoflow.engines.compss.layout:{_name}_argv")
+    LAUNCHERS.register(_name, f"hpoflow.engines.cluster.layout:{_name}_argv")
 MODELS.register("mlp", "hpoflow.train.models:mlp", "hpoflow.train.options:MLPOptions")
 MODELS.register("cnn", "hpoflow.train.models:cnn", "hpoflow.train.options:CNNOptions")
-del _name, _cls
+del _name, _cls, _opts

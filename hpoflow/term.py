@@ -26,7 +26,7 @@ def console(stderr: bool = False) -> Console:
 
 
 def render_table(table: Mapping[str, Any]) -> Table:
-    """A rich table of plain rows: ``{"title", "columns", "rows"}`` (``hpoflow.report.best_rows``;
+    """A rich table of plain rows: ``{"title", "columns", "rows"}`` (``hpoflow.report.tables.best_rows``;
     the first two and the last columns right-aligned)."""
     out = Table(title=str(table["title"]))
     columns = [str(c) for c in table["columns"]]

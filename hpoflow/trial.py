@@ -51,6 +51,7 @@ class TrialRequest:
     # ascending; ``processes`` is the number this run of it has. Empty: a fixed-size trial.
     elastic_sizes: tuple[int, ...] = ()
     elastic_policy: str = "longest_remaining"  # a registered hpoflow.registry.ELASTIC policy
+    plugins: tuple[str, ...] = ()  # modules that register plug-ins (spec ``plugins:``), imported first
 
     @property
     def checkpoints(self) -> str:
@@ -80,6 +81,7 @@ class TrialRequest:
         data = json.loads(text)
         data["python_path"] = tuple(data.get("python_path", ()))
         data["elastic_sizes"] = tuple(int(k) for k in data.get("elastic_sizes", ()))
+        data["plugins"] = tuple(data.get("plugins", ()))
         return cls(**data)
 
 

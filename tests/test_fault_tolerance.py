@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from hpoflow.api import optimize
 from hpoflow.engines.local import LocalEngine
-from hpoflow.search.driver import interrupted
+from hpoflow.run.ledger import interrupted
 from tests.conftest import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
@@ -68,7 +68,7 @@ def _study_under_fire(tmp_path: Path, data: dict[str, Any], kill: Callable[[Loca
 
 
 def _kill_a_busy_rank(engine: LocalEngine, rng: random.Random) -> str:
-    busy = [w.proc.pid for w in list(engine._workers.values()) if w.trial is not None and w.proc.pid]
+    busy = [w.proc.pid for w in list(engine._pool.workers.values()) if w.trial is not None and w.proc.pid]
     if not busy:
         return ""
     pid = rng.choice(busy)
@@ -129,7 +129,7 @@ def test_killed_driver_resumes_at_five_moments_without_loss_or_duplicates(tmp_pa
     status = json.loads(final.stdout)
     assert status["n_complete"] == n_trials and status["n_failed"] == 0 and status["n_running"] == 0
 
-    from hpoflow.search.storage import open_storage
+    from hpoflow.run.storage import open_storage
 
     study = optuna.load_study(study_name="ft", storage=open_storage(None, run_dir))
     skipped = interrupted(study.trials)
@@ -167,7 +167,7 @@ def test_a_trial_interrupted_by_a_driver_kill_resumes_from_its_checkpoint(tmp_pa
     again = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["n_complete"] == 1
-    from hpoflow.search.storage import open_storage
+    from hpoflow.run.storage import open_storage
 
     study = optuna.load_study(study_name="ckpt", storage=open_storage(None, run_dir))
     rerun = study.trials[-1]

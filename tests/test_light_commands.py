@@ -56,8 +56,8 @@ def test_status_of_a_finished_run_answers_from_its_snapshot_until_the_journal_ch
     import optuna
 
     import hpoflow
-    from hpoflow.api import load_run
     from hpoflow.engines.threads import ThreadEngine
+    from hpoflow.run.open import load_run
 
     spec = {"study": {"name": "snap", "metric": "x", "direction": "maximize"},
             "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
@@ -80,7 +80,7 @@ def test_status_of_a_finished_run_answers_from_its_snapshot_until_the_journal_ch
     fast = status()
     assert fast["n_complete"] == 3 and fast["n_trials"] == 3
     # The same answer as from the storage itself:
-    from hpoflow.report import status_dict
+    from hpoflow.report.tables import status_dict
 
     study, label = load_run(run)
     assert fast == json.loads(json.dumps(status_dict(study, label, budget=3)))

@@ -4,13 +4,14 @@ validated through its registry when the spec loads; the oracle prices the trial'
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 import hpoflow
 from hpoflow.engines.base import Engine, Event
@@ -40,9 +41,7 @@ class QuadraticEngine(Engine):
         self.seen: list[TrialRequest] = []
 
     @classmethod
-    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> QuadraticEngine:
-        if not isinstance(options, QuadraticOptions):
-            raise TypeError(type(options).__name__)
+    def from_options(cls, options: QuadraticOptions, run_dir: Path | None = None) -> QuadraticEngine:
         return cls(options)
 
     def capacity(self, request: TrialRequest) -> int:
@@ -75,7 +74,7 @@ class QuadraticEngine(Engine):
 
 @pytest.fixture
 def quadratic() -> Iterator[None]:
-    ENGINES.register("quadratic", QuadraticEngine.from_options, QuadraticOptions)
+    ENGINES.register("quadratic", QuadraticEngine, QuadraticOptions)
     try:
         yield
     finally:
@@ -158,7 +157,7 @@ def test_every_example_spec_validates_with_its_options_normalised() -> None:
 ])
 def test_the_oracle_prices_the_trials_own_strategy(strategy: str, options: dict[str, Any],
                                                    priced_as: tuple[str, dict[str, Any]]) -> None:
-    from hpoflow.oracle.trial import check_trial, strategy_plan
+    from hpoflow.oracle.feasibility import check_trial, strategy_plan
 
     plan = strategy_plan(strategy, options)
     assert plan == {"strategy": priced_as[0], **priced_as[1]}
@@ -184,3 +183,99 @@ def test_any_optuna_sampler_or_pruner_by_import_path(tmp_path: Path) -> None:
         load_spec(_spec(tmp_path, search={"algorithm": "collections.OrderedDict", "n_trials": 2}))
     with pytest.raises(SpecError, match=r"cannot import 'nopkg\.mod'"):
         load_spec(_spec(tmp_path, search={"algorithm": "nopkg.mod:Sampler", "n_trials": 2}))
+
+
+# -- one throw-away plug-in of each kind (tests/plugin_kit.py), named by the spec's plugins: ----------
+@pytest.fixture(autouse=True)
+def _forget_the_kit() -> Iterator[None]:
+    """The registries as they were before the test: the kit's registrations do not leak into others."""
+    import sys
+
+    from hpoflow import registry
+
+    kinds = [getattr(registry, n) for n in ("ENGINES", "SAMPLERS", "PRUNERS", "STRATEGIES", "LAUNCHERS", "MODELS",
+                                            "ELASTIC", "COST_MODELS")]
+    saved = [dict(r._entries) for r in kinds]
+    try:
+        yield
+    finally:
+        for r, entries in zip(kinds, saved, strict=True):
+            r._entries = entries
+        sys.modules.pop("tests.plugin_kit", None)
+
+
+def _kit_spec(tmp_path: Path, **extra: Any) -> Path:
+    data: dict[str, Any] = {
+        "study": {"name": "kit", "metric": "val_accuracy", "direction": "maximize"},
+        "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},
+        "search": {"algorithm": "kit_pinned", "n_trials": 2, "max_concurrent": 1, "seed": 0},
+        "training": {"model": "kit_tiny", "dataset": "synthetic", "epochs": 1, "batch_size": 64, "lr": "${lr}",
+                     "strategy": "kit_allreduce"},
+        "plugins": ["tests.plugin_kit"],
+        **extra,
+    }
+    path = tmp_path / "kit.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow
+def test_a_registered_model_strategy_and_sampler_run_in_the_trials_processes(tmp_path: Path) -> None:
+    """The trial processes import the plug-in module themselves: each of the two ranks of each trial
+    builds the plug-in model and strategy, and the plug-in sampler chose every configuration."""
+    marker = tmp_path / "marks.txt"
+    spec = _kit_spec(tmp_path, resources={"processes": 2})
+    data = yaml.safe_load(spec.read_text())
+    data["training"]["model_options"] = {"marker": str(marker)}
+    data["training"]["strategy_options"] = {"marker": str(marker)}
+    spec.write_text(yaml.safe_dump(data))
+    result = hpoflow.optimize(spec, tmp_path / "run")
+    assert result.summary.n_complete == 2, result.summary.errors
+    assert [t.params["lr"] for t in result.study.trials] == [0.01, 0.01]  # the pinned sampler's choice
+    lines = marker.read_text().splitlines()
+    for kind in ("model", "strategy"):
+        ranks = sorted(line.split("rank=")[1] for line in lines if line.startswith(kind))
+        assert ranks == ["0", "0", "1", "1"], lines  # 2 trials x 2 ranks
+    assert os.getpid() not in {int(line.split("pid=")[1].split()[0]) for line in lines}  # not the driver
+
+
+def test_a_registered_cost_model_drives_the_simulated_engine(tmp_path: Path) -> None:
+    spec = _kit_spec(tmp_path, engine="simulated", search={"algorithm": "random", "n_trials": 6, "seed": 1},
+                     engine_options={"slots": 2, "cost": {"type": "kit_constant", "seconds": 7}})
+    result = hpoflow.optimize(spec, tmp_path / "run")
+    assert result.summary.n_complete == 6
+    for t in result.study.trials:
+        assert t.value == pytest.approx(t.params["lr"] * 100 + t.number)
+        assert t.user_attrs["timings"]["duration_s"] == pytest.approx(7.0)
+
+
+def test_a_registered_engine_runs_a_study_and_validate_asks_it_what_fits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpoflow.cli.main import main
+
+    spec = _kit_spec(tmp_path, engine="kit_engine", engine_options={"slots": 2}, search={
+        "algorithm": "kit_pinned", "n_trials": 3, "max_concurrent": 2})
+    assert main(["validate", str(spec)]) == 0
+    result = hpoflow.optimize(spec, tmp_path / "run")
+    assert result.summary.n_complete == 3 and result.best_value == pytest.approx(0.01)
+    too_big = _kit_spec(tmp_path, engine="kit_engine", resources={"processes": 2})
+    assert main(["validate", str(too_big)]) == 2
+    assert "the kit engine runs one process per trial, not 2. Fix: resources.processes: 1" in capsys.readouterr().err
+
+
+def test_a_plugin_module_that_does_not_import_is_one_line_at_its_key(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec(_kit_spec(tmp_path, plugins=["tests.plugin_kit", "tests.no_such_kit"]))
+    issue = info.value.issues[0]
+    assert issue.path == "plugins.1" and issue.line is not None
+    assert "cannot import plug-in module 'tests.no_such_kit': ModuleNotFoundError" in issue.message
+
+
+def test_without_its_plugin_module_a_registered_name_is_unknown_with_the_choices(tmp_path: Path) -> None:
+    from hpoflow.registry import MODELS
+
+    spec = _kit_spec(tmp_path, plugins=[], search={"algorithm": "random", "n_trials": 2},
+                     training={"model": "kit_tinyy", "dataset": "synthetic"})
+    with pytest.raises(SpecError, match=r"unknown model 'kit_tinyy'.*valid models: .*cnn.*mlp"):
+        load_spec(spec)
+    assert "cnn" in MODELS and "mlp" in MODELS

@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    from hpoflow.engines.compss.launch import decode_app_value
+    from hpoflow.engines.compss.launch.command import decode_app_value
 
     p = argparse.ArgumentParser(prog="workflows/hpo.py", description=__doc__.split("\n\n")[0])
     p.add_argument("spec", type=decode_app_value, help="study spec (YAML; a path or b64:<encoded path>)")

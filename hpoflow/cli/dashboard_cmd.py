@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-    from hpoflow.api import open_run_storage
     from hpoflow.errors import HpoflowError
+    from hpoflow.run.open import open_run_storage
 
     try:
         import optuna_dashboard

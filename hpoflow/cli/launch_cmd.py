@@ -1,9 +1,9 @@
 """``hpoflow launch SPEC --engine compss [...] [--dry-run]``: run a study under COMPSs.
 
 On one machine it runs ``runcompss``; on a batch system (``--nodes`` given, or a SLURM login node
-detected) ``enqueue_compss``. The command is built by ``hpoflow.engines.compss.launch`` from typed
+detected) ``enqueue_compss``. The command is built by ``hpoflow.engines.compss.launch.command`` from typed
 options, printed with ``--dry-run``, otherwise executed as an argv list (never through a shell).
-COMPSs re-splits arguments, so every value is checked or encoded (``hpoflow.engines.compss.launch``);
+COMPSs re-splits arguments, so every value is checked or encoded (``hpoflow.engines.compss.launch.command``);
 flags after ``--`` go to runcompss/enqueue_compss unchanged (checked the same way).
 """
 
@@ -108,8 +108,8 @@ def _elastic_slots(spec: StudySpec, batch: bool, nodes: int | None, cpus_per_nod
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpoflow.engines.compss.batch import job_time, qos_warning, sc_cfg_file
-    from hpoflow.engines.compss.launch import (
+    from hpoflow.engines.compss.launch.batch import job_time, qos_warning, sc_cfg_file
+    from hpoflow.engines.compss.launch.command import (
         LaunchOptions,
         build_command,
         default_workflow,
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         extra_args=tuple(args.compss_args), app_args=app_args,
     )
     if args.generate_resources:
-        from hpoflow.engines.compss.runtime_xml import detect_node, write_config
+        from hpoflow.engines.compss.launch.runtime_xml import detect_node, write_config
 
         rpath, ppath = write_config(Path(args.generate_resources).resolve(), [detect_node(pythonpath=pythonpath)])
         print(f"wrote {rpath} and {ppath}", file=sys.stderr)

@@ -23,7 +23,7 @@ COMMANDS: dict[str, str] = {
     "status": "hpoflow.cli.status_cmd",
     "launch": "hpoflow.cli.launch_cmd",
     "scaling": "hpoflow.cli.scaling_cmd",
-    "oracle": "hpoflow.oracle.cli",
+    "oracle": "hpoflow.cli.oracle_cmd",
     "schema": "hpoflow.cli.schema_cmd",
     "dashboard": "hpoflow.cli.dashboard_cmd",
     "report": "hpoflow.cli.report_cmd",

@@ -23,9 +23,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from hpoflow import rundir
-    from hpoflow.api import load_run, run_budget
-    from hpoflow.htmlreport import write_pngs, write_report
+    from hpoflow.report.html import write_pngs, write_report
+    from hpoflow.run import rundir
+    from hpoflow.run.open import load_run, run_budget
 
     rd = rundir.resolve(args.run_dir, create=False)
     study, label = load_run(rd, args.storage)

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _prestart(spec_path: str) -> None:
     """Boot the local engine's processes first, so they start while the rest of hpoflow imports and
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
-    (``hpoflow.engines.local.engine.prestart``). An invalid spec starts nothing: ``optimize`` says why."""
+    (``hpoflow.engines.local.prestart``). An invalid spec starts nothing: ``optimize`` says why."""
     from hpoflow.errors import HpoflowError
     from hpoflow.spec import load_spec
 
@@ -35,7 +35,7 @@ def _prestart(spec_path: str) -> None:
         return
     if spec.engine != "local":
         return
-    from hpoflow.engines.local.engine import prestart
+    from hpoflow.engines.local import prestart
     from hpoflow.engines.machine import machine_cores
     from hpoflow.trial import needs_torch
 
@@ -51,7 +51,8 @@ def _prestart(spec_path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     _prestart(args.spec)
     from hpoflow.api import optimize
-    from hpoflow.report import ProgressListener, status_dict, trials_table
+    from hpoflow.report.progress import ProgressListener
+    from hpoflow.report.tables import status_dict, trials_table
     from hpoflow.term import console as make_console
 
     console = make_console(stderr=True)

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpoflow import rundir
+    from hpoflow.run import rundir
 
     snapshot = None
     if args.storage is None and args.top == 10:  # a finished run's own snapshot, if still current
@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     if snapshot is not None:
         status, table = snapshot["status"], snapshot["table"]
     else:
-        from hpoflow.api import load_run, run_budget
-        from hpoflow.report import best_rows, status_dict
+        from hpoflow.report.tables import best_rows, status_dict
+        from hpoflow.run.open import load_run, run_budget
 
         study, label = load_run(args.run_dir, args.storage)
         status = status_dict(study, label, budget=run_budget(args.run_dir))

@@ -1,4 +1,4 @@
-"""``hpoflow validate SPEC``: check a spec (and that its trials fit this machine) without running."""
+"""``hpoflow validate SPEC``: check a spec (and that its trials fit the engine it names) without running."""
 
 from __future__ import annotations
 
@@ -15,18 +15,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpoflow.engines import check_fit
     from hpoflow.spec import load_spec
+    from hpoflow.trial import TrialRequest
 
     spec, _ = load_spec(args.spec)
-    if spec.engine == "local":
-        from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
-        from hpoflow.trial import TrialRequest
-
-        r = spec.resources
-        probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
-        check_fits(probe, len(machine_cores()), len(detect_gpus()))
-    n = spec.search.n_trials
     r = spec.resources
+    check_fit(spec.engine, spec.engine_option_values(),
+              TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes))
+    n = spec.search.n_trials
     ranks = f"{r.processes}-{r.elastic.max} process(es) per trial (elastic, {r.elastic.policy})" \
         if r.elastic is not None else f"{r.processes} process(es) per trial"
     print(f"{args.spec}: valid — study {spec.study.name!r}, {len(spec.space)} parameters, "

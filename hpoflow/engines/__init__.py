@@ -1,5 +1,6 @@
-"""How trials run: the engine contract (``base``) and one subpackage per engine (``local``, ``compss``)
-plus ``threads`` for tests and driver benchmarks.
+"""How trials run: the engine contract (``base``) and one subpackage per engine (``local``, ``compss``,
+``simulated``), ``cluster`` (what the cluster engines share to run a trial over several nodes), and
+``threads`` for tests and driver benchmarks; ``elastic`` sizes elastic trials.
 
 Only ``hpoflow.engines.compss`` imports pycompss; machine detection is ``machine``, process helpers ``proc``.
 Importing a submodule stays light (a light worker of the local engine imports ``local._worker`` only):
@@ -25,6 +26,7 @@ __all__ = [
     "TrialReport",
     "TrialRequest",
     "TrialResult",
+    "check_fit",
     "make_engine",
 ]
 
@@ -40,8 +42,19 @@ def make_engine(name: str, options: Mapping[str, Any] | None = None, run_dir: Pa
         opts = ENGINES.options(name, options)
     except PluginError as exc:
         raise EngineError(str(exc)) from None
-    engine: Engine = ENGINES.get(name)(opts, run_dir)
-    return engine
+    return ENGINES.get(name).from_options(opts, run_dir)
+
+
+def check_fit(name: str, options: Mapping[str, Any] | None, request: TrialRequest) -> None:
+    """``EngineError`` when a trial shaped like ``request`` can never run on the engine registered as
+    ``name`` with these options (``Engine.check_fit``); starts nothing."""
+    from hpoflow.registry import ENGINES, PluginError
+
+    try:
+        opts = ENGINES.options(name, options)
+    except PluginError as exc:
+        raise EngineError(str(exc)) from None
+    ENGINES.get(name).check_fit(opts, request)
 
 
 def __getattr__(name: str) -> Any:

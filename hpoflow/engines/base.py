@@ -18,12 +18,19 @@ Contract, for every engine:
 - ``cancel(number, reason)`` stops a running trial; its result arrives later with status
   ``cancelled`` (or whatever it had already finished with).
 - ``close()`` cancels what is running, reaps every process, and is idempotent.
+
+Built from a spec: an engine registered in ``hpoflow.registry.ENGINES`` is made by
+``cls.from_options(options, run_dir)`` with its validated options model, and ``hpoflow validate`` asks
+``cls.check_fit(options, request)`` whether a trial of the spec's shape can ever run on it, before
+anything starts.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
 
 from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, TrialStatus
 
@@ -50,6 +57,18 @@ class Engine(abc.ABC):
     """Runs trials. See the module docstring for the contract every implementation keeps."""
 
     name: str = "engine"
+
+    @classmethod
+    def from_options(cls, options: Any, run_dir: Path | None = None) -> Self:
+        """The engine a spec asks for: ``options`` is its validated options model (``engine_options``)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a spec: it defines no from_options()")
+
+    @classmethod
+    def check_fit(cls, options: Any, request: TrialRequest) -> None:
+        """Raise ``EngineError`` (the numbers and the fix) when a trial shaped like ``request`` can never
+        run on an engine built from ``options``; called by ``hpoflow validate`` without starting
+        anything. The default knows nothing before the engine runs."""
+        return None
 
     @abc.abstractmethod
     def capacity(self, request: TrialRequest) -> int:

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from hpoflow.oracle.cluster import ClusterSpec, DeviceSpec, LinkSpec, Overheads, load_cluster
     from hpoflow.oracle.errors import OracleError
     from hpoflow.oracle.facts import BUILTIN_MODELS, ModelFacts, model_facts, optimizer_state_bytes
+    from hpoflow.oracle.feasibility import check_trial
     from hpoflow.oracle.model import STRATEGIES, Plan, Prediction, StepCost, memory_breakdown, predict
-    from hpoflow.oracle.trial import check_trial
     from hpoflow.trial import Verdict
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
     "write_cluster",
 ]
 
-# Names load on first use (PEP 562): importing ``hpoflow.oracle.precheck`` or ``hpoflow.oracle.cli``
+# Names load on first use (PEP 562): importing ``hpoflow.oracle.precheck`` or ``hpoflow.cli.oracle_cmd``
 # must not pull in torch through ``calibrate``/``facts``.
 _WHERE = {
     'ALGORITHMS': 'hpoflow.oracle.catalog',
@@ -70,7 +70,7 @@ _WHERE = {
     'StepCost': 'hpoflow.oracle.model',
     'Verdict': 'hpoflow.trial',
     'calibrate': 'hpoflow.oracle.calibration',
-    'check_trial': 'hpoflow.oracle.trial',
+    'check_trial': 'hpoflow.oracle.feasibility',
     'load_cluster': 'hpoflow.oracle.cluster',
     'memory_breakdown': 'hpoflow.oracle.model',
     'model_facts': 'hpoflow.oracle.facts',

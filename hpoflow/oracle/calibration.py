@@ -212,15 +212,13 @@ def _probe_conv_call(scale: float, per_op: float, per_tensor: float) -> float:
     return max(0.0, t[1] - t[0] - extra)
 
 
-# generic probe grids (not the sizes of any validated model): (batch, c_in, c_out, side) of a
-# 3x3 same-padded convolution and (batch, in, out) of a linear layer; training FLOPs per call
-# 6 x batch x c_in x c_out x 9 x side^2 (about 6e4 ... 1.4e9) and 6 x batch x in x out (1e4 ... 4e8).
+# the generic conv probe grid (not the sizes of any validated model): (batch, c_in, c_out, side) of a
+# 3x3 same-padded convolution; training FLOPs per call 6 x batch x c_in x c_out x 9 x side^2 (about
+# 6e4 ... 1.4e9).
 # Channel counts from 16 up are powers of two, as in nearly every CNN: oneDNN computes in blocks
 # of 16 channels on AVX-512 (8 on AVX2), so 24 channels run at about (24/32)^2 of the efficiency
 # of 16 or 32 (measured here: 0.52 against 0.63-0.92), a loss such networks never pay
 CONV_GRID = ((4, 2, 4, 6), (8, 4, 8, 10), (16, 16, 16, 12), (16, 32, 32, 14), (32, 32, 64, 20))
-LINEAR_GRID = ((8, 16, 16), (16, 32, 64), (32, 128, 64), (32, 256, 256), (64, 512, 384),
-               (64, 1024, 1024))
 _MIN_EFF = 1e-4
 
 
@@ -267,17 +265,10 @@ def _probe_tables(scale: float, peak: float, per_op: float) -> dict[str, list[tu
     # separate per_conv_s in the model (see hpoflow.oracle.model)
     conv = [_layer_efficiency(nn.Conv2d(ci, co, 3, padding=1), torch.randn(b, ci, s, s), reps, peak,
                               0.0, per_op) for b, ci, co, s in CONV_GRID]
-    # LINEAR_GRID is not calibrated by default: in validation the linear table over-predicted
-    # the small MLP (ratio 1.2-1.5 where the single linear efficiency gives ~0.8); see
-    # docs/oracle.md section 7. The model still prices a "linear" table given in a spec.
+    # No linear table is calibrated: in validation a linear table over-predicted the small MLP (ratio
+    # 1.2-1.5 where the single linear efficiency gives ~0.8); see docs/oracle.md section 7. The model
+    # still prices a "linear" table given in a cluster YAML.
     return {"conv": sorted(conv)}
-
-
-def probe_linear_table(scale: float, peak: float, per_op: float) -> list[tuple[float, float]]:
-    """The linear-layer efficiency table on :data:`LINEAR_GRID` (not part of ``calibrate``)."""
-    reps = max(3, int(7 * scale))
-    return sorted(_layer_efficiency(nn.Linear(i, o), torch.randn(b, i), reps, peak, 0.0, per_op)
-                  for b, i, o in LINEAR_GRID)
 
 
 # generic memory-bound layers, each timed forward + backward on (batch, channels, side, side)

@@ -64,7 +64,7 @@ class DeviceSpec(_Frozen):
     conv_efficiency: dict[str, float] | None = None
     #: fp32 efficiency by layer kind ("conv", "linear") as a table of (training FLOPs of one
     #: layer call, forward + backward, -> efficiency), sorted by FLOPs; interpolated in log-log
-    #: space and clamped at the ends. Absent (the default): one efficiency per kind, as before.
+    #: space and clamped at the ends. Absent (the default): the one efficiency per kind above.
     efficiency_table: dict[str, list[tuple[float, float]]] | None = None
     #: fp32 cost of memory-bound layers by kind (lower-case module class name: ``relu``,
     #: ``maxpool2d``, ``batchnorm2d``, ...) as a table of (input elements of one call -> seconds per
@@ -251,11 +251,6 @@ class Overheads(_Frozen):
         table; linear interpolation, clamped at the ends)."""
         return _interpolate(self.sync_wait, compute_s, log=False) if self.sync_wait else 0.0
 
-    def optimizer_cost(self, optimizer: str, momentum: float) -> float:
-        """Seconds per parameter of one ``optimizer.step`` (0 when not calibrated)."""
-        name = optimizer.lower()
-        key = "adam" if name in ("adam", "adamw") else "momentum" if momentum > 0 else "sgd"
-        return self.optimizer_per_param_s.get(key, 0.0)
 
 
 class ClusterSpec(_Frozen):

@@ -12,7 +12,8 @@ One training step on each device (``b`` samples per device, ``p`` devices):
 * exposed  buckets run one after another, each when its last gradient is ready and the previous
   bucket is done; exposed = what runs past the end of backward (x ``overlap``; the rest of the
   communication is exposed in full: ``overlap`` 0 puts it all after backward). Parameter server
-  and EASGD exchange after the step (not hidden), pipeline as before (hidden by its backward)
+  and EASGD exchange after the step (not hidden); a pipeline all-reduces its stages' gradients in
+  buckets as above and adds its stage-to-stage transfers of the fill and drain in full
 * wait     = sync_wait(compute) x E[max of p normals] / E[max of 2 normals] with a calibrated
   table, else step_jitter x compute x E[max of p normals] (p > 1; / sqrt(period) for EASGD)
 * loader   = max(0, b / loader_samples_per_s - the rest of the step) when the input pipeline is

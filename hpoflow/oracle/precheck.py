@@ -22,10 +22,13 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OraclePrecheck", "judged"]
 
-def _serve(conn: Connection, cluster: str | None) -> None:
-    """Process entry (this module stays torch-free; the oracle and torch load in the child)."""
+def _serve(conn: Connection, cluster: str | None, plugins: tuple[str, ...], python_path: tuple[str, ...]) -> None:
+    """Process entry (this module stays torch-free; the oracle and torch load in the child, after the
+    spec's plug-in modules, so a registered model or strategy is priced like a built-in one)."""
     from hpoflow.oracle.service import serve
+    from hpoflow.spec import import_plugins
 
+    import_plugins(plugins, python_path)  # one that fails: its trials are "not checked", never blocked
     serve(conn, cluster)
 
 
@@ -43,8 +46,11 @@ def judged(request: TrialRequest) -> tuple[dict[str, Any], str]:
 class OraclePrecheck:
     """Callable ``(request) -> Verdict | None``; ``None`` for trials the oracle does not judge."""
 
-    def __init__(self, cluster: str | None = None, timeout_s: float = 120.0, max_restarts: int = 2) -> None:
+    def __init__(self, cluster: str | None = None, timeout_s: float = 120.0, max_restarts: int = 2, *,
+                 plugins: tuple[str, ...] = (), python_path: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
+        self.plugins = plugins
+        self.python_path = python_path
         self.timeout_s = timeout_s
         self._conn: Connection | None = None
         self._proc: BaseProcess | None = None
@@ -90,7 +96,8 @@ class OraclePrecheck:
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
         parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_serve, args=(child, self.cluster), name="hpoflow-oracle", daemon=True)
+        proc = ctx.Process(target=_serve, args=(child, self.cluster, self.plugins, self.python_path),
+                           name="hpoflow-oracle", daemon=True)
         proc.start()
         child.close()
         self._conn, self._proc = parent, proc

@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 
 from hpoflow.oracle.cluster import ClusterSpec, load_cluster
 from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.trial import check_trial
+from hpoflow.oracle.feasibility import check_trial
 
 __all__ = ["serve"]
 

@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 from pydantic import Field
 
-from hpoflow.engines.simulated.engine import TrialCost
+from hpoflow.engines.simulated.costs import TrialCost
 from hpoflow.oracle.cluster import ClusterSpec, load_cluster
+from hpoflow.oracle.feasibility import check_trial
 from hpoflow.oracle.precheck import judged
-from hpoflow.oracle.trial import check_trial
 from hpoflow.registry import Options
 from hpoflow.trial import TrialRequest
 

@@ -18,41 +18,48 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
 from hpoflow.fileio import write_atomic
+from hpoflow.run.ledger import (
+    ATTR_CHECKPOINTS,
+    ATTR_ENQUEUED,
+    ATTR_GRID,
+    ATTR_REPLACES,
+    ATTR_UNUSED,
+    FINISHED,
+    is_counted,
+)
 from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
 
-__all__ = ["ATTR_IMPORTED", "ATTR_REPLACES", "ATTR_UNUSED", "Driver", "DriverListener", "DriverSummary",
-           "count_finished", "interrupted", "is_counted"]
-
-# An interrupted trial (a stop signal, a crashed driver, a cancel) is told FAIL and rerun as a new
-# trial whose user attr ATTR_REPLACES holds its number: the interrupted one does not count.
-ATTR_REPLACES = "hpoflow_replaces"
-_LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
-ATTR_GRID = "grid_index"
-ATTR_ENQUEUED = "hpoflow_enqueued"  # user attr: index in search.enqueue of a known configuration
-ATTR_IMPORTED = "hpoflow_warm_start"  # user attr: a completed trial imported from another study (a prior)
-ATTR_UNUSED = "hpoflow_asked_unused"  # user attr: asked ahead, never run (the study ended first): not counted
-ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
-_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+__all__ = ["Driver", "DriverListener", "DriverSummary"]
 
 
-class DriverListener(Protocol):
-    """What the driver tells as a study runs (progress displays, tracking tools). A listener may also
-    define ``on_trial_report(number, step, metrics)``: each intermediate report of a running trial."""
+class DriverListener:
+    """What the driver tells as a study runs (progress displays, tracking tools). Every method is a
+    no-op here: a listener overrides the events it cares about. Called from the driver's thread."""
 
-    def on_start(self, n_total: int, n_done: int) -> None: ...
-    def on_trial_start(self, number: int, params: dict[str, Any]) -> None: ...
-    def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None: ...
-    def on_finish(self, summary: DriverSummary) -> None: ...
+    def on_start(self, n_total: int, n_done: int) -> None:
+        """The study starts: ``n_total`` is the budget, ``n_done`` the trials that already count."""
+
+    def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
+        """Trial ``number`` was submitted with ``params``."""
+
+    def on_trial_report(self, number: int, step: int, metrics: dict[str, float]) -> None:
+        """An intermediate report of a running trial."""
+
+    def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None:
+        """A trial ended (``best``: the study's best value so far, one objective only)."""
+
+    def on_finish(self, summary: DriverSummary) -> None:
+        """The study's run ended."""
 
 
 @dataclass
@@ -105,26 +112,6 @@ class DriverSummary:
     @property
     def n_finished(self) -> int:
         return self.n_complete + self.n_pruned + self.n_failed
-
-
-def interrupted(trials: list[FrozenTrial]) -> set[int]:
-    """Numbers of the trials that were interrupted and rerun (they do not count)."""
-    out = {int(t.user_attrs[ATTR_REPLACES]) for t in trials if ATTR_REPLACES in t.user_attrs}
-    return out | {t.number for t in trials if t.system_attrs.get(_LEGACY_INTERRUPTED)}
-
-
-def is_counted(trials: list[FrozenTrial]) -> Callable[[FrozenTrial], bool]:
-    """A predicate: does this trial count (it was not interrupted and rerun, nor imported by a warm
-    start)?"""
-    skip = interrupted(trials)
-    return lambda t: t.number not in skip and ATTR_IMPORTED not in t.user_attrs and ATTR_UNUSED not in t.user_attrs
-
-
-def count_finished(study: optuna.Study) -> int:
-    """Trials that count against ``n_trials``: complete, pruned, or failed for a reason of their own."""
-    trials = study.get_trials(deepcopy=False)
-    counted = is_counted(trials)
-    return sum(1 for t in trials if t.state in _FINISHED and counted(t))
 
 
 @dataclass
@@ -259,7 +246,7 @@ class Driver:
                 self._update_best(t.value)
             if t.state == TrialState.RUNNING:
                 self._interrupt(t.number, t.params, self._carry_over(t.number, t.user_attrs))
-            elif t.state in _FINISHED and counted(t):
+            elif t.state in FINISHED and counted(t):
                 self._finished += 1
                 if t.state == TrialState.FAIL:
                     self._failures += 1
@@ -365,6 +352,7 @@ class Driver:
             seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),
             elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
             elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
+            plugins=tuple(self.spec.plugins),
         )
         fl = _InFlight(trial, request, params)
         verdict = self.precheck(request) if self.precheck else None
@@ -385,9 +373,8 @@ class Driver:
         fl = self._inflight.get(ev.number)
         if fl is None:
             return
-        on_report = getattr(self.listener, "on_trial_report", None)
-        if on_report is not None:
-            on_report(ev.number, ev.step, ev.metrics)
+        if self.listener:
+            self.listener.on_trial_report(ev.number, ev.step, ev.metrics)
         value = ev.metrics.get(self.spec.study.metric)
         prune = False
         if value is not None and math.isfinite(value):

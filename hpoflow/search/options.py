@@ -2,12 +2,13 @@
 
 Each model is the option bag of one registry entry (``hpoflow.registry.SAMPLERS`` / ``PRUNERS``):
 ``search.sampler_options`` for the sampler, the keys beside ``type`` in ``search.pruner`` for the
-pruner. The factories in ``hpoflow.search.samplers`` turn them into Optuna objects.
+pruner. ``hpoflow.search.samplers`` builds the Optuna class of the entry with ``kwargs()`` (a sampler's
+with ``sampler_kwargs(max_concurrent)``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -23,8 +24,17 @@ __all__ = [
     "NopPrunerOptions",
     "PercentilePrunerOptions",
     "RandomOptions",
+    "SamplerOptions",
     "TPEOptions",
 ]
+
+
+class SamplerOptions(Options):
+    """Base of a sampler's options: ``sampler_kwargs`` may depend on how many trials run at once."""
+
+    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
+        """The sampler's keyword arguments (besides ``seed``) for a study of ``max_concurrent`` slots."""
+        return self.kwargs()
 
 
 class GridOptions(NoOptions):
@@ -35,7 +45,7 @@ class RandomOptions(NoOptions):
     """``optuna.samplers.RandomSampler`` (seeded by ``search.seed``)."""
 
 
-class TPEOptions(Options):
+class TPEOptions(SamplerOptions):
     """``optuna.samplers.TPESampler``. ``constant_liar`` defaults to on when trials run concurrently.
     (The options Optuna deprecated in 4.9 — prior_weight, consider_magic_clip, consider_endpoints,
     warn_independent_sampling — are not offered.)"""
@@ -45,6 +55,11 @@ class TPEOptions(Options):
     multivariate: bool = True
     group: bool = False
     constant_liar: bool | None = None
+
+    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
+        # With trials in flight, TPE must know about running trials or it proposes near-duplicates.
+        liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar
+        return {**self.kwargs(), "constant_liar": liar}
 
 
 class GPOptions(Options):
@@ -97,11 +112,18 @@ class MedianPrunerOptions(Options):
     interval_steps: int = Field(default=1, ge=1)
     min_trials: int = Field(default=1, ge=1, description="Trials reporting a step before it is compared.")
 
+    def kwargs(self) -> dict[str, Any]:
+        return {"n_startup_trials": self.startup_trials, "n_warmup_steps": self.warmup_steps,
+                "interval_steps": self.interval_steps, "n_min_trials": self.min_trials}
+
 
 class PercentilePrunerOptions(MedianPrunerOptions):
     """``optuna.pruners.PercentilePruner``: like median, at ``percentile``."""
 
     percentile: float = Field(default=25.0, gt=0, lt=100)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {**super().kwargs(), "percentile": self.percentile}
 
 
 class AshaPrunerOptions(Options):
@@ -118,3 +140,6 @@ class HyperbandPrunerOptions(Options):
     min_resource: int = Field(default=1, ge=1)
     max_resource: int | None = Field(default=None, ge=1)
     reduction_factor: int = Field(default=3, ge=2)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {**super().kwargs(), "max_resource": self.max_resource or "auto"}

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path as FsPath
 from typing import Any
 
+import yaml
 from pydantic import ValidationError
 
-from hpoflow.errors import Issue, SpecError, did_you_mean
+from hpoflow.errors import HpoflowError, Issue, SpecError, did_you_mean
+from hpoflow.registry import MODELS
 from hpoflow.spec._models import (
     PLACEHOLDER,
     CategoricalParam,
@@ -33,8 +36,11 @@ from hpoflow.spec._yaml import MAX_BYTES, Path, load_yaml_with_lines
 __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
+    "env_int",
+    "import_plugins",
     "load_spec",
     "placeholders",
+    "prepare_spec",
     "resolve_training",
     "search_dirs",
     "spec_from_mapping",
@@ -252,10 +258,8 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
         known = BUILTIN_METRICS + BUILTIN_MEASURES
         add(("study", "metrics"), f"the built-in trainer reports {', '.join(known)}; {odd!r} is none of them"
                                   f"{did_you_mean(odd, known)}")
-    elif train.model not in ("mlp", "cnn"):
-        add(("training", "model"),
-            f"unknown built-in model {train.model!r}{did_you_mean(train.model, ['mlp', 'cnn'])}; "
-            "choose mlp or cnn, or give training.function: 'module:function'")
+    elif train.model not in MODELS:
+        add(("training", "model"), f"{MODELS.unknown(train.model)}; or give training.function: 'module:function'")
     # Grid: finite space.
     if spec.search.algorithm == "grid":
         for name, param in spec.space.items():
@@ -265,8 +269,6 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
                     "Fix: add step: 0.1, or make it categorical")
             if isinstance(param, IntParam) and param.log:
                 add(("space", name), "grid search cannot enumerate a log-scaled int. Fix: use choices")
-    if spec.search.algorithm == "cmaes" and any(isinstance(p, CategoricalParam) for p in spec.space.values()):
-        pass  # Optuna's CmaEsSampler samples categorical parameters independently; allowed.
     if not spec.space:
         add(("space",), "the search space is empty. Fix: add at least one parameter under space:")
     return issues
@@ -358,11 +360,17 @@ def spec_from_mapping(
         raise SpecError([Issue(".".join(str(k) for k in path), f"must be a finite number, but got {v!r} (YAML "
                                "reads numbers beyond 1.8e308 as infinity). Fix: write a finite value",
                                lines.get(path), source) for path, v in bad[:5]])
+    dirs = dirs if dirs is not None else search_dirs()
+    plugins = data.get("plugins")
+    if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):  # else the model says why
+        failed = import_plugins(plugins, dirs)
+        if failed:
+            raise SpecError([Issue(f"plugins.{i}", msg, lines.get(("plugins", i)), source) for i, msg in failed])
     try:
         spec = StudySpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(_issues_from_validation(exc, lines, source)) from None
-    issues = _semantic_issues(spec, lines, source, dirs if dirs is not None else search_dirs())
+    issues = _semantic_issues(spec, lines, source, dirs)
     if issues:
         raise SpecError(issues)
     return spec
@@ -382,3 +390,43 @@ def load_spec(path: str | os.PathLike[str]) -> tuple[StudySpec, str]:
         raise SpecError([Issue("", f"cannot read: {exc.strerror}", None, str(p))]) from None
     data, lines = load_yaml_with_lines(text, str(p))
     return spec_from_mapping(data, lines, str(p), search_dirs(p)), text
+
+
+def prepare_spec(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str]) -> tuple[StudySpec, str]:
+    """Accept a spec object, a mapping in the YAML layout, or a YAML path; return the spec and its YAML
+    text (as given, or dumped from the object)."""
+    if isinstance(spec, StudySpec):
+        return spec, yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    if isinstance(spec, Mapping):
+        parsed = spec_from_mapping(dict(spec))
+        return parsed, yaml.safe_dump(json.loads(json.dumps(dict(spec))), sort_keys=False)
+    return load_spec(spec)
+
+
+def env_int(name: str, *, minimum: int = 0) -> int | None:
+    """The whole number in environment variable ``name`` (ASCII digits only), or None when it is unset
+    or empty; ``HpoflowError`` (rule, value, fix) for anything else or a number below ``minimum``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < minimum:
+        raise HpoflowError(f"{name} must be a whole number >= {minimum}, but got {raw!r}. Fix: unset it or set it "
+                           f"to e.g. {max(minimum, 2)}")
+    return int(raw)
+
+
+def import_plugins(modules: Sequence[str], dirs: Sequence[str] = ()) -> list[tuple[int, str]]:
+    """Import the plug-in modules of ``plugins:`` (each registers its plug-ins when imported), with
+    ``dirs`` in front of ``sys.path``; (index, problem) of each that fails, in one line with the fix."""
+    for d in reversed(dirs):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    failed = []
+    for i, name in enumerate(modules):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the plug-in's own code failed: said in one line, never a traceback
+            why = str(exc).splitlines()[0][:300] if str(exc) else ""
+            failed.append((i, f"cannot import plug-in module {name!r}: {type(exc).__name__}: {why}. Fix: check "
+                              "the name, and that it is importable from the spec's directory or the current one"))
+    return failed

@@ -479,10 +479,6 @@ class ResourcesSpec(_Strict):
                                       {"p": self.processes, "m": self.elastic.min, "x": self.elastic.max})
         return self
 
-    @property
-    def max_processes(self) -> int:
-        return self.elastic.max if self.elastic is not None else self.processes
-
     def elastic_sizes(self, batch_size: int | None) -> tuple[int, ...]:
         """The numbers of ranks an elastic trial may run with: ``min .. max``, multiples of ``nodes``,
         and, for the built-in trainer (``batch_size`` given), dividing the global batch
@@ -550,6 +546,10 @@ class StudySpec(_Strict):
         default_factory=dict, description="Options of the engine (for compss: the compss: section).")
     oracle: OracleSpec = Field(default_factory=OracleSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    plugins: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")]] = Field(
+        default_factory=list, description="Modules that register plug-ins (hpoflow.registry: engines, samplers, "
+        "strategies, models, ...), imported before the spec is validated, in the driver and in every trial "
+        "process.")
 
     @model_validator(mode="after")
     def _check_multi_objective(self) -> StudySpec:

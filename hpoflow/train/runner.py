@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hpoflow.errors import NonFiniteLoss
-from hpoflow.spec import TrainConfig
+from hpoflow.spec import TrainConfig, import_plugins
 from hpoflow.train.context import TrialContext
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.train.usage import UsageSampler
@@ -167,6 +167,9 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     ctx: TrialContext | None = None
     finished = False  # every rank that ends without an exception leaves the group with its peers
     try:
+        failed = import_plugins(req.plugins, req.python_path)
+        if failed:
+            raise ImportError(failed[0][1])
         config = TrainConfig.model_validate(req.train)
         ctx = TrialContext(
             params=dict(req.params), config=config, trial_number=req.number, trial_dir=Path(req.trial_dir),

@@ -124,9 +124,9 @@ def drive(spec_json: str) -> None:
     options = spec["options"]
     req = make_request(tmp / "trials" / "0", 0, **spec["resources"])
     try:
-        from hpoflow.engines.compss import _tasks
+        from hpoflow.engines.compss import tasks
 
-        getattr(_tasks, "trial_cpu")  # noqa: B009 - in the master, before build: must refuse
+        getattr(tasks, "trial_cpu")  # noqa: B009 - in the master, before build: must refuse
     except EngineError as exc:
         out["before_build"] = str(exc)
     # as workflows/hpo.py does: the shape from the spec's resources, before the first task import
@@ -181,7 +181,7 @@ def drive_worker(variant: str) -> None:
     from pycompss.util.context import CONTEXT
 
     CONTEXT.set_worker()
-    module = importlib.import_module("hpoflow.engines.compss._tasks")
+    module = importlib.import_module("hpoflow.engines.compss.tasks")
     fn = getattr(module, variant)
     print("RESULT " + json.dumps({"name": fn.__name__, "module": fn.__module__}), flush=True)
 
@@ -211,11 +211,11 @@ def test_the_real_binding_registers_literal_numbers(name: str, tmp_path: Path) -
     assert names.count("register_core_element") == 1 and names.count("process_task") == 1
     reg = next(args for n, args in calls if n == "register_core_element")
     variant = TaskShape(expected.num_nodes, 1, 1 if "GPU" in expected.constraints else 0).variant
-    signature = f"hpoflow.engines.compss._tasks.{variant}"
+    signature = f"hpoflow.engines.compss.tasks.{variant}"
     assert reg[0] == reg[1] == signature
     assert reg[2] == expected.constraints and "$" not in reg[2]
     assert reg[3] == expected.impl_type
-    assert reg[-1] == ["hpoflow.engines.compss._tasks", variant]
+    assert reg[-1] == ["hpoflow.engines.compss.tasks", variant]
     task = next(args for n, args in calls if n == "process_task")
     assert task[1] == signature
     assert (task[2], task[3], task[5]) == (expected.on_failure, expected.time_out, expected.num_nodes)
@@ -230,7 +230,7 @@ def test_a_worker_finds_each_task_variant_by_name(tmp_path: Path) -> None:
     for variant in ("trial_cpu", "trial_gpu", "trial_multinode_cpu", "trial_multinode_gpu"):
         out = _run(f"from tests.engines.test_compss_binding import drive_worker; drive_worker({variant!r})",
                    tmp_path)
-        assert out == {"name": variant, "module": "hpoflow.engines.compss._tasks"}
+        assert out == {"name": variant, "module": "hpoflow.engines.compss.tasks"}
 
 
 @needs_binding
@@ -239,7 +239,7 @@ def test_the_real_binding_registers_each_elastic_size_as_its_own_task(tmp_path: 
                tmp_path)
     regs = [args for n, args in out["calls"] if n == "register_core_element"]
     tasks = [args for n, args in out["calls"] if n == "process_task"]
-    base, grown = "hpoflow.engines.compss._tasks.trial_cpu", "hpoflow.engines.compss._tasks.trial_cpu__1n2u0g"
+    base, grown = "hpoflow.engines.compss.tasks.trial_cpu", "hpoflow.engines.compss.tasks.trial_cpu__1n2u0g"
     assert [(r[0], r[2]) for r in regs] == [(base, "computing_units:1;"), (grown, "computing_units:2;")]
     assert [t[1] for t in tasks] == [base, grown]
     groups = [args[0] for n, args in out["calls"] if n == "open_task_group"]
@@ -250,4 +250,4 @@ def test_the_real_binding_registers_each_elastic_size_as_its_own_task(tmp_path: 
 def test_a_worker_finds_an_elastic_size_task_by_name(tmp_path: Path) -> None:
     out = _run("from tests.engines.test_compss_binding import drive_worker; drive_worker('trial_cpu__1n2u0g')",
                tmp_path)
-    assert out == {"name": "trial_cpu__1n2u0g", "module": "hpoflow.engines.compss._tasks"}
+    assert out == {"name": "trial_cpu__1n2u0g", "module": "hpoflow.engines.compss.tasks"}

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from hpoflow.cli.main import main
-from hpoflow.engines.compss.batch import FLOOR_MINUTES, MARGIN_MINUTES, job_time, qos_warning, sc_cfg_file
-from hpoflow.engines.compss.launch import (
+from hpoflow.engines.compss.launch.batch import FLOOR_MINUTES, MARGIN_MINUTES, job_time, qos_warning, sc_cfg_file
+from hpoflow.engines.compss.launch.command import (
     LaunchOptions,
     build_command,
     decode_app_value,
@@ -20,7 +20,7 @@ from hpoflow.engines.compss.launch import (
     is_safe,
     slurm_detected,
 )
-from hpoflow.engines.compss.runtime_xml import (
+from hpoflow.engines.compss.launch.runtime_xml import (
     NIO_ADAPTOR,
     NodeConfig,
     project_xml,
@@ -91,7 +91,7 @@ def test_values_compss_reads_itself_are_refused(field: str, value: str) -> None:
 def test_cli_run_dir_with_spaces_survives_runcompss_and_enqueue_compss(
         fake_compss: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real CLI (not --dry-run) against stand-ins that re-split arguments as COMPSs does."""
-    monkeypatch.setattr("hpoflow.engines.compss.launch.slurm_detected", lambda *a, **k: False)
+    monkeypatch.setattr("hpoflow.engines.compss.launch.command.slurm_detected", lambda *a, **k: False)
     spec_dir = tmp_path / "my specs; $(touch pwned)"
     spec_dir.mkdir()
     spec = spec_dir / "digits 'v2' \u00e9.yaml"
@@ -190,7 +190,7 @@ def test_slurm_detection() -> None:
 
 def test_cli_dry_run_prints_the_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                         tmp_path: Path) -> None:
-    monkeypatch.setattr("hpoflow.engines.compss.launch.slurm_detected", lambda *a, **k: False)
+    monkeypatch.setattr("hpoflow.engines.compss.launch.command.slurm_detected", lambda *a, **k: False)
     monkeypatch.chdir(tmp_path)
     assert main(["launch", DIGITS, "--engine", "compss", "--dry-run"]) == 0
     line = capsys.readouterr().out.strip()
@@ -206,7 +206,7 @@ def test_cli_dry_run_prints_the_command(capsys: pytest.CaptureFixture[str], monk
 
 def test_cli_checks_nodes_and_generates_resources(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("hpoflow.engines.compss.launch.slurm_detected", lambda *a, **k: False)
+    monkeypatch.setattr("hpoflow.engines.compss.launch.command.slurm_detected", lambda *a, **k: False)
     spec = tmp_path / "multi.yaml"
     spec.write_text(Path(DIGITS).read_text().replace("  processes: 1\n", "  processes: 4\n  nodes: 2\n"))
     assert main(["launch", str(spec), "--nodes", "2", "--dry-run"]) == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpoflow.engines.compss.launch import encode_app_value
+from hpoflow.engines.compss.launch.command import encode_app_value
 from tests.engines._fakes import ROOT
 
 SPEC = """\

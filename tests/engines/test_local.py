@@ -184,7 +184,7 @@ def test_a_torch_free_trial_runs_on_a_light_worker_and_torch_is_seeded_when_it_i
         tmp_path: Path) -> None:
     import torch
 
-    from hpoflow.engines.local.engine import prestart
+    from hpoflow.engines.local import prestart
 
     prestart(light=1)  # as `hpoflow run` does first thing for a study of torch-free trials
     eng = LocalEngine(cores=[0], prestart=False)  # adopts the light worker; no forkserver until a trial needs it

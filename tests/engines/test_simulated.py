@@ -11,7 +11,8 @@ import pytest
 import hpoflow
 from hpoflow.engines import TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.elastic import Candidate, longest_remaining, most_promising, speedup
-from hpoflow.engines.simulated.engine import SimulatedEngine, TrialCost
+from hpoflow.engines.simulated.costs import TrialCost
+from hpoflow.engines.simulated.engine import SimulatedEngine
 from hpoflow.engines.simulated.options import SimulatedOptions
 from hpoflow.errors import SpecError
 from hpoflow.spec import TrainConfig, spec_from_mapping
@@ -150,7 +151,7 @@ def test_a_user_cost_function_sets_durations_values_and_curves(tmp_path: Path,
 
 def test_the_oracle_cost_model_gives_each_trial_the_predicted_time_to_train(tmp_path: Path) -> None:
     from hpoflow.oracle.cluster import load_cluster
-    from hpoflow.oracle.trial import check_trial
+    from hpoflow.oracle.feasibility import check_trial
 
     spec = {**_spec(6, 2), "space": {"batch_size": {"type": "categorical", "choices": [32, 128]}},
             "training": {"model": "cnn", "dataset": "digits", "epochs": 4, "batch_size": "${batch_size}"}}

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from hpoflow.cli.oracle_cmd import register
 from hpoflow.oracle import load_cluster, write_cluster
-from hpoflow.oracle.cli import register
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,6 @@ def test_the_table_says_which_all_reduce_and_why(capsys: pytest.CaptureFixture[s
     assert "hier-hd" in out and "latency steps" in out and "ring" in out
 
 
-@pytest.mark.skipif(not (ROOT / "hpoflow" / "__main__.py").exists(), reason="no __main__ yet")
 @pytest.mark.slow
 def test_python_m_hpoflow_oracle(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"

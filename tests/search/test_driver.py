@@ -14,7 +14,8 @@ from optuna.trial import TrialState
 from hpoflow.api import optimize
 from hpoflow.engines.threads import Reporter, ThreadEngine
 from hpoflow.errors import SpecError
-from hpoflow.search.driver import Driver, count_finished, interrupted
+from hpoflow.run.ledger import count_finished, interrupted
+from hpoflow.search.driver import Driver
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.space import grid_points
 from hpoflow.spec import spec_from_mapping

@@ -15,7 +15,7 @@ import yaml
 import hpoflow
 from hpoflow.engines.threads import ThreadEngine
 from hpoflow.errors import SpecError
-from hpoflow.report import pareto_front, status_dict
+from hpoflow.report.tables import pareto_front, status_dict
 from hpoflow.spec import spec_from_mapping
 from tests.conftest import ROOT
 

@@ -1,5 +1,14 @@
 """The compss engine: one PyCOMPSs task per trial, placed by the COMPSs runtime on nodes and GPUs.
 
+Its modules follow the three processes of a COMPSs run:
+
+- the driver side, in the application process that ``runcompss`` starts (``workflows/hpo.py``):
+  ``engine`` (``CompssEngine``), ``options`` (the ``compss:`` section) and ``shape`` (what each
+  trial's task registers with the runtime);
+- inside the task, on a worker: ``tasks`` (the decorated task functions the runtime calls), which run
+  one attempt of the trial with ``hpoflow.engines.cluster`` (shared with the SLURM engine);
+- before the runtime starts: ``launch`` (``hpoflow launch``: the command line, the batch job, the XML).
+
 The only package of hpoflow that imports pycompss, and only when a task is submitted under the
 runtime: importing it needs no pycompss (``workflows/hpo.py`` falls back to a sequential mode).
 See docs/cluster.md.

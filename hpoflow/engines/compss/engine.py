@@ -2,7 +2,7 @@
 
 Modes
 - *runtime* (under ``runcompss``/``enqueue_compss``): ``submit`` calls a task variant from
-  ``_tasks`` (``@constraint`` + ``@on_failure(IGNORE)`` + ``@task``, plus ``@multinode`` for
+  ``tasks`` (``@constraint`` + ``@on_failure(IGNORE)`` + ``@task``, plus ``@multinode`` for
   ``resources.nodes > 1``) inside ``TaskGroup(f"trial-{n}", implicit_barrier=False)``.
 - *sequential* (plain ``python``; pycompss importable without the runtime, or absent with an explicit
   ``sequential=True``): one trial at a time, its task body run in a background thread exactly as
@@ -11,7 +11,7 @@ Modes
 - pycompss not installed and ``sequential`` not given: ``EngineError`` with the install steps.
 
 Per-trial resources: the study's ``TaskShape`` (``CompssOptions.task_shape``: literal computing
-units, GPUs, memory and nodes per trial, see ``shape``) is built into the task by ``_tasks.build``
+units, GPUs, memory and nodes per trial, see ``shape``) is built into the task by ``tasks.build``
 before the first call registers it: at construction when the caller knows the shape
 (``workflows/hpo.py`` derives it from the spec), else at the first ``submit``. A trial of another
 shape is refused with an ``EngineError``: one COMPSs application registers one shape.
@@ -39,11 +39,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.cluster.attempt import HEARTBEAT_S, run_trial
 from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, runtime_active
-from hpoflow.engines.compss._body import HEARTBEAT_S, run_trial
 from hpoflow.engines.compss.options import CompssOptions
 from hpoflow.engines.compss.shape import TaskShape
 from hpoflow.engines.elastic import ElasticBook, Segments
@@ -85,10 +83,8 @@ class CompssEngine(Engine):
     name = "compss"
 
     @classmethod
-    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> CompssEngine:
+    def from_options(cls, options: CompssOptions, run_dir: Path | None = None) -> CompssEngine:
         """The registry's constructor (``hpoflow.registry.ENGINES``): from a ``CompssOptions``."""
-        if not isinstance(options, CompssOptions):
-            raise TypeError(f"CompssEngine.from_options needs CompssOptions, got {type(options).__name__}")
         return cls(run_dir, **options.model_dump())
 
     def __init__(self, run_dir: str | os.PathLike[str] | None = None, *, sequential: bool | None = None,
@@ -123,6 +119,11 @@ class CompssEngine(Engine):
             self._load_task(shape)
 
     # -- contract -------------------------------------------------------------------------------
+    @classmethod
+    def check_fit(cls, options: CompssOptions, request: TrialRequest) -> None:
+        """The trial's shape must split evenly over its nodes (what COMPSs then places is up to it)."""
+        options.task_shape(request)
+
     def capacity(self, request: TrialRequest) -> int:
         if self.sequential:
             return 0 if request.nodes > 1 else 1
@@ -287,7 +288,7 @@ class CompssEngine(Engine):
         """Build the study's task with literal values (runtime mode only: it imports pycompss)."""
         self._shape = shape
         if not self.sequential:
-            from hpoflow.engines.compss import _tasks as _compss_tasks
+            from hpoflow.engines.compss import tasks as _compss_tasks
 
             self._task = _compss_tasks.build(shape)
 
@@ -295,7 +296,7 @@ class CompssEngine(Engine):
         if self._shape is None:
             self._load_task(shape)
         elif shape != self._shape and request.elastic:  # another size of an elastic trial: its own task
-            from hpoflow.engines.compss import _tasks as _compss_tasks
+            from hpoflow.engines.compss import tasks as _compss_tasks
 
             return _compss_tasks.build(shape, elastic=True)
         elif shape != self._shape:

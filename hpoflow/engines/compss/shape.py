@@ -3,7 +3,7 @@
 COMPSs places a task by the constraints its core element was *registered* with, and the binding
 registers a core element once, at the task's first call. A ``"$VAR"`` constraint would be expanded by
 the Java runtime from an environment frozen when the JVM started (before the application ran), so
-hpoflow never writes one: ``TaskShape`` holds literal numbers, ``_tasks.build`` applies the
+hpoflow never writes one: ``TaskShape`` holds literal numbers, ``tasks.build`` applies the
 decorators with them, and ``registration()`` states what the binding then sends to the runtime
 (checked against the real binding in tests/engines/test_compss_binding.py; docs/cluster.md).
 
@@ -23,8 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
-
-from hpoflow.trial import TrialRequest
 
 __all__ = ["ON_FAILURE", "Registration", "TaskShape"]
 
@@ -78,12 +76,6 @@ class TaskShape:
         time_out = math.ceil(timeout + time_out_grace_s) if timeout else 0
         return cls(nodes, ppn * cpus_per_process, ppn * gpus_per_process, memory_gb, time_out)
 
-    @classmethod
-    def of_request(cls, request: TrialRequest, *, time_out_grace_s: float = 0.0,
-                   memory_gb: int | None = None) -> TaskShape:
-        return cls.of(request.processes, request.cpus_per_process, request.gpus_per_process, request.nodes,
-                      request.timeout, time_out_grace_s=time_out_grace_s, memory_gb=memory_gb)
-
     @property
     def variant(self) -> str:
         """The task function's name: ``trial_[multinode_]cpu|gpu`` (one decorator stack each)."""
@@ -100,7 +92,7 @@ class TaskShape:
 
     def decorator_kwargs(self) -> dict[str, dict[str, Any] | None]:
         """Keyword arguments of ``@constraint``, ``@multinode`` (None: not applied), ``@on_failure``
-        and ``@task``; ``_tasks.build`` applies exactly these (``returns`` of on_failure added there)."""
+        and ``@task``; ``tasks.build`` applies exactly these (``returns`` of on_failure added there)."""
         cons: dict[str, Any] = {"computing_units": self.computing_units}
         if self.memory_gb is not None:
             cons["memory_size"] = self.memory_gb

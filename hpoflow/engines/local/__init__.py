@@ -1,24 +1,28 @@
-"""The local engine: trials as ranks on warm worker processes of this machine (see ``engine``).
+"""The local engine: trials as ranks on warm worker processes of this machine.
 
-``LocalEngine`` and ``plan_placement`` load ``engine`` on first use, so a worker process that imports
+``engine`` places trials on cores and GPUs and runs their lifecycle; ``_pool`` starts, hands out and
+retires the worker processes; ``_worker`` is the loop each worker runs. ``LocalEngine``,
+``plan_placement`` and ``prestart`` load their modules on first use, so a worker process that imports
 ``hpoflow.engines.local._worker`` loads neither pydantic nor the registries.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hpoflow.engines.local._pool import prestart
     from hpoflow.engines.local.engine import LocalEngine, plan_placement
 
-__all__ = ["LocalEngine", "plan_placement"]
+__all__ = ["LocalEngine", "plan_placement", "prestart"]
+
+_WHERE = {"LocalEngine": "engine", "plan_placement": "engine", "prestart": "_pool"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from hpoflow.engines.local import engine
-
-        value = getattr(engine, name)
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"hpoflow.engines.local.{_WHERE[name]}"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hpoflow.engines.local' has no attribute {name!r}")

@@ -1,12 +1,9 @@
 """The local engine: trials as ranks on warm worker processes of this machine.
 
-Start-up: a ``multiprocessing`` forkserver with torch and hpoflow preloaded starts once per engine and
-forks one warm worker per core; workers run trial after trial (no interpreter start, no torch import,
-no fork per trial), resetting what a trial may change in between (see ``_worker``). The forkserver's
-preload takes seconds (torch); a trial that needs no torch (a user function of one rank, no GPU) does
-not wait for it: submitted before a warm worker is free, it runs on a *light* worker, a fresh
-interpreter without torch that is ready in a fraction of a second. Light workers retire once warm
-ones are up.
+Workers come from the engine's ``WorkerPool`` (``_pool``): warm workers forked from a forkserver
+with torch and hpoflow preloaded, which run trial after trial (no interpreter start, no torch import,
+no fork per trial) and reset what a trial may change in between (see ``_worker``), and light workers
+for trials that need no torch while the preload is not done yet.
 Placement: CPU cores and GPU ids are slots; a trial takes ``processes * cpus_per_process`` cores
 and ``processes * gpus_per_process`` GPUs, each rank pinned to its cores with its own
 ``CUDA_VISIBLE_DEVICES`` and thread count. Nothing is oversubscribed.
@@ -19,22 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import shutil
-import signal
-import threading
 import time
 from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.elastic import ElasticBook, Segments
+from hpoflow.engines.local._pool import Worker, WorkerPool
 from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
@@ -45,47 +37,7 @@ from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalEngine", "plan_placement", "prestart"]
-
-PRELOAD = ["hpoflow.engines.local._preload", "sklearn.datasets", "sklearn.model_selection"]
-_KILL_GRACE_S = 2.0
-_SPAWN_TRIES = 5  # a forkserver killed (again) while it preloads torch answers EOF: start another
-
-
-# Processes started by ``prestart`` before any engine exists; the next LocalEngine adopts them.
-_PRESTARTED: list[tuple[BaseProcess, Connection]] = []
-
-
-def _light_context() -> Any:
-    return mp.get_context("spawn")
-
-
-def _start_light(ctx: Any, wid: int) -> tuple[BaseProcess, Connection]:
-    from hpoflow.engines.local._worker import worker_main
-
-    parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}", daemon=True)
-    proc.start()
-    child.close()
-    return proc, parent
-
-
-def prestart(light: int, preload: list[str] | None = None) -> None:
-    """Start the local engine's processes before the engine itself, so they boot while the caller
-    still imports and opens the study: ``light`` light workers for trials that need no torch, or else
-    the forkserver (its torch preload takes seconds; started with light workers it would take a core
-    from them and the driver just when they are needed). The next ``LocalEngine`` created in this
-    process adopts them; ``hpoflow run`` calls this first thing."""
-    if light <= 0:
-        from multiprocessing import forkserver
-
-        mp.get_context("forkserver").set_forkserver_preload(PRELOAD if preload is None else preload)
-        forkserver.ensure_running()
-        return
-    ctx = _light_context()
-    for i in range(light):
-        _PRESTARTED.append(_start_light(ctx, -1 - i))
-
+__all__ = ["LocalEngine", "plan_placement"]
 
 def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[int]
                    ) -> list[Placement] | None:
@@ -103,25 +55,10 @@ def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list
 
 
 @dataclass
-class _Worker:
-    """A warm worker process; ``gpus`` is the GPU set it is bound to once it ran a GPU rank (CUDA
-    cannot change devices in a process that initialised it)."""
-
-    wid: int
-    proc: BaseProcess
-    conn: Connection
-    gpus: tuple[int, ...] | None = None
-    trial: int | None = None
-    rank: int = -1
-    trials_run: int = 0
-    light: bool = False  # a fresh interpreter without torch preloaded (see the module docstring)
-
-
-@dataclass
 class _Trial:
     request: TrialRequest
     placement: list[Placement]
-    workers: list[_Worker]
+    workers: list[Worker]
     submitted: float
     deadline: float | None
     submitted_wall: float = 0.0
@@ -155,10 +92,8 @@ class LocalEngine(Engine):
     name = "local"
 
     @classmethod
-    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> LocalEngine:
+    def from_options(cls, options: LocalOptions, run_dir: Path | None = None) -> LocalEngine:
         """The registry's constructor (``hpoflow.registry.ENGINES``): from a ``LocalOptions``."""
-        if not isinstance(options, LocalOptions):
-            raise TypeError(f"LocalEngine.from_options needs LocalOptions, got {type(options).__name__}")
         return cls(cores=options.cores, gpus=options.gpus, pg_timeout_s=options.pg_timeout_s,
                    max_trials_per_worker=options.max_trials_per_worker)
 
@@ -170,153 +105,38 @@ class LocalEngine(Engine):
         self.free_cores = list(self.cores)
         self.free_gpus = list(self.gpus)
         self.pg_timeout_s = pg_timeout_s
-        self.max_trials_per_worker = max_trials_per_worker
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD if preload is None else preload)
-        self._light_ctx = _light_context()
-        self._warm_ready = threading.Event()  # a warm worker has been forked: the preload is done
+        self._pool = WorkerPool(len(self.cores), preload, max_trials_per_worker, warm=prestart)
         self._trials: dict[int, _Trial] = {}
-        self._workers: dict[int, _Worker] = {}
-        self._idle: list[_Worker] = []
-        self._next_wid = 0
         self._events: list[Event] = []
         self._rendezvous = private_dir()  # file stores of multi-rank trials: no rendezvous socket
         self._book = ElasticBook()  # elastic trials' sizes (hpoflow.engines.elastic)
         self._queued: list[TrialRequest] = []  # submitted, waiting for cores lent to elastic trials
-        self._lock = threading.RLock()
         self._closed = False
-        while _PRESTARTED:  # light workers started by prestart() before this engine existed
-            proc, conn = _PRESTARTED.pop()
-            w = _Worker(self._next_wid, proc, conn, light=True)
-            self._next_wid += 1
-            self._workers[w.wid] = w
-            if len(self._idle) < len(self.cores):
-                self._idle.append(w)
-            else:
-                self._retire(w)
-        # Start the forkserver (its torch import) and one worker per core now, in the background,
-        # while the driver sets up the study; the first submit waits only for what is not ready.
-        # With light workers prestarted (a study of torch-free trials), only when a trial needs torch.
-        self._warm = threading.Thread(target=self._prestart, args=(len(self.cores) if prestart else 0,),
-                                      daemon=True)
-        if not self._workers:
-            self._warm.start()
-
-    def _prestart(self, n: int) -> None:
-        """Start the forkserver and fork ``n`` warm workers (in the background: a fork waits for the
-        preload, which must never hold the lock a submit needs); retire idle light workers as warm
-        ones come up."""
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-        while True:
-            with self._lock:
-                if self._closed or sum(not w.light for w in self._workers.values()) >= n:
-                    break
-            try:
-                w = self._spawn_worker()  # blocks until the forkserver has preloaded
-            except EngineError:  # closed meanwhile; or no forkserver would start: submit says so
-                break
-            self._warm_ready.set()
-            with self._lock:
-                if self._closed:
-                    self._retire(w)
-                    break
-                self._idle.append(w)
-                light = [x for x in self._idle if x.light]
-                if light:
-                    self._idle.remove(light[0])
-                    self._retire(light[0])
-        self._warm_ready.set()
-
-    def _spawn_worker(self, light: bool = False) -> _Worker:
-        with self._lock:
-            wid = self._next_wid
-            self._next_wid += 1
-        if light:
-            proc, parent = _start_light(self._light_ctx, wid)
-        else:
-            proc, parent = self._fork_warm(wid)
-        w = _Worker(wid, proc, parent, light=light)
-        with self._lock:
-            self._workers[wid] = w
-        return w
-
-    def _fork_warm(self, wid: int) -> tuple[BaseProcess, Connection]:
-        from hpoflow.engines.local._worker import worker_main
-
-        parent, child = self._ctx.Pipe(duplex=True)
-        for attempt in range(_SPAWN_TRIES):
-            proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}",
-                                     daemon=True)
-            try:
-                proc.start()
-                break
-            except (EOFError, ConnectionError, FileNotFoundError) as exc:
-                if self._closed:  # close() stopped a forkserver still preloading: nothing to start
-                    raise EngineError("the engine is closed") from exc
-                # the forkserver died (an OOM kill, a stray signal) between multiprocessing's liveness
-                # check and the fork request; the next start() notices and launches a new one
-                log.warning("the local engine's forkserver is gone (%s: %s); starting a new one",
-                            type(exc).__name__, exc)
-                if attempt == _SPAWN_TRIES - 1:
-                    raise EngineError(f"the local engine could not start a worker process: {exc}") from exc
-                _restart_forkserver()
-                time.sleep(0.2 * attempt)
-        child.close()
-        return proc, parent
-
-    def _acquire_worker(self, gpus: tuple[int, ...], needs_torch: bool) -> _Worker:
-        """An idle worker that may use ``gpus`` (same binding, or never bound): a warm one if any; a
-        light one for a rank that ``needs_torch`` not, also started anew while no warm worker
-        exists yet; else a new warm one."""
-        want = gpus or None
-
-        def fits(w: _Worker, exact: bool) -> bool:
-            if exact:
-                return w.gpus == want
-            return w.gpus is None or want is None  # unbound; or a CPU rank, which any worker can run
-
-        for w in [w for w in self._idle if w.proc.exitcode is not None]:  # died while idle (killed)
-            self._idle.remove(w)
-            self._retire(w)
-        for light in (False, True) if not needs_torch else (False,):
-            for exact in (True, False):
-                for i, w in enumerate(self._idle):
-                    if w.light == light and fits(w, exact):
-                        return self._idle.pop(i)
-        if not needs_torch and not self._warm_ready.is_set():
-            return self._spawn_worker(light=True)
-        # None fits: retire an idle worker bound elsewhere or light (keep the pool bounded), start anew.
-        if self._idle and len(self._workers) >= len(self.cores):
-            self._retire(self._idle.pop(0))
-        return self._spawn_worker()
-
-    def _retire(self, w: _Worker) -> None:
-        self._workers.pop(w.wid, None)
-        _killpg(w.proc)
-        w.proc.join(_KILL_GRACE_S)
-        w.conn.close()
-        try:
-            w.proc.close()
-        except ValueError:
-            pass
 
     # -- contract -------------------------------------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
+        if request.nodes > 1:  # one machine
+            return 0
         need_c = request.processes * request.cpus_per_process
         need_g = request.processes * request.gpus_per_process
         by_cpu = len(self.cores) // need_c
         by_gpu = len(self.gpus) // need_g if need_g else by_cpu
         return min(by_cpu, by_gpu)
 
-    def check_fits(self, request: TrialRequest) -> None:
-        check_fits(request, len(self.cores), len(self.gpus))
+    @classmethod
+    def check_fit(cls, options: LocalOptions, request: TrialRequest) -> None:
+        """A trial runs on this machine's cores and GPUs (``engine_options.cores``/``gpus`` if given)."""
+        if request.nodes > 1:
+            raise EngineError(f"resources.nodes={request.nodes}: the local engine runs a trial on this machine only. "
+                              "Fix: set resources.nodes to 1, or use a cluster engine (engine: compss)")
+        cores = options.cores if options.cores is not None else machine_cores()
+        gpus = options.gpus if options.gpus is not None else detect_gpus()
+        check_fits(request, len(cores), len(gpus))
 
     def submit(self, request: TrialRequest) -> None:
         if self._closed:
             raise EngineError("the engine is closed")
-        self.check_fits(request)
+        check_fits(request, len(self.cores), len(self.gpus))
         placement = plan_placement(request, self.free_cores, self.free_gpus)
         if placement is None:
             if request.processes * request.cpus_per_process <= len(self.free_cores) + self._lent_cores() \
@@ -356,11 +176,11 @@ class LocalEngine(Engine):
             trial = replace(prior, request=request, placement=placement, workers=[], outcomes={}, store=store,
                             deferred=None)
         torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)
-        if torch_first and self._warm.ident is None:  # light so far: now a trial needs the preload
-            self._warm.start()
-        with self._lock:
+        if torch_first:  # light so far: now a trial needs the preload
+            self._pool.start_warm()
+        with self._pool.lock:
             for p in placement:
-                w = self._acquire_worker(p.gpus, torch_first)
+                w = self._pool.acquire(p.gpus, torch_first)
                 threads = max(1, len(p.cores))
                 env = {
                     "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -450,10 +270,10 @@ class LocalEngine(Engine):
                 if deadline is not None and now >= deadline:
                     return []
                 continue
-            owner: dict[Any, _Worker] = {}
+            owner: dict[Any, Worker] = {}
             for t in self._trials.values():
                 for w in t.workers:
-                    if w.rank not in t.outcomes and w.wid in self._workers:
+                    if w.rank not in t.outcomes and self._pool.alive(w):
                         owner[w.conn] = w
                         owner[w.proc.sentinel] = w
             for obj in wait(list(owner), timeout=wait_for):
@@ -498,41 +318,22 @@ class LocalEngine(Engine):
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until the warm workers are up (the forkserver has preloaded and forked one per core);
         True if they are. Benchmarks call it to keep the one-time start out of per-trial figures."""
-        if self._warm.ident is None:
-            self._warm.start()
-        self._warm.join(timeout)
-        return not self._warm.is_alive()
+        return self._pool.wait_warm(timeout)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._warm.ident is not None and not self._warm_ready.is_set():
-            # Closed before the forkserver finished its preload (a short study of light trials): stop
-            # it rather than wait seconds for a torch import nothing needs any more.
-            _restart_forkserver()
-        if self._warm.ident is not None:
-            self._warm.join()
-        with self._lock:
-            for w in list(self._workers.values()):
-                try:
-                    w.conn.send(("exit", None))
-                except (BrokenPipeError, OSError):
-                    pass
-                _killpg(w.proc)  # busy or idle: nothing of a closed engine may run on
-            for w in list(self._workers.values()):
-                self._retire(w)
-            self._idle.clear()
-            self._trials.clear()
-            self._queued.clear()
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.close()
+        self._trials.clear()
+        self._queued.clear()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     # -- internals ------------------------------------------------------------------------------
-    def _trial_of(self, w: _Worker) -> _Trial | None:
+    def _trial_of(self, w: Worker) -> _Trial | None:
         return self._trials.get(w.trial) if w.trial is not None else None
 
-    def _drain(self, w: _Worker) -> None:
+    def _drain(self, w: Worker) -> None:
         t = self._trial_of(w)
         try:
             while w.conn.poll():
@@ -554,13 +355,13 @@ class LocalEngine(Engine):
         except (EOFError, OSError):
             self._on_worker_exit(w)
 
-    def _on_worker_exit(self, w: _Worker) -> None:
-        if w.wid not in self._workers:
+    def _on_worker_exit(self, w: Worker) -> None:
+        if not self._pool.alive(w):
             return
         t = self._trial_of(w)
         w.proc.join(0.5)
         code = w.proc.exitcode
-        self._retire(w)
+        self._pool.retire(w)
         if t is not None and w.rank not in t.outcomes:
             t.outcomes[w.rank] = RankOutcome("lost")
             if t.failure is None and t.cancel_reason is None:
@@ -581,9 +382,9 @@ class LocalEngine(Engine):
         """Kill the workers of ``t`` that have not finished their rank (they may hang in a
         collective); they are replaced, never reused."""
         for w in t.workers:
-            if w.rank not in t.outcomes and w.wid in self._workers:
+            if w.rank not in t.outcomes and self._pool.alive(w):
                 t.outcomes[w.rank] = RankOutcome("killed")
-                self._retire(w)
+                self._pool.retire(w)
 
     def _finish_ready(self) -> None:
         for number, t in list(self._trials.items()):
@@ -628,44 +429,5 @@ class LocalEngine(Engine):
             self.free_gpus.extend(g for g in p.gpus if g not in self.free_gpus)
         self.free_cores.sort()
         self.free_gpus.sort()
-        with self._lock:
-            for w in t.workers:
-                if w.wid not in self._workers:
-                    continue  # killed: already retired
-                w.trial, w.rank = None, -1
-                w.trials_run += 1
-                recycle = self.max_trials_per_worker and w.trials_run >= self.max_trials_per_worker
-                if recycle or (w.light and self._warm_ready.is_set()):
-                    self._retire(w)
-                else:
-                    self._idle.append(w)
-
-
-def _restart_forkserver() -> None:
-    """Stop multiprocessing's forkserver for good (it is dead or answers nothing), so the next
-    ``start()`` launches a new one with the same preload."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    stop = getattr(server, "_stop", None)
-    if callable(stop):
-        with contextlib.suppress(OSError, ChildProcessError):
-            stop()
-
-
-def _killpg(proc: BaseProcess) -> None:
-    """SIGKILL a worker and everything it started (it leads its own process group)."""
-    pid = proc.pid
-    if pid is None or proc.exitcode is not None:
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.kill()
-        except (ProcessLookupError, OSError, ValueError):
-            pass
+        for w in t.workers:
+            self._pool.release(w)

@@ -19,33 +19,19 @@ makespan).
 from __future__ import annotations
 
 import heapq
-import json
 import math
-import random
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-
-from pydantic import BaseModel
 
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.elastic import Candidate, speedup
+from hpoflow.engines.simulated.costs import TrialCost
 from hpoflow.engines.simulated.options import SimulatedOptions
 from hpoflow.errors import EngineError
 
-__all__ = ["SimulatedEngine", "TrialCost"]
-
-
-@dataclass(frozen=True)
-class TrialCost:
-    """What the cost model says of one trial: its duration on its own slots, final metrics, the study
-    metric's value after each epoch (``curve``), and whether it fails."""
-
-    duration_s: float
-    metrics: dict[str, float]
-    curve: list[dict[str, float]] = field(default_factory=list)
-    error: str | None = None
+__all__ = ["SimulatedEngine"]
 
 
 @dataclass
@@ -81,10 +67,8 @@ class SimulatedEngine(Engine):
     name = "simulated"
 
     @classmethod
-    def from_options(cls, options: BaseModel, run_dir: Path | None = None) -> SimulatedEngine:
+    def from_options(cls, options: SimulatedOptions, run_dir: Path | None = None) -> SimulatedEngine:
         """The registry's constructor (``hpoflow.registry.ENGINES``): from a ``SimulatedOptions``."""
-        if not isinstance(options, SimulatedOptions):
-            raise TypeError(f"SimulatedEngine.from_options needs SimulatedOptions, got {type(options).__name__}")
         return cls(options)
 
     def __init__(self, options: SimulatedOptions | None = None,
@@ -110,6 +94,13 @@ class SimulatedEngine(Engine):
         else:
             self._policy = None
         self.direction = "minimize"
+
+    @classmethod
+    def check_fit(cls, options: SimulatedOptions, request: TrialRequest) -> None:
+        """A trial takes ``resources.processes`` of the simulated ``slots``."""
+        if request.processes > options.slots:
+            raise EngineError(f"a trial of {request.processes} processes cannot fit {options.slots} simulated slots. "
+                              "Fix: raise engine_options.slots or lower resources.processes")
 
     # -- contract -------------------------------------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
@@ -331,82 +322,9 @@ class SimulatedEngine(Engine):
                               "driver must not submit more than capacity() trials at once")
 
 
-# -- cost models ------------------------------------------------------------------------------------
 def _cost_model(options: SimulatedOptions) -> Callable[[TrialRequest], TrialCost]:
-    if options.lognormal is not None:
-        ln, epochs = options.lognormal, options.epochs
+    """The options' cost model, built by its ``COST_MODELS`` entry."""
+    from hpoflow.registry import COST_MODELS
 
-        def lognormal(req: TrialRequest) -> TrialCost:
-            rng = random.Random(ln.seed * 1_000_003 + req.number)
-            duration = ln.median_s * math.exp(ln.sigma * rng.gauss(0.0, 1.0))
-            value = rng.random()
-            curve = [{req.metric: value * (1.0 - 0.5 ** (k + 1))} for k in range(epochs)]
-            return TrialCost(duration, {req.metric: value}, curve)
-
-        return lognormal
-    if options.function is not None:
-        return _function_cost(options.function, options.epochs)
-    if options.replay is not None:
-        return _replay_cost(Path(options.replay))
-    if options.cost is not None:  # a registered cost model (hpoflow.registry.COST_MODELS)
-        from hpoflow.registry import COST_MODELS
-
-        name = str(options.cost["type"])
-        model = COST_MODELS.options(name, {k: v for k, v in options.cost.items() if k != "type"})
-        factory: Callable[[BaseModel], Callable[[TrialRequest], TrialCost]] = COST_MODELS.get(name)
-        return factory(model)
-    raise EngineError("the simulated engine needs a cost model: lognormal, function or replay")
-
-
-def _function_cost(ref: str, epochs: int) -> Callable[[TrialRequest], TrialCost]:
-    import importlib
-    import sys
-
-    def cost(req: TrialRequest) -> TrialCost:
-        for p in reversed(req.python_path):
-            if p not in sys.path:
-                sys.path.insert(0, p)
-        module, _, attr = ref.partition(":")
-        fn = getattr(importlib.import_module(module), attr)
-        out = fn(dict(req.params), req.number)
-        if not isinstance(out, Mapping) or "duration_s" not in out:
-            raise TypeError(f"{ref} must return a mapping with duration_s, got {out!r}")
-        duration = float(out["duration_s"])
-        if not math.isfinite(duration) or duration < 0:
-            raise ValueError(f"{ref} returned duration_s={duration}; it must be a finite number >= 0")
-        metrics = {k: float(v) for k, v in out.items() if k not in ("duration_s", "curve")
-                   and isinstance(v, int | float)}
-        raw = out.get("curve") or []
-        curve = [dict(v) if isinstance(v, Mapping) else {req.metric: float(v)} for v in raw]
-        return TrialCost(duration, metrics, curve)
-
-    return cost
-
-
-def _replay_cost(run_dir: Path) -> Callable[[TrialRequest], TrialCost]:
-    """Trial i replays the recorded trial i mod n of ``run_dir`` (its ``trials/*/result.json``, in trial
-    order): duration, metrics, and failure; curves are not in those files, so no reports."""
-    recorded = []
-    for p in sorted((run_dir / "trials").glob("*/result.json"), key=lambda p: int(p.parent.name)
-                    if p.parent.name.isdigit() else -1):
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if data.get("status") in ("complete", "failed", "pruned") and "duration_s" in (data.get("timings") or {}):
-            recorded.append(data)
-    if not recorded:
-        raise EngineError(f"engine_options.replay: {run_dir} holds no finished trials (trials/*/result.json). "
-                          "Fix: point replay at the run directory of a study that ran")
-
-    def cost(req: TrialRequest) -> TrialCost:
-        data = recorded[req.number % len(recorded)]
-        duration = float(data["timings"]["duration_s"])
-        metrics = {k: float(v) for k, v in (data.get("metrics") or {}).items() if isinstance(v, int | float)}
-        if data.get("status") == "failed":
-            return TrialCost(duration, {}, error=str(data.get("error") or "failed (replayed)"))
-        if data.get("status") == "complete" and data.get("value") is not None:
-            metrics[req.metric] = float(data["value"])
-        return TrialCost(duration, metrics)
-
-    return cost
+    name, values = options.cost_model()
+    return COST_MODELS.get(name)(COST_MODELS.options(name, values))

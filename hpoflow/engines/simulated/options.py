@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from hpoflow.registry import COST_MODELS, Options
 
-__all__ = ["ElasticOptions", "LogNormalCost", "SimulatedOptions"]
+__all__ = ["ElasticOptions", "FunctionCost", "LogNormalCost", "LogNormalCostModel", "ReplayCost", "SimulatedOptions"]
 
 
 class LogNormalCost(Options):
@@ -19,6 +19,25 @@ class LogNormalCost(Options):
     median_s: float = Field(default=60.0, gt=0)
     sigma: float = Field(default=1.0, ge=0)
     seed: int = 0
+
+
+class LogNormalCostModel(LogNormalCost):
+    """The ``lognormal`` cost model's options (``cost: {type: lognormal, ...}``): ``epochs`` reports per trial."""
+
+    epochs: int = Field(default=10, ge=1)
+
+
+class FunctionCost(Options):
+    """``function``: ``module:function`` called as ``function(params, number)``, returning ``duration_s``
+    and metrics, optionally ``curve`` (the study metric per epoch)."""
+
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class ReplayCost(Options):
+    """``run_dir``: trial i replays the recorded trial i mod n of that run directory."""
+
+    run_dir: str
 
 
 class ElasticOptions(Options):
@@ -68,6 +87,18 @@ class SimulatedOptions(Options):
     replay: str | None = None
     cost: dict[str, Any] | None = None
     elastic: ElasticOptions | None = None
+
+    def cost_model(self) -> tuple[str, dict[str, Any]]:
+        """The chosen cost model as a ``COST_MODELS`` entry: (name, its option values). ``lognormal``,
+        ``function`` and ``replay`` are short forms of ``cost: {type: NAME, ...}``."""
+        if self.lognormal is not None:
+            return "lognormal", {"epochs": self.epochs, **self.lognormal.model_dump(exclude_unset=True)}
+        if self.function is not None:
+            return "function", {"function": self.function}
+        if self.replay is not None:
+            return "replay", {"run_dir": self.replay}
+        cost = dict(self.cost or {})
+        return str(cost.pop("type")), cost
 
     @model_validator(mode="after")
     def _one_cost_model(self) -> SimulatedOptions:

@@ -12,9 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel
-
-from hpoflow.registry import STRATEGIES, NoOptions
+from hpoflow.registry import STRATEGIES, NoOptions, Options
 from hpoflow.train.strategies._allreduce import AllReduce
 from hpoflow.train.strategies._base import CommMeter, OptimizerLike, Strategy, StrategyEnv
 from hpoflow.train.strategies._easgd import EASGD
@@ -35,17 +33,15 @@ __all__ = [
     "strategy_names",
 ]
 
-def register_strategy(cls: type[Strategy], options: type[BaseModel] = NoOptions) -> type[Strategy]:
+def register_strategy(cls: type[Strategy], options: type[Options] = NoOptions) -> type[Strategy]:
     """Register ``cls`` under ``cls.name`` in ``hpoflow.registry.STRATEGIES`` with its options model;
-    it must subclass ``Strategy`` and have a new, valid name."""
+    it must subclass ``Strategy`` and have a valid name that no other strategy holds."""
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
         raise TypeError(f"a strategy must subclass hpoflow.train.strategies.Strategy, got {cls!r}")
     name = getattr(cls, "name", "")
     if not isinstance(name, str) or not name.isidentifier() or name == Strategy.name:
         raise ValueError(f"{cls.__name__}.name must be a new identifier, got {name!r}")
-    if name in STRATEGIES and STRATEGIES.get(name) is not cls:
-        raise ValueError(f"strategy {name!r} is already registered ({STRATEGIES.get(name).__name__})")
-    STRATEGIES.register(name, cls, options, replace=True)
+    STRATEGIES.register(name, cls, options)
     return cls
 
 
@@ -57,5 +53,4 @@ def make_strategy(name: str, options: Mapping[str, Any], env: StrategyEnv) -> St
     """Build strategy ``name`` for this rank; an unknown name raises ``ValueError`` listing all."""
     if name not in STRATEGIES:
         raise ValueError(STRATEGIES.unknown(name))
-    cls: type[Strategy] = STRATEGIES.get(name)
-    return cls(options, env)
+    return STRATEGIES.get(name)(options, env)

@@ -29,7 +29,7 @@ __all__ = ["FanOut", "MLflowTracker", "TensorBoardTracker", "make_trackers"]
 _MLFLOW_STATUS = {"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED", "cancelled": "KILLED"}
 
 
-class _Guarded:
+class _Guarded(DriverListener):
     """Calls into a tracking client; the first error disables the tracker (logged), never raised."""
 
     name = "tracker"
@@ -66,9 +66,6 @@ class MLflowTracker(_Guarded):
         self.study = study
         self.runs: dict[int, str] = {}
         self.last_step: dict[int, int] = {}
-
-    def on_start(self, n_total: int, n_done: int) -> None:
-        pass
 
     def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
         def start() -> None:
@@ -125,9 +122,6 @@ class TensorBoardTracker(_Guarded):
         self.logdir = logdir
         self.writers: dict[int, Any] = {}
 
-    def on_start(self, n_total: int, n_done: int) -> None:
-        pass
-
     def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
         def start() -> None:
             w = self._writer_cls(logdir=str(self.logdir / f"trial-{number}"))
@@ -157,7 +151,7 @@ class TensorBoardTracker(_Guarded):
         self.writers.clear()
 
 
-class FanOut:
+class FanOut(DriverListener):
     """Several listeners as one (the progress display and the trackers)."""
 
     def __init__(self, listeners: Sequence[DriverListener]) -> None:
@@ -173,9 +167,7 @@ class FanOut:
 
     def on_trial_report(self, number: int, step: int, metrics: dict[str, float]) -> None:
         for lst in self.listeners:
-            fn = getattr(lst, "on_trial_report", None)
-            if fn is not None:
-                fn(number, step, metrics)
+            lst.on_trial_report(number, step, metrics)
 
     def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None:
         for lst in self.listeners:

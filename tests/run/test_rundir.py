@@ -17,9 +17,9 @@ import yaml
 from optuna.storages.journal import JournalFileBackend
 
 from hpoflow.errors import RunDirError
-from hpoflow.rundir import RunLock, redact, resolve
+from hpoflow.run.rundir import RunLock, redact, resolve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
 
 pytestmark = pytest.mark.slow  # whole studies through the CLI

@@ -1,4 +1,4 @@
-"""What a study leaves for people: ``trials.csv``, ``best.yaml``, status, tables and live progress.
+"""What a study leaves for people as tables: ``trials.csv``, ``best.yaml``, status and the best trials.
 
 Everything here reads the study from its Optuna storage, so it works on a finished run, a
 running one (from another process) and an interrupted one alike.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,18 +16,16 @@ from typing import Any
 import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
-from rich.console import Console
 from rich.table import Table
 
 from hpoflow.fileio import write_atomic
-from hpoflow.search.driver import ATTR_IMPORTED, DriverSummary, is_counted
+from hpoflow.run.ledger import ATTR_IMPORTED, is_counted
 from hpoflow.term import render_table
-from hpoflow.trial import TrialResult
 
 __all__ = [
-    "ProgressListener",
     "best_rows",
     "best_trial",
+    "fmt",
     "objective_names",
     "pareto_front",
     "status_dict",
@@ -170,7 +167,7 @@ def status_dict(study: optuna.Study, storage_label: str, budget: int | None = No
     }
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
@@ -184,8 +181,8 @@ def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> d
         front = pareto_front(study)[:top]
         params = sorted({k for f in front for k in f["params"]})
         return {"title": title or f"Pareto front of {study.study_name}", "columns": ["trial", *names, *params],
-                "rows": [[str(f["number"]), *[_fmt(f["values"].get(n)) for n in names],
-                          *[_fmt(f["params"].get(p, "-")) for p in params]] for f in front]}
+                "rows": [[str(f["number"]), *[fmt(f["values"].get(n)) for n in names],
+                          *[fmt(f["params"].get(p, "-")) for p in params]] for f in front]}
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     rev = study.direction == optuna.study.StudyDirection.MAXIMIZE
     done.sort(key=lambda t: t.value if t.value is not None else 0.0, reverse=rev)
@@ -193,7 +190,7 @@ def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> d
     rows = []
     for t in done[:top]:
         dur = _timings(t).get("duration_s")
-        rows.append([str(t.number), _fmt(t.value), *[_fmt(t.params.get(p, "-")) for p in params],
+        rows.append([str(t.number), fmt(t.value), *[fmt(t.params.get(p, "-")) for p in params],
                      "" if dur is None else f"{dur:.1f}"])
     return {"title": title or f"best trials of {study.study_name}", "columns": ["trial", "value", *params, "time s"],
             "rows": rows}
@@ -202,83 +199,3 @@ def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> d
 def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -> Table:
     """The ``top`` best complete trials, best first."""
     return render_table(best_rows(study, top, title))
-
-
-class ProgressListener:
-    """Live progress for a terminal (a bar with done/running/failed/best/ETA) or, elsewhere, a line
-    per finished trial."""
-
-    def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
-        self.console = console or Console(stderr=True)
-        self.quiet = quiet
-        self.live = self.console.is_terminal and not quiet
-        self._progress: Any = None
-        self._task: Any = None
-        self.total = 0
-        self.done = 0
-        self.failed = 0
-        self.running = 0
-        self.best: float | None = None
-        self.t0 = time.monotonic()
-
-    def on_start(self, n_total: int, n_done: int) -> None:
-        self.total, self.done, self.t0 = n_total, n_done, time.monotonic()
-        if n_done:
-            self._print(f"resuming: {n_done} of {n_total} trials already finished")
-        if self.live:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"),
-                TimeRemainingColumn(), console=self.console, transient=False,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("trials", total=n_total, completed=n_done, info="")
-
-    def _info(self) -> str:
-        best = "-" if self.best is None else f"{self.best:.4g}"
-        return f"running {self.running}  failed {self.failed}  best {best}"
-
-    def _print(self, text: str) -> None:
-        if self.quiet:
-            return
-        if self._progress is not None:
-            self._progress.console.print(text, highlight=False, soft_wrap=True)
-        else:
-            self.console.print(text, highlight=False, soft_wrap=True)
-
-    def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
-        self.running += 1
-        if self._progress is not None:
-            self._progress.update(self._task, info=self._info())
-
-    def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None:
-        self.running -= 1
-        self.done += 1
-        self.best = best
-        if result.status == "failed":
-            self.failed += 1
-        value = "" if result.value is None else f" value={result.value:.4g}"
-        dur = result.timings.get("duration_s")
-        took = "" if dur is None else f" in {dur:.1f}s"
-        resizes = int(result.timings.get("resizes", 0))
-        if resizes:  # an elastic trial (docs/elastic.md)
-            took += f" (elastic: up to {int(result.timings.get('max_ranks', 0))} ranks, {resizes} resize(s))"
-        ps = " ".join(f"{k}={_fmt(v)}" for k, v in params.items())
-        err = f"  error: {result.error}" if result.error and result.status != "complete" else ""
-        self._print(f"trial {result.number:>4} {result.status:<9}{value}{took}  {ps}{err}"
-                    f"  [{self.done}/{self.total}]")
-        if self._progress is not None:
-            self._progress.update(self._task, completed=self.done, info=self._info())
-
-    def on_finish(self, summary: DriverSummary) -> None:
-        if self._progress is not None:
-            self._progress.stop()

@@ -26,8 +26,8 @@ from pycompss.api.multinode import multinode
 from pycompss.api.on_failure import on_failure
 from pycompss.api.task import task
 
+from hpoflow.engines.cluster.attempt import run_trial
 from hpoflow.engines.compss._api import runtime_active
-from hpoflow.engines.compss._body import run_trial
 from hpoflow.engines.compss.shape import TaskShape
 from hpoflow.errors import EngineError
 

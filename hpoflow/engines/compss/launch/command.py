@@ -79,7 +79,7 @@ def decode_app_value(text: str) -> str:
 
 def default_workflow() -> Path:
     """``workflows/hpo.py`` of this checkout (the package is installed editable)."""
-    return Path(__file__).resolve().parents[3] / "workflows" / "hpo.py"  # <root>/hpoflow/engines/compss/
+    return Path(__file__).resolve().parents[4] / "workflows" / "hpo.py"  # <root>/hpoflow/engines/compss/launch/
 
 
 def slurm_detected(env: Mapping[str, str] | None = None, which: object = shutil.which) -> bool:

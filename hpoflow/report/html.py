@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.errors import HpoflowError
 from hpoflow.fileio import write_atomic
-from hpoflow.report import best_rows, status_dict
+from hpoflow.report.tables import best_rows, status_dict
 
 __all__ = ["PANELS", "Interval", "Panel", "busy_fraction", "intervals", "lanes", "write_pngs", "write_report"]
 

@@ -39,7 +39,7 @@ __all__ = [
     "ssh_argv",
 ]
 
-RANK_CLI = "hpoflow.engines.compss._rank_cli"
+RANK_CLI = "hpoflow.engines.cluster.node"
 
 
 def parse_id_list(text: str | None) -> list[int]:
@@ -268,6 +268,6 @@ def launcher_argv(launcher: str, hosts: Sequence[str], ppn: int, request: TrialR
 
 def default_pythonpath() -> str:
     """PYTHONPATH for remote launchers: this one plus the directory holding the hpoflow package."""
-    pkg_parent = str(Path(__file__).resolve().parents[3])  # <parent>/hpoflow/engines/compss/layout.py
+    pkg_parent = str(Path(__file__).resolve().parents[3])  # <parent>/hpoflow/engines/cluster/layout.py
     parts = [pkg_parent, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     return os.pathsep.join(dict.fromkeys(parts))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hpoflow.engines.compss._body import run_trial
+from hpoflow.engines.cluster.attempt import run_trial
 from tests.engines._fakes import NetnsPair, make_request, rank_processes
 
 pytestmark = pytest.mark.slow  # two-node trials in network namespaces

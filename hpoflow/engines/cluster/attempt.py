@@ -7,7 +7,7 @@ results in completion order. It imports neither pycompss nor torch: training hap
 rank processes, fresh interpreters started from here, so no CUDA/NCCL state reaches the
 persistent COMPSs worker that runs this function.
 
-Single node: one node launcher (``_rank_cli node``) as a child in its own process group, on the
+Single node: one node launcher (``hpoflow.engines.cluster.node``) as a child in its own process group, on the
 cores/GPUs COMPSs bound to the task. Multi node: one node launcher per node through ``srun``
 (default), ``mpirun`` or ``ssh``; rank 0 and the rendezvous are on the executing node. Whatever
 happens, the launchers' process groups are killed and reaped in ``finally``, and a ``STOP`` file
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hpoflow.engines.compss.layout import (
+from hpoflow.engines.cluster.layout import (
     bound_cpus,
     bound_gpus,
     default_pythonpath,
@@ -146,7 +146,7 @@ def _plan(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], env: dict[
         "deadline": time.time() + req.timeout + 30.0 if req.timeout else None,
     }
     python = str(opts.get("python") or sys.executable)
-    cli = [python, "-m", "hpoflow.engines.compss._rank_cli", "node", "--job", str(files.job)]
+    cli = [python, "-m", "hpoflow.engines.cluster.node", "node", "--job", str(files.job)]
     if req.nodes == 1:
         cpus = bound_cpus(env)
         # one node: the ranks meet through a file store in a private directory (no rendezvous socket)

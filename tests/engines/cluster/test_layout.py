@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpoflow.engines.compss._body import _plan
-from hpoflow.engines.compss.layout import (
+from hpoflow.engines.cluster.attempt import _plan
+from hpoflow.engines.cluster.layout import (
     bound_cpus,
     bound_gpus,
     launcher_argv,
@@ -68,7 +68,7 @@ def test_launcher_commands() -> None:
     (srun,) = launcher_argv("srun", hosts, 4, req, "/r/job.json", python="/py")
     assert srun == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=16",
                     "--kill-on-bad-exit=1", "--export=ALL", "--overlap", "--gres=gpu:4", "/py", "-m",
-                    "hpoflow.engines.compss._rank_cli", "node", "--job", "/r/job.json", "--hosts", "n2,n1"]
+                    "hpoflow.engines.cluster.node", "node", "--job", "/r/job.json", "--hosts", "n2,n1"]
     (mpi,) = launcher_argv("mpirun", hosts, 4, req, "/r/job.json", python="/py", mpirun_args=("--bind-to", "none"))
     assert mpi[:8] == ["mpirun", "-np", "2", "--host", "n2,n1", "--map-by", "ppr:1:node", "--bind-to"]
     assert mpi[-4:] == ["--hosts", "n2,n1", "--index-from", "mpi"]
@@ -76,7 +76,7 @@ def test_launcher_commands() -> None:
     assert [c[:4] for c in ssh] == [["ssh", "-o", "BatchMode=yes", "n2"], ["ssh", "-o", "BatchMode=yes", "n1"]]
     # ssh joins its arguments for a remote shell: the quoting must give back the exact argv
     remote = shlex.split(" ".join(ssh[1][4:]))
-    assert remote == ["env", "PYTHONPATH=/a b", "/py", "-m", "hpoflow.engines.compss._rank_cli", "node", "--job",
+    assert remote == ["env", "PYTHONPATH=/a b", "/py", "-m", "hpoflow.engines.cluster.node", "node", "--job",
                       "/r/my job.json", "--hosts", "n2,n1", "--node-index", "1"]
     with pytest.raises(ValueError, match="valid launchers: mpirun, srun, ssh"):
         launcher_argv("pdsh", hosts, 4, req, "/j")

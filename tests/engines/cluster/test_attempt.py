@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from hpoflow.engines.compss._body import _plan, run_trial
+from hpoflow.engines.cluster.attempt import _plan, run_trial
 from hpoflow.fileio import write_json_atomic
 from hpoflow.train.transport import TrialFiles
 from tests.engines._fakes import make_request, rank_processes

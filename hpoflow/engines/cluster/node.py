@@ -1,10 +1,10 @@
 """Processes of one compss trial, each a fresh interpreter (no CUDA/NCCL state reaches a COMPSs worker).
 
-``python -m hpoflow.engines.compss._rank_cli node --job JOB`` — one per node, the *node launcher*: becomes
+``python -m hpoflow.engines.cluster.node node --job JOB`` — one per node, the *node launcher*: becomes
 the leader of a new process group, starts this node's ``processes_per_node`` ranks in it
 (``RANK = node_index * ppn + local_rank``) on its share of the node's cores and GPUs, and waits for
 them; if a rank fails, it kills the others (they would hang in a collective).
-``python -m hpoflow.engines.compss._rank_cli rank --job JOB --rank R ...`` — one rank: ``run_rank`` with a
+``python -m hpoflow.engines.cluster.node rank --job JOB --rank R ...`` — one rank: ``run_rank`` with a
 ``FileChannel`` on rank 0; its outcome goes to ``outcome-<rank>.json``.
 
 Both start a watcher thread that kills the whole process group (launcher, ranks and their children)
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hpoflow.engines.compss.layout import (
+from hpoflow.engines.cluster.layout import (
     bound_cpus,
     bound_gpus,
     choose_ifname,
@@ -175,7 +175,7 @@ def _node(args: argparse.Namespace) -> int:
         for lr in range(ppn):
             rank = node_index * ppn + lr
             cores, gshare = core_shares[lr], gpu_shares[lr]
-            argv = [sys.executable, "-m", "hpoflow.engines.compss._rank_cli", "rank", "--job", args.job,
+            argv = [sys.executable, "-m", "hpoflow.engines.cluster.node", "rank", "--job", args.job,
                     "--rank", str(rank), "--local-rank", str(lr),
                     "--cores", ",".join(str(c) for c in cores)]
             env = _rank_env(job, rank, lr, ppn, cores, gshare, bool(gpus) or int(req["gpus_per_process"]) > 0)
@@ -258,7 +258,7 @@ def _rank(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpoflow.engines.compss._rank_cli")
+    p = argparse.ArgumentParser(prog="python -m hpoflow.engines.cluster.node")
     sub = p.add_subparsers(dest="mode", required=True)
     n = sub.add_parser("node")
     n.add_argument("--job", required=True)

@@ -13,7 +13,7 @@ import pytest
 
 import hpoflow
 from hpoflow.engines.local import LocalEngine
-from hpoflow.htmlreport import busy_fraction, intervals
+from hpoflow.report.html import busy_fraction, intervals
 from tests.conftest import ROOT
 
 pytest.importorskip("plotly")
@@ -55,7 +55,7 @@ def test_the_report_draws_every_panel_and_leaves_the_run_alone(run_dir: Path, tm
 
 
 def test_the_timelines_busy_fraction_is_the_utilization_benchmarks(run_dir: Path) -> None:
-    study, _ = hpoflow.api.load_run(run_dir)
+    study, _ = hpoflow.run.open.load_run(run_dir)
     # bench/utilization.py's method, from the result files: time in the function / (slots x makespan),
     # makespan from the first submit to the last result
     res = [json.loads(p.read_text())["timings"] for p in run_dir.glob("trials/*/result.json")]
@@ -109,7 +109,7 @@ def test_the_timeline_hatches_elastic_trials_that_grew() -> None:
     import optuna
     from optuna.distributions import FloatDistribution
 
-    from hpoflow.htmlreport import PANELS
+    from hpoflow.report.html import PANELS
 
     study = optuna.create_study()
     for number, timings in enumerate([
@@ -135,7 +135,7 @@ def test_the_progress_line_says_when_an_elastic_trial_changed_size() -> None:
 
     from rich.console import Console
 
-    from hpoflow.report import ProgressListener
+    from hpoflow.report.progress import ProgressListener
     from hpoflow.trial import TrialResult
 
     out = io.StringIO()

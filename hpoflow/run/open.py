@@ -1,0 +1,176 @@
+"""Opening a run directory's study: the resume checks, the files written once, and read-only access.
+
+``open_study`` is what ``optimize`` does before its first trial: check that the directory holds this
+study (or nothing), write ``spec.yaml`` and ``run.json`` once, and create or reopen the Optuna study.
+``open_run_storage`` / ``load_run`` open a run for reading (``status``, ``report``, ``dashboard``,
+a warm start) and create nothing; ``run_budget`` is the run's ``search.n_trials``. Nothing secret is
+written: a storage password becomes ``***``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+
+from hpoflow._version import __version__
+from hpoflow.errors import HpoflowError, RunDirError, SpecError
+from hpoflow.fileio import write_atomic
+from hpoflow.run import rundir
+from hpoflow.run.rundir import redact
+from hpoflow.run.storage import open_storage, storage_label
+from hpoflow.spec import StudySpec, spec_from_mapping
+
+__all__ = ["RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget"]
+
+# What may change between a run and its resume: budgets and limits, never what a trial is.
+RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
+                  ("search", "max_failures"), ("search", "fail_fast"), ("resources", "timeout"),
+                  ("resources", "max_retries")}
+
+
+def _diff(a: Any, b: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[tuple[str, ...]] = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), (*path, str(k)))
+        return out
+    return [] if a == b else [path]
+
+
+def check_resume(run_dir: Path, spec: StudySpec) -> None:
+    """``RunDirError`` unless ``run_dir`` is empty or holds a run of this same study (only the
+    ``RESUMABLE_KEYS`` may differ)."""
+    old_path = run_dir / "spec.yaml"
+    if not old_path.exists():
+        if any(p.name != rundir.LOCK_FILE for p in run_dir.iterdir()):
+            raise RunDirError(
+                f"{run_dir} exists, is not empty and holds no spec.yaml, so it is not an hpoflow run "
+                "directory. Fix: choose another --run-dir"
+            )
+        return
+    try:
+        old = spec_from_mapping(yaml.safe_load(old_path.read_text()), source=str(old_path))
+    except SpecError as exc:
+        raise RunDirError(f"{old_path} is not a valid spec any more:\n{exc}") from None
+    new = spec.model_dump(mode="json")
+    new["storage"] = redact(new.get("storage"))  # spec.yaml holds the redacted URL
+    diffs = [d for d in _diff(old.model_dump(mode="json"), new) if d[:2] not in RESUMABLE_KEYS]
+    if diffs:
+        shown = ", ".join(".".join(d) for d in diffs[:5])
+        raise RunDirError(
+            f"{run_dir} holds a run of a different study (they differ at {shown}); resuming it with this "
+            "spec would mix results. Fix: use a new --run-dir, or undo those changes (only search.n_trials, "
+            "timeout, max_concurrent, max_failures and resources.timeout/max_retries may change on resume)"
+        )
+
+
+def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
+               sampler_for: Callable[[int], optuna.samplers.BaseSampler],
+               pruner: optuna.pruners.BasePruner) -> tuple[optuna.Study, str]:
+    """Check the directory holds this study (or nothing), write spec.yaml and run.json once, and
+    create or reopen the study: (study, redacted storage label). ``sampler_for(n)`` is the sampler for
+    a study that already holds ``n`` trials (a resumed stream must not repeat the first run's)."""
+    check_resume(rd, spec)
+    (rd / "trials").mkdir(exist_ok=True)
+    if not (rd / "spec.yaml").exists():
+        if spec.storage is not None and redact(spec.storage) != spec.storage:
+            data = yaml.safe_load(text) or {}
+            data["storage"] = redact(spec.storage)
+            text = yaml.safe_dump(data, sort_keys=False)
+        write_atomic(rd / "spec.yaml", text)
+    label = redact(storage_label(url, rd)) or ""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.create_study(
+            storage=open_storage(url, rd), study_name=spec.study.name,
+            directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
+            sampler=sampler_for(0), pruner=pruner, load_if_exists=True,
+        )
+    except (OSError, HpoflowError):
+        raise
+    except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if url:
+            why = why.replace(url, label)
+            parts = url.split("@")[0].rsplit(":", 1)
+            if len(parts) == 2 and parts[1]:
+                why = why.replace(parts[1], "***")  # the password, wherever the driver quoted it
+        raise RunDirError(f"cannot open the study's storage {label}: {type(exc).__name__}: {why[:300]}. Fix: check "
+                          "the URL, that the database answers, and that its Python driver is installed") from None
+    if spec.study.multi and study.metric_names is None:
+        with warnings.catch_warnings():  # experimental in Optuna 5, and the one public way to name them
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([n for n, _ in spec.study.objectives])
+    existing = len(study.get_trials(deepcopy=False))
+    if existing:
+        study.sampler = sampler_for(existing)
+    if not (rd / "run.json").exists():
+        run_info = {"run_id": uuid.uuid4().hex, "study_name": spec.study.name, "storage": label,
+                    "storage_env": spec.storage_env, "engine": spec.engine, "run_dir": str(rd),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hpoflow_version": __version__}
+        write_atomic(rd / "run.json", json.dumps(run_info, indent=1))
+    return study, label
+
+
+def open_run_storage(run_dir: str | os.PathLike[str], storage: str | None = None
+                     ) -> tuple[optuna.storages.BaseStorage, str, str]:
+    """A run directory's storage, opened for reading: (storage, study name, redacted label). Creates
+    and changes nothing. ``storage`` overrides the stored one (needed when the run's storage URL has
+    a password, which hpoflow never writes down, and the spec names no ``storage_env``)."""
+    rd = rundir.resolve(run_dir, create=False)
+    info_path = rd / "run.json"
+    try:
+        info = json.loads(info_path.read_text())
+        study_name = str(info["study_name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise RunDirError(f"{rd} is not an hpoflow run directory (no readable run.json). Fix: pass the --run-dir "
+                          "of a run") from None
+    if storage is None:
+        try:
+            data = yaml.safe_load((rd / "spec.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            data = {}
+        env = data.get("storage_env")
+        storage = os.environ.get(env) if isinstance(env, str) else data.get("storage")
+        if isinstance(env, str) and storage is None:
+            raise RunDirError(f"the run's storage URL is in the environment variable {env}, which is not set. "
+                              f"Fix: export {env}=<storage URL>")
+        if isinstance(storage, str) and "***" in storage:
+            raise RunDirError("the run's storage URL has a password, which hpoflow does not write down. Fix: pass "
+                              "--storage URL, or name an environment variable with storage_env in the spec")
+    try:
+        opened = open_storage(storage, rd, create=False)
+    except FileNotFoundError as exc:
+        raise RunDirError(f"{rd}: {exc}. Fix: pass the --run-dir of a run that has started") from None
+    return opened, study_name, redact(storage_label(storage, rd)) or ""
+
+
+def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tuple[optuna.Study, str]:
+    """Open a run directory's study for reading (status, tables): creates and changes nothing."""
+    opened, study_name, label = open_run_storage(run_dir, storage)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=study_name, storage=opened)
+    except KeyError:
+        raise RunDirError(f"{run_dir}: its storage holds no study {study_name!r}. Fix: pass the --run-dir of a "
+                          "run that has started") from None
+    return study, label
+
+
+def run_budget(run_dir: str | os.PathLike[str]) -> int | None:
+    """The run's ``search.n_trials`` as its spec.yaml says (None for a grid without it, or unreadable)."""
+    try:
+        data = yaml.safe_load((rundir.resolve(run_dir, create=False) / "spec.yaml").read_text()) or {}
+        value = (data.get("search") or {}).get("n_trials")
+    except (OSError, yaml.YAMLError, AttributeError, RunDirError):
+        return None
+    return value if isinstance(value, int) else None
