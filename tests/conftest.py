@@ -14,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # so trial processes can import tests' training functions
 
+pytest_plugins = ["tests.infra.fixtures"]  # slurm_cluster, postgres_server: real daemons, see tests/infra
+
 TINY: dict[str, Any] = {
     "study": {"name": "tiny", "metric": "val_accuracy", "direction": "maximize"},
     "space": {
