@@ -297,6 +297,8 @@ ENGINES.register("local", "hpoflow.engines.local.engine:LocalEngine", "hpoflow.e
                  summary="warm worker processes on this machine")
 ENGINES.register("compss", "hpoflow.engines.compss.engine:CompssEngine", "hpoflow.engines.compss.options:CompssOptions",
                  summary="PyCOMPSs tasks on a cluster")
+ENGINES.register("slurm", "hpoflow.engines.slurm.engine:SlurmEngine", "hpoflow.engines.slurm.options:SlurmOptions",
+                 summary="SLURM job steps in the driver's allocation, or a batch job per trial")
 ENGINES.register("simulated", "hpoflow.engines.simulated.engine:SimulatedEngine",
                  "hpoflow.engines.simulated.options:SimulatedOptions",
                  summary="a virtual clock and a cost model, for planning and driver tests (trains nothing)")

@@ -1,10 +1,14 @@
-"""``hpoflow launch SPEC --engine compss [...] [--dry-run]``: run a study under COMPSs.
+"""``hpoflow launch SPEC --engine compss|slurm [...] [--dry-run]``: run a study on a cluster.
 
-On one machine it runs ``runcompss``; on a batch system (``--nodes`` given, or a SLURM login node
-detected) ``enqueue_compss``. The command is built by ``hpoflow.engines.compss.launch.command`` from typed
-options, printed with ``--dry-run``, otherwise executed as an argv list (never through a shell).
-COMPSs re-splits arguments, so every value is checked or encoded (``hpoflow.engines.compss.launch.command``);
-flags after ``--`` go to runcompss/enqueue_compss unchanged (checked the same way).
+``--engine compss``: on one machine ``runcompss``; on a batch system (``--nodes`` given, or a SLURM login
+node detected) ``enqueue_compss``. The command is built by ``hpoflow.engines.compss.launch.command`` from
+typed options, printed with ``--dry-run``, otherwise executed as an argv list (never through a shell).
+COMPSs re-splits arguments, so every value is checked or encoded; flags after ``--`` go to
+runcompss/enqueue_compss unchanged (checked the same way).
+
+``--engine slurm``: the driver's batch script (``hpoflow.engines.slurm.launch``), written to the run
+directory and submitted with ``sbatch``; ``--dry-run`` prints it. ``--drivers N``: a job array of N
+drivers on one study storage.
 """
 
 from __future__ import annotations
@@ -30,17 +34,19 @@ __all__ = ["register"]
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "launch", help="run a study under COMPSs (runcompss here, enqueue_compss on a cluster)",
-        description="Build and run the runcompss/enqueue_compss command of a study. --dry-run prints it.",
+        "launch", help="run a study on a cluster: under COMPSs, or as a SLURM batch job",
+        description="compss: build and run the runcompss/enqueue_compss command of a study; slurm: write and "
+                    "submit the driver's batch script (its trials run as job steps). --dry-run prints it.",
     )
     p.add_argument("spec", help="study spec (YAML)")
-    p.add_argument("--engine", choices=["compss"], default="compss",
-                   help="engine to launch with (compss; for the local engine use `hpoflow run`)")
+    p.add_argument("--engine", choices=["compss", "slurm"], default="compss",
+                   help="engine to launch with (for the local engine use `hpoflow run`)")
     p.add_argument("--run-dir", help="run directory on a shared file system (default: runs/<study name>)")
     p.add_argument("--nodes", type=positive_int,
-                   help="nodes of the batch job, including the COMPSs master node (implies enqueue_compss)")
-    p.add_argument("--cpus-per-node", type=positive_int, help="CPU cores per node (enqueue_compss)")
-    p.add_argument("--gpus-per-node", type=non_negative_int, help="GPUs per node (enqueue_compss)")
+                   help="nodes of the batch job (compss: including the COMPSs master node; implies enqueue_compss)")
+    p.add_argument("--cpus-per-node", type=positive_int,
+                   help="CPU cores per node (enqueue_compss; slurm: default all of them, --exclusive)")
+    p.add_argument("--gpus-per-node", type=non_negative_int, help="GPUs per node")
     p.add_argument("--time", type=positive_int, metavar="MIN",
                    help="wall time of the batch job in minutes (default: from the study's budget, see "
                         "docs/cluster.md)")
@@ -58,6 +64,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--project-xml", help="COMPSs project.xml for runcompss")
     p.add_argument("--resources-xml", help="COMPSs resources.xml for runcompss")
     p.add_argument("--n-trials", type=positive_int, help="override search.n_trials")
+    p.add_argument("--signal", type=positive_int, default=300, metavar="SECONDS",
+                   help="slurm: the walltime warning comes this long before the end (--signal=B:USR1@SECONDS); "
+                        "the trials stop at their next step with a checkpoint (default 300)")
+    p.add_argument("--requeue", action="store_true",
+                   help="slurm: after the walltime warning the driver puts its job back in the queue, and the "
+                        "study resumes when it runs again")
+    p.add_argument("--drivers", type=positive_int, default=1,
+                   help="slurm: a job array of N drivers, each with its own allocation, on one study (the spec "
+                        "needs a shared storage)")
     p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     p.set_defaults(func=run, compss_args=[])
     p.usage = "hpoflow launch SPEC [options] [-- COMPSS_FLAG ...]"
@@ -108,7 +123,85 @@ def _elastic_slots(spec: StudySpec, batch: bool, nodes: int | None, cpus_per_nod
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpoflow.engines.compss.launch.batch import job_time, qos_warning, sc_cfg_file
+    if args.engine == "slurm":
+        return _slurm(args)
+    for flag, given in (("--drivers", args.drivers != 1), ("--requeue", args.requeue)):
+        if given:
+            raise EngineError(f"{flag} is an option of --engine slurm. Fix: remove it, or launch with --engine slurm")
+    return _compss(args)
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from hpoflow.engines.cluster.jobtime import job_time
+    from hpoflow.engines.slurm.launch import SlurmLaunch, batch_script, sbatch_argv
+    from hpoflow.spec import load_spec
+    from hpoflow.trial import TrialRequest
+
+    for flag, given in (("--sc-cfg", args.sc_cfg), ("--local", args.local), ("--project-xml", args.project_xml),
+                        ("--resources-xml", args.resources_xml), ("--generate-resources", args.generate_resources),
+                        ("-- FLAGS", args.compss_args)):
+        if given:
+            raise EngineError(f"{flag} is an option of --engine compss. Fix: remove it (SLURM reads its own config)")
+    spec, _ = load_spec(args.spec)
+    res = spec.resources
+    if spec.engine != "slurm":
+        raise EngineError(f"{args.spec} runs its trials on engine {spec.engine!r}; hpoflow launch --engine slurm runs "
+                          "a driver whose trials are SLURM job steps. Fix: set engine: slurm in the spec")
+    if args.drivers > 1 and spec.storage is None and spec.storage_env is None:
+        raise EngineError(f"--drivers {args.drivers} runs one study from several drivers, which needs one storage "
+                          "they all reach, but the spec keeps the study in each run directory. Fix: set storage: in "
+                          "the spec to a journal file on a shared file system (storage: /scratch/me/study.journal) "
+                          "or a database URL (with its password in storage_env)")
+    nodes = args.nodes or res.nodes
+    if res.nodes > nodes:
+        raise EngineError(f"a trial spans resources.nodes={res.nodes} node(s), but --nodes is {nodes}. Fix: --nodes "
+                          f"{res.nodes} or more")
+    if args.cpus_per_node or args.gpus_per_node is not None:
+        from hpoflow.engines.slurm.allocation import Allocation
+
+        cpus = args.cpus_per_node or 1 << 20
+        alloc = Allocation("(to submit)", tuple(f"node{i}" for i in range(nodes)), (cpus,) * nodes,
+                           args.gpus_per_node or 0)
+        alloc.check_fit(TrialRequest.shape(res.processes, res.cpus_per_process, res.gpus_per_process, res.nodes))
+    jt = job_time(args.time, search_timeout=spec.search.timeout, n_trials=args.n_trials or spec.search.n_trials,
+                  max_concurrent=spec.search.max_concurrent, trial_timeout=res.timeout)
+    for w in jt.warnings:
+        _warn(w)
+    if jt.minutes * 60 <= args.signal:
+        raise EngineError(f"--signal {args.signal} s asks for the walltime warning before the job even starts "
+                          f"(--time {jt.minutes} min). Fix: a smaller --signal or a longer --time")
+    run_dir = (Path(args.run_dir) if args.run_dir else Path("runs") / spec.study.name).resolve()
+    repo = str(Path(__file__).resolve().parents[2])
+    launch = SlurmLaunch(
+        spec=str(Path(args.spec).resolve()), run_dir=str(run_dir), python=sys.executable,
+        pythonpath=tuple(dict.fromkeys((repo, os.getcwd()))), workdir=os.getcwd(), nodes=nodes,
+        cpus_per_node=args.cpus_per_node,
+        gpus_per_node=args.gpus_per_node or 0, time_minutes=jt.minutes, partition=args.queue, account=args.account,
+        qos=args.qos, job_name=args.job_name or f"hpoflow-{spec.study.name}", signal_s=args.signal,
+        requeue=args.requeue, drivers=args.drivers, n_trials=args.n_trials)
+    script = batch_script(launch)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    if shutil.which("sbatch") is None:
+        raise EngineError("sbatch is not on PATH, so this is not a SLURM login node. Fix: run hpoflow launch where "
+                          "SLURM's commands are (module load slurm), or check the script with --dry-run")
+    from hpoflow.fileio import write_atomic
+    from hpoflow.run.open import LAUNCH_DIR
+
+    path = run_dir / LAUNCH_DIR / "driver.sbatch"
+    write_atomic(path, script, mode=0o755)
+    output = str(path.parent / ("slurm-%A_%a.out" if args.drivers > 1 else "slurm-%j.out"))
+    r = subprocess.run(sbatch_argv(str(path), output), capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise EngineError(f"sbatch refused the driver's job: {(r.stderr or r.stdout).strip()}. The script is {path}")
+    print(f"submitted job {r.stdout.strip()} (script {path}; output {output})")
+    return 0
+
+
+def _compss(args: argparse.Namespace) -> int:
+    from hpoflow.engines.cluster.jobtime import job_time
+    from hpoflow.engines.compss.launch.batch import qos_warning, sc_cfg_file
     from hpoflow.engines.compss.launch.command import (
         LaunchOptions,
         build_command,

@@ -61,9 +61,9 @@ class ProgressListener(DriverListener):
         if self.quiet:
             return
         if self._progress is not None:
-            self._progress.console.print(text, highlight=False, soft_wrap=True)
+            self._progress.console.print(text, highlight=False, soft_wrap=True, markup=False)
         else:
-            self.console.print(text, highlight=False, soft_wrap=True)
+            self.console.print(text, highlight=False, soft_wrap=True, markup=False)
 
     def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
         self.running += 1

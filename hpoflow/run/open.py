@@ -29,7 +29,9 @@ from hpoflow.run.rundir import redact
 from hpoflow.run.storage import open_storage, storage_label
 from hpoflow.spec import StudySpec, spec_from_mapping
 
-__all__ = ["RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget"]
+__all__ = ["LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget"]
+
+LAUNCH_DIR = "launch"  # hpoflow launch's batch script and the job's output, written before the run starts
 
 # What may change between a run and its resume: budgets and limits, never what a trial is.
 RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
@@ -51,7 +53,7 @@ def check_resume(run_dir: Path, spec: StudySpec) -> None:
     ``RESUMABLE_KEYS`` may differ)."""
     old_path = run_dir / "spec.yaml"
     if not old_path.exists():
-        if any(p.name != rundir.LOCK_FILE for p in run_dir.iterdir()):
+        if any(p.name not in (rundir.LOCK_FILE, LAUNCH_DIR) for p in run_dir.iterdir()):
             raise RunDirError(
                 f"{run_dir} exists, is not empty and holds no spec.yaml, so it is not an hpoflow run "
                 "directory. Fix: choose another --run-dir"

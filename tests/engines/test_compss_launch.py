@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from hpoflow.cli.main import main
-from hpoflow.engines.compss.launch.batch import FLOOR_MINUTES, MARGIN_MINUTES, job_time, qos_warning, sc_cfg_file
+from hpoflow.engines.cluster.jobtime import FLOOR_MINUTES, MARGIN_MINUTES, job_time
+from hpoflow.engines.compss.launch.batch import qos_warning, sc_cfg_file
 from hpoflow.engines.compss.launch.command import (
     LaunchOptions,
     build_command,

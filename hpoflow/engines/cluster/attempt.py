@@ -269,3 +269,25 @@ def _run(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], t0: float, 
         cancelled = "cancelled (STOP file)"
     return _result_from(req, files, codes=[p.returncode for p in procs], failure=failure,
                         retryable=retryable, cancelled=cancelled, **common)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpoflow.engines.cluster.attempt --request FILE --options FILE``: one attempt of a
+    trial inside a batch job (the slurm engine's jobs mode); its result goes to the attempt directory."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m hpoflow.engines.cluster.attempt")
+    p.add_argument("--request", required=True, help="the TrialRequest as JSON")
+    p.add_argument("--options", required=True, help="the engine's options for the attempt, as JSON")
+    args = p.parse_args(argv)
+    try:
+        request, options = Path(args.request).read_text(), Path(args.options).read_text()
+    except OSError as exc:
+        print(f"hpoflow: cannot read the attempt's files: {exc}", file=sys.stderr)
+        return 2
+    data = run_trial(request, options)
+    return 0 if data.get("status") in ("complete", "pruned") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

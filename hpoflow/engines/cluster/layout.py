@@ -111,24 +111,37 @@ def rank_layout(nodes: int, ppn: int) -> list[RankSlot]:
 def ordered_hosts(env: Mapping[str, str], nodes: int) -> list[str]:
     """Hosts of a multi-node task, the executing node first (it holds rank 0 and the rendezvous).
 
-    COMPSs lists ``COMPSS_HOSTNAMES`` with the executing node last. ``ValueError`` if the list is
-    missing or does not have ``nodes`` distinct, option-free names.
+    Under COMPSs, ``COMPSS_HOSTNAMES`` lists them with the executing node last; in a SLURM batch job
+    (the slurm engine's jobs mode), ``SLURM_JOB_NODELIST`` lists them and ``SLURMD_NODENAME`` is this
+    node. ``ValueError`` if neither is set or the list does not have ``nodes`` distinct, option-free names.
     """
     raw = [h.strip() for h in env.get("COMPSS_HOSTNAMES", "").split(",") if h.strip()]
+    source = "COMPSS_HOSTNAMES"
+    if not raw and env.get("SLURM_JOB_NODELIST"):
+        from hpoflow.engines.cluster.hostlist import HostlistError, expand
+
+        try:
+            listed = expand(env["SLURM_JOB_NODELIST"])
+        except HostlistError as exc:
+            raise ValueError(str(exc)) from None
+        me = env.get("SLURMD_NODENAME", "")
+        raw = [*[h for h in listed if h != me], *([me] if me in listed else [])]  # this node last, as COMPSs
+        source = "SLURM_JOB_NODELIST"
     if not raw:
         raise ValueError(
-            "COMPSS_HOSTNAMES is not set, so this is not a COMPSs @multinode task. Fix: run multi-node "
-            "trials under runcompss/enqueue_compss (hpoflow launch SPEC --engine compss --nodes N)"
+            "neither COMPSS_HOSTNAMES nor SLURM_JOB_NODELIST is set, so this is not a multi-node task. Fix: run "
+            "multi-node trials under runcompss/enqueue_compss (hpoflow launch SPEC --engine compss --nodes N) or "
+            "with the slurm engine"
         )
     hosts = list(dict.fromkeys(raw))
     if len(hosts) != nodes:
         raise ValueError(
-            f"the trial needs resources.nodes={nodes} nodes but COMPSs gave {len(hosts)}: "
-            f"COMPSS_HOSTNAMES={env.get('COMPSS_HOSTNAMES')!r}"
+            f"the trial needs resources.nodes={nodes} nodes but {source} names {len(hosts)}: "
+            f"{source}={env.get(source)!r}"
         )
     for h in hosts:
         if h.startswith("-") or any(c.isspace() for c in h):
-            raise ValueError(f"host name {h!r} in COMPSS_HOSTNAMES is not a plain host name")
+            raise ValueError(f"host name {h!r} in {source} is not a plain host name")
     return [hosts[-1], *hosts[:-1]]
 
 

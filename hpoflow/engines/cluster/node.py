@@ -1,4 +1,4 @@
-"""Processes of one compss trial, each a fresh interpreter (no CUDA/NCCL state reaches a COMPSs worker).
+"""Processes of one cluster trial, each a fresh interpreter (no CUDA/NCCL state reaches a COMPSs worker).
 
 ``python -m hpoflow.engines.cluster.node node --job JOB`` — one per node, the *node launcher*: becomes
 the leader of a new process group, starts this node's ``processes_per_node`` ranks in it
@@ -6,8 +6,12 @@ the leader of a new process group, starts this node's ``processes_per_node`` ran
 them; if a rank fails, it kills the others (they would hang in a collective).
 ``python -m hpoflow.engines.cluster.node rank --job JOB --rank R ...`` — one rank: ``run_rank`` with a
 ``FileChannel`` on rank 0; its outcome goes to ``outcome-<rank>.json``.
+``python -m hpoflow.engines.cluster.node step --job JOB`` — one rank as a task of a SLURM job step
+(the slurm engine's steps mode): SLURM started every rank, so no node launcher; the rank, its node and
+the world come from ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``; its log says on which node
+and address it ran.
 
-Both start a watcher thread that kills the whole process group (launcher, ranks and their children)
+All of them start a watcher thread that kills the whole process group (launcher, ranks and their children)
 as soon as the attempt's ``STOP`` file appears: a cancelled COMPSs task's children survive the task,
 and ranks started by srun/ssh on other nodes are not the task's children at all.
 """
@@ -20,6 +24,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -163,10 +168,11 @@ def _node(args: argparse.Namespace) -> int:
     core_shares = split_for_ranks(cpus, ppn, int(req["cpus_per_process"]))
     gpu_shares = split_for_ranks(gpus, ppn, int(req["gpus_per_process"]))
     if job.get("socket_ifname") == "auto" and int(job["world_size"]) > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
-        ifname = choose_ifname(str(job["master_addr"]))
+        # the node that started this launcher (srun sets its address) is the executing node: rank 0's
+        ifname = choose_ifname(os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or str(job["master_addr"]))
         if ifname:
             job.setdefault("env", {})["GLOO_SOCKET_IFNAME"] = ifname
-    _log(f"node {node_index} on {os.uname().nodename}: ranks "
+    _log(f"node {node_index} on {os.environ.get('SLURMD_NODENAME') or os.uname().nodename}: ranks "
          f"{node_index * ppn}..{node_index * ppn + ppn - 1}, cores {cpus}, gpus {gpus}, rendezvous "
          f"{job['master_addr']}:{job['master_port']}, gloo interface "
          f"{(job.get('env') or {}).get('GLOO_SOCKET_IFNAME') or os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
@@ -236,24 +242,79 @@ def _rank(args: argparse.Namespace) -> int:
     req = job["request"]
     files = TrialFiles(Path(req["trial_dir"]), int(req.get("attempt", 0)))
     start_stop_watcher(files)
-    cores = [int(c) for c in args.cores.split(",") if c.strip().isdigit()]
+    cores = [int(c) for c in args.cores.split(",") if c.strip().isascii() and c.strip().isdigit()]
     if cores and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, cores)
         except OSError as exc:
             _log(f"could not pin rank {args.rank} to cores {cores}: {exc}")
+    return _run(job, files, args.rank, int(job["world_size"]), args.local_rank, max(1, len(cores)))
+
+
+def _step(args: argparse.Namespace) -> int:
+    """One rank as one task of a SLURM job step (the slurm engine's steps mode): SLURM started every
+    rank itself, so the rank, its node and the world come from the step's environment."""
+    env = os.environ
+    job = _load_job(args.job)
+    req = job["request"]
+    files = TrialFiles(Path(req["trial_dir"]), int(req.get("attempt", 0)))
+    try:
+        rank, local, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), int(env["SLURM_NTASKS"])
+    except (KeyError, ValueError):
+        _log("not a task of a SLURM job step (SLURM_PROCID/SLURM_NTASKS missing)")
+        return 3
+    log_fd = os.open(files.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    if world != int(job["world_size"]):
+        _log(f"the step has {world} tasks but the trial {job['world_size']} ranks")
+        return 3
+    start_stop_watcher(files, job.get("deadline"))
+    threads = max(1, int(req["cpus_per_process"]))
+    os.environ.update({str(k): str(v) for k, v in (job.get("env") or {}).items()})
+    os.environ.update({
+        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HPOFLOW_RANK": str(rank),
+        "HPOFLOW_TRIAL": str(req["number"]), "LOCAL_RANK": str(local), "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", str(job.get("ppn", world))).split("(")[0],
+    })
+    # the interface that routes to the driver's node is the one the step's hosts share: never all of them
+    target = env.get("SLURM_LAUNCH_NODE_IPADDR") or str(job.get("master_addr") or "")
+    if job.get("socket_ifname") == "auto" and world > 1 and "GLOO_SOCKET_IFNAME" not in os.environ and target:
+        ifname = choose_ifname(target)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    _log(f"rank {rank} of {world} (local rank {local}) on node {env.get('SLURMD_NODENAME', os.uname().nodename)} "
+         f"({_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
+         f"{env.get('SLURM_STEP_ID')}, gloo interface {os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
+    return _run(job, files, rank, world, local, threads)
+
+
+def _addresses(ifname: str | None) -> str:
+    """This host's IPv4 addresses (of ``ifname`` when given), for the rank log."""
+    try:
+        import psutil
+
+        found = [a.address for name, addrs in psutil.net_if_addrs().items() if ifname in (None, name)
+                 for a in addrs if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    except (ImportError, OSError):
+        found = []
+    return ", ".join(found) or "no address"
+
+
+def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: int, threads: int) -> int:
+    """Run this rank (``run_rank``, rank 0 with the file channel) and write its outcome."""
     from hpoflow.train.runner import run_rank
     from hpoflow.train.transport import Channel, FileChannel, NullChannel
     from hpoflow.trial import RankJob
 
-    request = _request(job)
-    rj = RankJob(request, args.rank, int(job["world_size"]), args.local_rank, str(job["master_addr"]),
-                 int(job["master_port"]), max(1, len(cores)), float(job.get("pg_timeout_s", 120.0)),
-                 str(job.get("store") or ""))
-    channel: Channel = (FileChannel(files, float(job.get("answer_timeout_s", 600.0))) if args.rank == 0
+    rj = RankJob(_request(job), rank, world, local, str(job["master_addr"]), int(job["master_port"]), threads,
+                 float(job.get("pg_timeout_s", 120.0)), str(job.get("store") or ""))
+    channel: Channel = (FileChannel(files, float(job.get("answer_timeout_s", 600.0))) if rank == 0
                         else NullChannel())
     outcome = run_rank(rj, channel)
-    write_json_atomic(files.outcome(args.rank), {**dataclasses.asdict(outcome), "host": os.uname().nodename})
+    host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    write_json_atomic(files.outcome(rank), {**dataclasses.asdict(outcome), "host": host})
     return 0 if outcome.status in ("ok", "pruned") else 1
 
 
@@ -272,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--local-rank", type=int, default=0)
     r.add_argument("--cores", default="")
     r.set_defaults(func=_rank)
+    st = sub.add_parser("step")
+    st.add_argument("--job", required=True)
+    st.set_defaults(func=_step)
     args = p.parse_args(argv)
     return int(args.func(args))
 

@@ -53,9 +53,9 @@ def test_hosts_executing_node_first_and_node_index_by_name() -> None:
     assert resolve_node_index(hosts, {"SLURMD_NODENAME": "s01r1b01.cluster.local"}) == 0
     with pytest.raises(ValueError, match="matches 0 of the trial's hosts"):
         resolve_node_index(["x1", "x2"], {"HPOFLOW_NODE_NAME": "nohost"})
-    with pytest.raises(ValueError, match="COMPSs gave 3"):
+    with pytest.raises(ValueError, match="COMPSS_HOSTNAMES names 3"):
         ordered_hosts(env, 2)
-    with pytest.raises(ValueError, match="COMPSS_HOSTNAMES is not set"):
+    with pytest.raises(ValueError, match="neither COMPSS_HOSTNAMES nor SLURM_JOB_NODELIST is set"):
         ordered_hosts({}, 2)
     with pytest.raises(ValueError, match="not a plain host name"):
         ordered_hosts({"COMPSS_HOSTNAMES": "-oProxyCommand=x,b"}, 2)

@@ -1,0 +1,457 @@
+"""The slurm engine: every trial is a SLURM job step of the driver's allocation, or its own batch job.
+
+Modes (``engine_options.mode``; ``auto``: steps inside an allocation, else jobs):
+
+- **steps**: the driver runs in a batch script (``hpoflow launch SPEC --engine slurm``). Each trial is
+  one ``srun --exact`` step that asks for exactly the trial's nodes, tasks, CPUs per task, GPUs per
+  task and memory, so steps never share cores; SLURM places it. Each task of the step is one rank
+  (``python -m hpoflow.engines.cluster.node step``): the rank and the world come from the step's
+  environment, the ranks meet through a ``torch.distributed.FileStore`` in the attempt directory on
+  the shared file system (no rendezvous socket), and gloo binds the interface that routes to the
+  driver's node (``SLURM_LAUNCH_NODE_IPADDR``). ``--kill-on-bad-exit`` ends the step when a rank fails.
+- **jobs**: each trial is its own ``sbatch`` job (for users without an allocation, long trials, or
+  per-job limits), tracked with ``squeue`` and its heartbeat; the job runs one attempt of the trial
+  (``python -m hpoflow.engines.cluster.attempt``), which starts one node launcher per node, as a COMPSs
+  task does. The driver may run on a login node.
+
+Reports, pruning answers and results travel through the run directory on the shared file system, as
+in the compss engine (``hpoflow.train.transport``). Cancel: a ``STOP`` file every rank watches, then
+SIGTERM to the step's ``srun`` (it ends the step) or ``scancel`` of the trial's job. A rank that ends
+without an outcome (its node failed: ``srun`` may exit 0 then) fails the attempt as retryable, so the
+driver reruns it from its checkpoint on the nodes that are left (``resources.max_retries``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.cluster.attempt import HEARTBEAT_S, stderr_tail
+from hpoflow.engines.cluster.layout import default_pythonpath, processes_per_node
+from hpoflow.engines.proc import tail
+from hpoflow.engines.slurm.allocation import Allocation
+from hpoflow.engines.slurm.options import SlurmOptions
+from hpoflow.errors import EngineError
+from hpoflow.fileio import read_json, write_atomic, write_json_atomic
+from hpoflow.train.transport import ReportReader, TrialFiles
+from hpoflow.trial import RankOutcome, result_from_ranks
+
+__all__ = ["SlurmEngine"]
+
+_SQUEUE_EVERY_S = 2.0  # jobs mode: one squeue for every job at most this often
+_GONE_GRACE_S = 10.0  # jobs mode: a job squeue no longer lists may still be writing its result
+
+
+@dataclass
+class _Trial:
+    request: TrialRequest
+    files: TrialFiles
+    reader: ReportReader
+    submitted: float
+    submitted_wall: float
+    deadline: float | None
+    proc: subprocess.Popen[bytes] | None = None  # steps: the step's srun
+    job_id: str | None = None  # jobs: the trial's batch job
+    pending_answer: int | None = None
+    first_report: float | None = None
+    cancel_reason: str | None = None
+    failure: str | None = None
+    retryable: bool = False
+    stop_time: float | None = None
+    gone_since: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SlurmEngine(Engine):
+    """Runs each trial as a SLURM job step or batch job; see the module docstring."""
+
+    name = "slurm"
+
+    @classmethod
+    def from_options(cls, options: SlurmOptions, run_dir: Path | None = None) -> SlurmEngine:
+        return cls(options, run_dir)
+
+    @classmethod
+    def check_fit(cls, options: SlurmOptions, request: TrialRequest) -> None:
+        """Fixed-size trials whose ranks split evenly over their nodes; inside an allocation (steps mode),
+        a trial that fits the allocation."""
+        _check_shape(request)
+        if options.resolved_mode(os.environ) == "steps" and os.environ.get("SLURM_JOB_ID"):
+            Allocation.from_env(os.environ).check_fit(request)
+
+    def __init__(self, options: SlurmOptions | None = None, run_dir: Path | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
+        self.options = options or SlurmOptions()
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        env = dict(os.environ if environ is None else environ)
+        self.mode = self.options.resolved_mode(env)
+        self.allocation = Allocation.from_env(env) if self.mode == "steps" else None
+        tool = "srun" if self.mode == "steps" else "sbatch"
+        if shutil.which(tool) is None:
+            raise EngineError(f"the slurm engine's {self.mode} mode needs {tool}, which is not on PATH here. Fix: run "
+                              "the driver on a SLURM login node or inside an allocation (module load slurm)")
+        self.python = self.options.python or sys.executable
+        self._trials: dict[int, _Trial] = {}
+        self._events: list[Event] = []
+        self._last_squeue = 0.0
+        self._queued: dict[str, str] = {}  # job id -> state, from the last squeue
+        self._closed = False
+
+    # -- contract -------------------------------------------------------------------------------
+    def capacity(self, request: TrialRequest) -> int:
+        try:
+            _check_shape(request)
+        except EngineError:
+            return 0
+        if self.allocation is not None:
+            return self.allocation.capacity(request)
+        return self.options.max_jobs
+
+    def submit(self, request: TrialRequest) -> None:
+        if self._closed:
+            raise EngineError("the slurm engine is closed")
+        _check_shape(request)
+        files = TrialFiles(Path(request.trial_dir), request.attempt)
+        _fresh_attempt_dir(files)
+        now = time.monotonic()
+        t = _Trial(request, files, ReportReader(files.reports), now, time.time(),
+                   now + request.timeout if request.timeout else None)
+        job = self._job(request, files)
+        write_json_atomic(files.job, job)
+        if self.mode == "steps":
+            self._start_step(t)
+        else:
+            self._start_job(t)
+        self._trials[request.number] = t
+
+    def poll(self, timeout: float | None) -> list[Event]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.mode == "jobs":
+                self._refresh_queue()
+            for t in list(self._trials.values()):
+                self._check(t)
+            if self._events or not self._trials:
+                out, self._events = self._events, []
+                return out
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return []
+            step = self.options.poll_interval_s
+            time.sleep(step if deadline is None else max(0.0, min(step, deadline - now)))
+
+    def answer(self, number: int, prune: bool) -> None:
+        t = self._trials.get(number)
+        if t is None or t.pending_answer is None:
+            return
+        seq, t.pending_answer = t.pending_answer, None
+        with contextlib.suppress(OSError):
+            write_json_atomic(t.files.answer(seq), {"prune": bool(prune)})
+
+    def cancel(self, number: int, reason: str) -> None:
+        t = self._trials.get(number)
+        if t is None or t.cancel_reason is not None or t.failure is not None:
+            return
+        t.cancel_reason = reason
+        self._stop(t)
+
+    def running(self) -> list[int]:
+        return sorted(self._trials)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for number in list(self._trials):
+            self.cancel(number, "engine closed")
+        end = time.monotonic() + self.options.kill_grace_s + 10.0
+        while self._trials and time.monotonic() < end:
+            if self.mode == "jobs":
+                self._refresh_queue(force=True)
+            for t in list(self._trials.values()):
+                self._check(t)
+            if self._trials:
+                time.sleep(0.1)
+        for t in self._trials.values():  # whatever is left: killed for good
+            if t.proc is not None and t.proc.poll() is None:
+                t.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    t.proc.wait(10)
+            elif t.job_id is not None:
+                _run_quiet(["scancel", "--signal=KILL", t.job_id])
+        self._trials.clear()
+
+    # -- starting a trial ---------------------------------------------------------------------------
+    def _job(self, request: TrialRequest, files: TrialFiles) -> dict[str, Any]:
+        """What the rank processes (steps) or the attempt (jobs) read: the request and the options."""
+        store = str(files.dir / f"rendezvous-{os.urandom(4).hex()}.store") if request.processes > 1 else ""
+        env = dict(self.options.env)
+        env.setdefault("PYTHONPATH", default_pythonpath())
+        return {
+            "request": json.loads(request.to_json()), "ppn": processes_per_node(request),
+            "world_size": request.processes, "pg_timeout_s": self.options.pg_timeout_s,
+            "answer_timeout_s": self.options.answer_timeout_s, "env": env,
+            "socket_ifname": self.options.socket_ifname, "master_addr": "", "master_port": 0, "store": store,
+            "deadline": time.time() + request.timeout + 30.0 if request.timeout else None,
+        }
+
+    def _resources(self, request: TrialRequest, *, per_task: bool) -> list[str]:
+        """The trial's resource flags: per task (a step: one task per rank) or per node (a trial job)."""
+        ppn = processes_per_node(request)
+        out = [f"--nodes={request.nodes}"]
+        if per_task:
+            out += [f"--ntasks={request.processes}", f"--ntasks-per-node={ppn}",
+                    f"--cpus-per-task={request.cpus_per_process}"]
+            if request.gpus_per_process:
+                out.append(f"--gpus-per-task={request.gpus_per_process}")
+        else:
+            out += ["--ntasks-per-node=1", f"--cpus-per-task={ppn * request.cpus_per_process}"]
+            if request.gpus_per_process:
+                out.append(f"--gpus-per-node={ppn * request.gpus_per_process}")
+        if self.options.memory_gb:
+            out.append(f"--mem={self.options.memory_gb}G")
+        return out
+
+    def _name(self, request: TrialRequest) -> str:
+        study = self.run_dir.name if self.run_dir is not None else "study"
+        safe = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in study)[:40]
+        return f"hpoflow.{safe}.t{request.number}"
+
+    def _start_step(self, t: _Trial) -> None:
+        req, files = t.request, t.files
+        argv = ["srun", "--exact", f"--job-name={self._name(req)}", *self._resources(req, per_task=True),
+                "--kill-on-bad-exit=1", "--input=none", f"--output={files.dir / 'task%t.out'}",
+                *self.options.srun_args, self.python, "-m", "hpoflow.engines.cluster.node", "step",
+                "--job", str(files.job)]
+        if req.timeout:  # a backstop only: the engine stops a trial at its timeout itself
+            argv.insert(1, f"--time={math.ceil((req.timeout + 120) / 60)}")
+        with open(files.dir / "srun.log", "ab") as log:
+            log.write((shlex.join(argv) + "\n").encode())
+            log.flush()
+            t.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                      start_new_session=True)
+
+    def _start_job(self, t: _Trial) -> None:
+        req, files = t.request, t.files
+        write_json_atomic(files.dir / "request.json", json.loads(req.to_json()))
+        write_json_atomic(files.dir / "options.json", self._task_options())
+        script = files.dir / "job.sh"
+        write_atomic(script, "#!/bin/sh\n"
+                     f"# hpoflow: trial {req.number}, attempt {req.attempt}; written by the slurm engine\n"
+                     f"exec {shlex.quote(self.python)} -m hpoflow.engines.cluster.attempt "
+                     f"--request {shlex.quote(str(files.dir / 'request.json'))} "
+                     f"--options {shlex.quote(str(files.dir / 'options.json'))}\n", mode=0o755)
+        o = self.options
+        argv = ["sbatch", "--parsable", f"--job-name={self._name(req)}", *self._resources(req, per_task=False),
+                f"--output={files.dir / 'job.out'}", f"--chdir={files.dir}", "--export=ALL"]
+        minutes = o.time_min or (math.ceil((req.timeout + 300) / 60) if req.timeout else None)
+        if minutes:
+            argv.append(f"--time={minutes}")
+        for flag, value in (("partition", o.partition), ("account", o.account), ("qos", o.qos),
+                            ("constraint", o.constraint)):
+            if value:
+                argv.append(f"--{flag}={value}")
+        argv += [*o.sbatch_args, str(script)]
+        env = {**os.environ, "PYTHONPATH": default_pythonpath()}
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+        job_id = r.stdout.strip().split(";")[0]
+        if r.returncode != 0 or not job_id.isdigit():
+            why = (r.stderr or r.stdout).strip().splitlines()
+            t.failure = f"sbatch refused the trial's job: {why[-1] if why else f'exit {r.returncode}'}"
+            t.retryable = False
+            return
+        t.job_id = job_id
+        self._queued[job_id] = "PENDING"
+
+    def _task_options(self) -> dict[str, Any]:
+        """The options ``run_trial`` reads inside a trial job (as a COMPSs task's)."""
+        o = self.options
+        return {"launcher": "srun", "srun_args": ["--overlap", *o.srun_args], "python": self.python,
+                "env": dict(o.env), "socket_ifname": o.socket_ifname, "kill_grace_s": o.kill_grace_s,
+                "answer_timeout_s": o.answer_timeout_s, "pg_timeout_s": o.pg_timeout_s}
+
+    # -- watching a trial ---------------------------------------------------------------------------
+    def _refresh_queue(self, force: bool = False) -> None:
+        """The states of every trial job (one squeue for all of them, at most every few seconds)."""
+        now = time.monotonic()
+        ids = [t.job_id for t in self._trials.values() if t.job_id]
+        if not ids or (not force and now - self._last_squeue < _SQUEUE_EVERY_S):
+            return
+        self._last_squeue = now
+        r = _run_quiet(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"])
+        if r is None:
+            return  # slurmctld did not answer: keep the last states
+        self._queued = dict(line.split(None, 1) for line in r.splitlines() if len(line.split(None, 1)) == 2)
+
+    def _read_reports(self, t: _Trial) -> None:
+        for item in t.reader.read_new():
+            if "step" not in item:
+                continue
+            if t.first_report is None:
+                t.first_report = time.monotonic()
+            if item.get("wants_answer"):
+                t.pending_answer = int(item.get("seq", 0))
+            metrics = {str(k): float(v) for k, v in (item.get("metrics") or {}).items()}
+            self._events.append(TrialReport(t.request.number, int(item["step"]), metrics,
+                                            bool(item.get("wants_answer"))))
+
+    def _stop(self, t: _Trial) -> None:
+        """Ask every rank to stop (STOP file), then end the step or the job."""
+        t.stop_time = time.monotonic()
+        with contextlib.suppress(OSError):
+            t.files.stop.write_text(f"{t.cancel_reason or t.failure}\n")
+        if t.proc is not None and t.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(t.proc.pid, signal.SIGTERM)  # srun forwards it and ends the step
+        elif t.job_id is not None:
+            _run_quiet(["scancel", t.job_id])
+
+    def _check(self, t: _Trial) -> None:
+        self._read_reports(t)
+        now = time.monotonic()
+        if t.deadline is not None and now >= t.deadline and t.failure is None and t.cancel_reason is None:
+            t.failure = f"timed out after {t.request.timeout:g} s (resources.timeout)"
+            t.retryable = False  # the same configuration would run as long again
+            self._stop(t)
+        if t.stop_time is not None and now - t.stop_time > self.options.kill_grace_s:
+            if t.proc is not None and t.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(t.proc.pid, signal.SIGKILL)
+            elif t.job_id is not None and not t.extra.get("killed"):
+                t.extra["killed"] = True
+                _run_quiet(["scancel", "--signal=KILL", t.job_id])
+        done = self._step_done(t) if t.proc is not None or self.mode == "steps" else self._job_done(t, now)
+        if not done:
+            return
+        self._read_reports(t)  # every report before the result
+        self._events.append(self._result(t))
+        del self._trials[t.request.number]
+
+    def _step_done(self, t: _Trial) -> bool:
+        return t.proc is None or t.proc.poll() is not None
+
+    def _job_done(self, t: _Trial, now: float) -> bool:
+        if t.job_id is None or t.files.result.exists():
+            return True
+        state = self._queued.get(t.job_id)
+        if state in ("PENDING", "CONFIGURING"):
+            t.gone_since = None
+            return False
+        if state is None or state not in ("RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"):
+            t.gone_since = t.gone_since or now
+            return now - t.gone_since > _GONE_GRACE_S  # its result may be on its way through the file system
+        hb = _mtime(t.files.heartbeat)
+        limit = max(self.options.heartbeat_timeout_s, 3 * HEARTBEAT_S)
+        if hb is not None and time.time() - hb > limit:
+            t.extra["why"] = f"its heartbeat stopped {time.time() - hb:.0f} s ago (its node died or hangs)"
+            _run_quiet(["scancel", "--signal=KILL", t.job_id])
+            return True
+        return False
+
+    def _result(self, t: _Trial) -> TrialResult:
+        req = t.request
+        timings = {"duration_s": time.monotonic() - t.submitted}
+        if t.first_report is not None:
+            timings["to_first_report_s"] = t.first_report - t.submitted
+        if self.mode == "jobs":
+            return self._job_result(t, timings)
+        outcomes = {}
+        for r in range(req.processes):
+            data = read_json(t.files.outcome(r))
+            if isinstance(data, dict):
+                outcomes[r] = RankOutcome.from_dict(data)
+        failure, retryable = t.failure, t.retryable
+        code = t.proc.returncode if t.proc is not None else None
+        if failure is None and t.cancel_reason is None and (len(outcomes) < req.processes or code not in (0, None)):
+            if not any(o.status == "error" for o in outcomes.values()):  # else a rank's own error speaks
+                missing = [r for r in range(req.processes) if r not in outcomes]
+                failure = (f"rank(s) {missing} ended without a result (srun exit {code}; see "
+                           f"{t.files.dir / 'srun.log'}): a node failed, or a rank was killed or ran out of memory")
+                retryable = True
+
+        def stderr() -> str:
+            text = stderr_tail(t.files, req.processes, 0)
+            srun = tail(t.files.dir / "srun.log", 1000)
+            return "\n".join(x for x in (text, f"--- srun ---\n{srun}" if srun.strip() else "") if x)
+
+        return result_from_ranks(req, outcomes, timings=timings, failure=failure, retryable=retryable,
+                                 cancelled=t.cancel_reason if failure is None else None, stderr_tail=stderr,
+                                 submitted_wall=t.submitted_wall)
+
+    def _job_result(self, t: _Trial, timings: dict[str, float]) -> TrialResult:
+        n = t.request.number
+        data = read_json(t.files.result)
+        if t.failure is not None and not isinstance(data, dict):
+            return TrialResult(n, "failed", error=t.failure, timings=timings, retryable=t.retryable)
+        if not isinstance(data, dict):
+            if t.cancel_reason is not None:
+                return TrialResult(n, "cancelled", error=t.cancel_reason, timings=timings)
+            why = t.extra.get("why") or _job_reason(t.job_id)
+            return TrialResult(n, "failed", error=f"the job of trial {n} ({t.job_id}) ended without a result: {why}",
+                               stderr_tail=tail(t.files.dir / "job.out", 2000), timings=timings, retryable=True)
+        res = TrialResult.from_dict({**data, "number": n})
+        merged = {**res.timings, "engine_duration_s": timings["duration_s"]}
+        if t.cancel_reason is not None and res.status == "failed":
+            return TrialResult(n, "cancelled", error=t.cancel_reason, stderr_tail=res.stderr_tail, timings=merged)
+        if t.failure is not None and res.status != "complete":
+            return TrialResult(n, "failed", error=t.failure, stderr_tail=res.stderr_tail, timings=merged,
+                               retryable=t.retryable)
+        return TrialResult(n, res.status, res.value, res.metrics, res.error, res.stderr_tail, merged, res.retryable,
+                           res.system)
+
+
+def _check_shape(request: TrialRequest) -> None:
+    if request.elastic:
+        raise EngineError("resources.processes: {min, max} makes trials elastic, which the slurm engine does not "
+                          "resize. Fix: give resources.processes a number (or use the local or compss engine)")
+    try:
+        processes_per_node(request)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+
+
+def _fresh_attempt_dir(files: TrialFiles) -> None:
+    """A new attempt starts with no protocol files (a resumed study may reuse a directory)."""
+    files.dir.mkdir(parents=True, exist_ok=True)
+    for p in files.dir.iterdir():
+        if p.is_file():
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _run_quiet(argv: list[str]) -> str | None:
+    """Run a SLURM client; its stdout, or None when it failed or did not answer in time."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def _job_reason(job_id: str | None) -> str:
+    """Why a job ended, as ``scontrol show job`` says (while SLURM still remembers it)."""
+    out = _run_quiet(["scontrol", "show", "job", "-o", str(job_id)]) if job_id else None
+    if not out:
+        return "SLURM no longer knows the job (see its job.out)"
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return f"JobState={fields.get('JobState', '?')} Reason={fields.get('Reason', '?')}"
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None

@@ -1,0 +1,143 @@
+"""The slurm engine on a real SLURM cluster: slurmctld on a bridge, one slurmd per network namespace
+(tests/infra/slurm.py). Every study here is started with the real CLI, the way a user would:
+``hpoflow launch SPEC --engine slurm`` (steps mode: the driver in a batch job, each trial a job step)
+or ``hpoflow run`` on the "login node" (jobs mode: each trial a batch job).
+
+Bounds on time are generous on purpose: SLURM polls its jobs every second or two, and the machine
+these run on may be loaded; they bound a hang, not a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+from tests.infra.slurm import SlurmCluster
+
+pytestmark = pytest.mark.slow
+
+JOB_WAIT_S = 600  # a whole study of a few short trials; bounds a hang
+
+
+def _spec(path: Path, **extra: Any) -> Path:
+    data: dict[str, Any] = {
+        "study": {"name": "ddp2", "metric": "loss", "direction": "minimize"},
+        "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+        "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 2, "seed": 0},
+        "training": {"function": "trainfns:ddp_identical", "epochs": 1},
+        "resources": {"processes": 2, "nodes": 2},
+        "engine": "slurm",
+    }
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _env(cluster: SlurmCluster) -> dict[str, str]:
+    return {**cluster.env, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+
+
+def launch(cluster: SlurmCluster, spec: Path, run_dir: Path, *args: str) -> str:
+    """``hpoflow launch SPEC --engine slurm`` from the tests directory; the driver's job id."""
+    r = cluster.run(["python", "-m", "hpoflow", "launch", str(spec), "--engine", "slurm", "--run-dir", str(run_dir),
+                     "--time", "20", "--signal", "60", *args], env=_env(cluster), cwd=ROOT / "tests")
+    found = re.search(r"submitted job (\d+)", r.stdout)
+    assert found, r.stdout + r.stderr
+    return found.group(1)
+
+
+def wait_job(cluster: SlurmCluster, job: str, timeout: float = JOB_WAIT_S) -> dict[str, str]:
+    """Wait until job ``job`` (every task of an array) has ended; its ``scontrol show job`` fields."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ids = cluster.run(["squeue", "-h", "-j", job, "-o", "%i"], check=False).stdout.split()
+        if not ids:
+            return cluster.job_info(job)
+        time.sleep(1.0)
+    raise AssertionError(f"job {job} did not end within {timeout} s: {cluster.job_info(job)}")
+
+
+def _study(run_dir: Path) -> optuna.Study:
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(run_dir / "study.journal")))
+    return optuna.load_study(study_name=json.loads((run_dir / "run.json").read_text())["study_name"], storage=storage)
+
+
+def _rank_hosts(trial_dir: Path) -> dict[int, tuple[str, str]]:
+    """rank -> (node, address) from the rank logs' first line (steps mode)."""
+    out = {}
+    for log in sorted(trial_dir.glob("rank*.log")):
+        m = re.search(r"rank (\d+) of \d+ .*? on node (\S+) \(([\d.]+)", log.read_text())
+        if m:
+            out[int(m.group(1))] = (m.group(2), m.group(3))
+    return out
+
+
+def test_steps_mode_runs_each_2_node_trial_as_a_step_whose_ranks_meet_across_the_veth(
+        slurm_cluster: SlurmCluster) -> None:
+    shared = slurm_cluster.shared_dir / "steps-ddp"
+    spec, run_dir = _spec(shared / "ddp.yaml"), shared / "run"
+    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
+    info = wait_job(slurm_cluster, job)
+    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out
+    study = _study(run_dir)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2, out
+    addresses = set(slurm_cluster.node_addresses.values())
+    for t in study.trials:
+        hosts = _rank_hosts(run_dir / "trials" / str(t.number))
+        assert sorted(h for h, _ in hosts.values()) == ["n1", "n2"], hosts  # one rank on each node
+        assert {a for _, a in hosts.values()} == addresses
+        metrics = t.user_attrs["metrics"]
+        assert metrics["world"] == 2.0 and metrics["weight_spread"] == 0.0 and metrics["moved"] > 0  # DDP in sync
+    assert "Traceback" not in out
+
+
+def test_jobs_mode_runs_each_trial_as_its_own_batch_job_from_the_login_node(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    shared = slurm_cluster.shared_dir / "jobs-ddp"
+    spec = _spec(shared / "ddp.yaml", engine_options={"mode": "jobs", "poll_interval_s": 0.2})
+    run_dir = shared / "run"
+    r = slurm_cluster.run(["python", "-m", "hpoflow", "run", str(spec), "--run-dir", str(run_dir)],
+                          env=_env(slurm_cluster), cwd=ROOT / "tests", timeout=JOB_WAIT_S, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    study = _study(run_dir)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for t in study.trials:
+        trial_dir = run_dir / "trials" / str(t.number)
+        nodes = sorted(re.search(r"node \d+ on (\S+):", p.read_text()).group(1)  # type: ignore[union-attr]
+                       for p in trial_dir.glob("node*.log"))
+        assert nodes == ["n1", "n2"]  # a node launcher on each node of the trial's job
+        assert t.user_attrs["metrics"]["weight_spread"] == 0.0
+        assert (trial_dir / "attempt-0" / "job.sh").read_text().startswith("#!/bin/sh")
+
+
+def test_the_digits_example_runs_in_steps_mode(slurm_cluster: SlurmCluster) -> None:
+    shared = slurm_cluster.shared_dir / "digits"
+    data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    data["engine"] = "slurm"
+    data["search"]["n_trials"] = 4
+    data["training"]["epochs"] = 3
+    spec = shared / "digits.yaml"
+    shared.mkdir(parents=True, exist_ok=True)
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    job = launch(slurm_cluster, spec, shared / "run", "--nodes", "2")
+    info = wait_job(slurm_cluster, job)
+    out = (shared / "run" / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out
+    study = _study(shared / "run")
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 4, out
+    assert all(t.value is not None and t.value > 0.5 for t in study.trials)  # it learnt
+    assert (shared / "run" / "trials.csv").exists() and (shared / "run" / "best.yaml").exists()

@@ -1,0 +1,117 @@
+"""The slurm engine's pure parts, without SLURM: host lists, the allocation, options, the driver's
+batch script (run by a real bash with a stand-in python, to check every path survives its quoting)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpoflow.engines.cluster.hostlist import HostlistError, expand
+from hpoflow.engines.slurm.allocation import Allocation, cpus_per_node
+from hpoflow.engines.slurm.launch import SlurmLaunch, batch_script
+from hpoflow.engines.slurm.options import SlurmOptions
+from hpoflow.errors import EngineError
+from hpoflow.trial import TrialRequest
+
+
+@pytest.mark.parametrize(("text", "hosts"), [
+    ("n1", ["n1"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("n[1-2,7],gpu-a[08-10]", ["n1", "n2", "n7", "gpu-a08", "gpu-a09", "gpu-a10"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("a,b , c", ["a", "b", "c"]),
+    ("", []),
+])
+def test_host_lists_expand_as_scontrol_show_hostnames(text: str, hosts: list[str]) -> None:
+    assert expand(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["n[1-", "n1-2]", "n[[1]]", "n[3-1]", "n[a-b]", "n[1-99999999999]", "n[²]"])
+def test_host_lists_slurm_would_not_write_are_refused(text: str) -> None:
+    with pytest.raises(HostlistError):
+        expand(text)
+
+
+def test_cpus_per_node_reads_slurms_run_length_form() -> None:
+    assert cpus_per_node("36(x2),72") == [36, 36, 72]
+    assert cpus_per_node("4") == [4]
+    with pytest.raises(ValueError):
+        cpus_per_node("4(x)")
+
+
+def test_the_allocation_counts_what_fits_and_says_why_not() -> None:
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_CPUS_PER_NODE": "4(x2),2",
+           "SLURM_GPUS_PER_NODE": "a100:2"}
+    alloc = Allocation.from_env(env)
+    assert alloc.hosts == ("n1", "n2", "n3") and alloc.cpus == (4, 4, 2) and alloc.gpus_per_node == 2
+    shape = TrialRequest.shape
+    assert alloc.capacity(shape(1, 1, 0)) == 10  # one core each
+    assert alloc.capacity(shape(2, 2, 0)) == 2  # 4 cores per trial on one node: n1, n2 (n3 has 2)
+    assert alloc.capacity(shape(2, 1, 0, nodes=2)) == 5  # 1 core on each of 2 nodes: 10 shares over pairs
+    assert alloc.capacity(shape(4, 2, 0, nodes=2)) == 1  # 4 cores on each of 2 nodes: n1 + n2 once
+    assert alloc.capacity(shape(1, 1, 1)) == 6  # by GPUs: 2 per node
+    assert alloc.capacity(shape(3, 1, 0, nodes=2)) == 0  # does not split evenly
+    with pytest.raises(EngineError, match=r"allocation \(job 7\) has 3 node\(s\) with \[4, 4, 2\] CPUs"):
+        alloc.check_fit(shape(4, 2, 0, nodes=3))
+    with pytest.raises(EngineError, match="SLURM_JOB_ID is not set"):
+        Allocation.from_env({})
+
+
+def test_options_choose_the_mode_and_refuse_what_slurm_would_misread() -> None:
+    assert SlurmOptions().resolved_mode({"SLURM_JOB_ID": "3"}) == "steps"
+    assert SlurmOptions().resolved_mode({}) == "jobs"
+    assert SlurmOptions(mode="jobs").resolved_mode({"SLURM_JOB_ID": "3"}) == "jobs"
+    with pytest.raises(ValueError, match="account may hold only"):
+        SlurmOptions(account="proj x")
+    with pytest.raises(ValueError, match="each element is one flag"):
+        SlurmOptions(sbatch_args=("--reservation", "x"))
+
+
+PRINTER = """import json, os, sys
+json.dump({"argv": sys.argv[1:], "cwd": os.getcwd(), "requeue": os.environ.get("HPOFLOW_REQUEUE"),
+           "pythonpath": os.environ.get("PYTHONPATH")}, open(os.environ["OUT"], "w"))
+"""
+
+
+def test_the_batch_script_passes_any_path_intact_through_bash(tmp_path: Path) -> None:
+    odd = tmp_path / "my specs; $(touch pwned) `id` 'v2' é"
+    odd.mkdir()
+    spec, run_dir, work = odd / "study 'a'.yaml", odd / 'runs "b" $HOME *', odd / "work dir"
+    work.mkdir()
+    printer = tmp_path / "printer.py"
+    printer.write_text(PRINTER)
+    launch = SlurmLaunch(spec=str(spec), run_dir=str(run_dir), python=sys.executable, pythonpath=(str(odd), "/x y"),
+                         workdir=str(work), nodes=2, time_minutes=30, partition="gpu", account="proj-1",
+                         requeue=True, n_trials=5)
+    script = batch_script(launch)
+    assert "#SBATCH --signal=B:USR1@300" in script and "#SBATCH --no-kill" in script
+    assert "#SBATCH --requeue" in script and "#SBATCH --partition=gpu" in script and "#SBATCH --exclusive" in script
+    # run it: `exec PYTHON -m hpoflow run ...` becomes `exec PYTHON printer.py -m hpoflow run ...`
+    body = script.replace(" -m hpoflow run ", f" {printer} -m hpoflow run ", 1)
+    path = tmp_path / "driver.sbatch"
+    path.write_text(body)
+    out = tmp_path / "argv.json"
+    subprocess.run(["bash", str(path)], check=True, env={**os.environ, "OUT": str(out)}, timeout=60)
+    got = json.loads(out.read_text())
+    assert got["argv"] == ["-m", "hpoflow", "run", str(spec), "--run-dir", str(run_dir), "--n-trials", "5"]
+    assert got["cwd"] == str(work) and got["requeue"] == "1"
+    assert got["pythonpath"].startswith(f"{odd}:/x y")
+    assert not (work / "pwned").exists() and not Path("pwned").exists()
+
+
+def test_a_job_array_gives_each_driver_its_own_run_directory(tmp_path: Path) -> None:
+    launch = SlurmLaunch(spec="/s.yaml", run_dir="/r un", python="/py", pythonpath=(), workdir="/", drivers=3)
+    script = batch_script(launch)
+    assert "#SBATCH --array=0-2" in script
+    assert """--run-dir '/r un'/driver-"$SLURM_ARRAY_TASK_ID\"""" in script
+
+
+@pytest.mark.parametrize(("field", "value"), [("account", "a b"), ("qos", "q\nx"), ("job_name", "n'x")])
+def test_sbatch_lines_carry_only_plain_values(field: str, value: str) -> None:
+    with pytest.raises(EngineError, match="SLURM reads it from an #SBATCH line"):
+        SlurmLaunch(spec="/s", run_dir="/r", python="/p", pythonpath=(), workdir="/", **{field: value})
