@@ -9,7 +9,6 @@ these run on may be loaded; they bound a hang, not a speed.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -71,8 +70,9 @@ def wait_job(cluster: SlurmCluster, job: str, timeout: float = JOB_WAIT_S) -> di
 
 
 def _study(run_dir: Path) -> optuna.Study:
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(run_dir / "study.journal")))
-    return optuna.load_study(study_name=json.loads((run_dir / "run.json").read_text())["study_name"], storage=storage)
+    from hpoflow.run.open import load_run
+
+    return load_run(run_dir)[0]
 
 
 def _rank_hosts(trial_dir: Path) -> dict[int, tuple[str, str]]:
