@@ -3,12 +3,12 @@ batch script (run by a real bash with a stand-in python, to check every path sur
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,5 +115,5 @@ def test_a_job_array_gives_each_driver_its_own_run_directory(tmp_path: Path) -> 
 @pytest.mark.parametrize(("field", "value"), [("account", "a b"), ("qos", "q\nx"), ("job_name", "n'x")])
 def test_sbatch_lines_carry_only_plain_values(field: str, value: str) -> None:
     with pytest.raises(EngineError, match="SLURM reads it from an #SBATCH line"):
-        dataclasses.replace(SlurmLaunch(spec="/s", run_dir="/r", python="/p", pythonpath=(), workdir="/"),
-                            **{field: value})
+        fields: dict[str, Any] = {field: value}
+        SlurmLaunch(spec="/s", run_dir="/r", python="/p", pythonpath=(), workdir="/", **fields)
