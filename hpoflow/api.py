@@ -137,12 +137,14 @@ def _run(study: optuna.Study, rd: Path, spec: StudySpec, engine: Engine, dirs: t
 
 @contextlib.contextmanager
 def _stop_on_signals(driver: Driver, enabled: bool) -> Iterator[None]:
-    """SIGINT/SIGTERM ask the driver to stop cleanly (in the main thread only)."""
+    """SIGINT/SIGTERM ask the driver to stop cleanly, SIGUSR1 (a walltime warning) to pause the running
+    trials with a checkpoint first (in the main thread only)."""
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
     old = {s: signal.signal(s, lambda signum, frame: driver.request_stop("signal"))
            for s in (signal.SIGINT, signal.SIGTERM)}
+    old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: driver.request_stop("preempted"))
     try:
         yield
     finally:

@@ -20,9 +20,11 @@ __all__ = ["Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "Tria
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 # How one rank ended: ok / pruned / error (an exception, sent by the rank itself), resized (an elastic
 # trial left at an epoch boundary, checkpointed, to be restarted by its engine with another number of
-# ranks), or as its engine saw it from outside: lost (the process died before it sent an outcome),
-# killed (the engine stopped it: a peer failed, a timeout, a cancel).
-RankStatus = Literal["ok", "pruned", "error", "resized", "lost", "killed"]
+# ranks), paused (the engine asked the trial to stop soon, e.g. before a walltime: it stopped at a step
+# with a checkpoint, and a rerun resumes from it), or as its engine saw it from outside: lost (the
+# process died before it sent an outcome), killed (the engine stopped it: a peer failed, a timeout, a
+# cancel).
+RankStatus = Literal["ok", "pruned", "error", "resized", "paused", "lost", "killed"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,10 @@ def _result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], t
         timings["started_at"] = chief.started_at  # wall clock (epoch seconds) when training started
         if chief.run_s is not None:
             timings["run_s"] = chief.run_s
+    if outcomes and all(o.status == "paused" for o in outcomes.values()) and len(outcomes) == req.processes:
+        # every rank stopped at one step with a checkpoint: interrupted (rerun from it), never failed
+        return TrialResult(req.number, "cancelled", error=f"paused ({cancelled or 'asked to stop'}): checkpointed, "
+                           "resumes from there", timings=timings)
     if cancelled is not None:
         return TrialResult(req.number, "cancelled", error=cancelled, stderr_tail=stderr_tail(), timings=timings)
     if failure is not None:

@@ -72,4 +72,8 @@ def run(args: argparse.Namespace) -> int:
     message = s.outcome_message()
     if message:
         print(f"hpoflow: {message}", file=sys.stderr)
+    if s.stopped_by == "preempted":
+        from hpoflow.engines.slurm.requeue import requeue_if_asked
+
+        requeue_if_asked()
     return s.exit_code

@@ -17,6 +17,10 @@ Contract, for every engine:
   driver has submitted what it could, and the reply adds the number of ranks to continue with).
 - ``cancel(number, reason)`` stops a running trial; its result arrives later with status
   ``cancelled`` (or whatever it had already finished with).
+- ``pause(number, reason)`` asks a running trial to stop at its next step with a checkpoint (a
+  walltime warning, a preemption): its ranks get SIGUSR1 (or see a ``PAUSE`` file) and agree on a step;
+  its result arrives later with status ``cancelled`` ("paused ..."), or ``cancelled`` by a kill if it
+  did not stop within the engine's grace. The default cancels.
 - ``close()`` cancels what is running, reaps every process, and is idempotent.
 
 Built from a spec: an engine registered in ``hpoflow.registry.ENGINES`` is made by
@@ -85,6 +89,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self, number: int, reason: str) -> None: ...
+
+    def pause(self, number: int, reason: str) -> None:
+        """Ask trial ``number`` to stop at its next step with a checkpoint (see the module docstring)."""
+        self.cancel(number, reason)
 
     @abc.abstractmethod
     def running(self) -> list[int]:

@@ -71,7 +71,7 @@ class DriverSummary:
     n_complete: int = 0
     n_pruned: int = 0
     n_failed: int = 0
-    stopped_by: str = "budget"  # budget | timeout | max_failures | fail_fast | signal | grid_exhausted
+    stopped_by: str = "budget"  # budget | timeout | max_failures | fail_fast | signal | preempted | grid_exhausted
     reason: str = ""  # why the study stopped early, in one line
     errors: list[str] = field(default_factory=list)  # the first distinct errors of failed trials
     elapsed_s: float = 0.0
@@ -80,9 +80,10 @@ class DriverSummary:
 
     @property
     def exit_code(self) -> int:
-        """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal; 3 no
-        trial of the study completed; 1 stopped early by max_failures or fail_fast; 0 otherwise."""
-        if self.stopped_by == "signal":
+        """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal (a walltime
+        warning included); 3 no trial of the study completed; 1 stopped early by max_failures or
+        fail_fast; 0 otherwise."""
+        if self.stopped_by in ("signal", "preempted"):
             return 130
         if self.n_complete == 0:
             return 3
@@ -92,6 +93,9 @@ class DriverSummary:
         """One line (plus the first distinct errors) for a study that did not end well; '' if it did."""
         if self.stopped_by == "signal":
             return "stopped by a signal; rerun the same command to resume"
+        if self.stopped_by == "preempted":
+            return ("stopped by a walltime warning (SIGUSR1): the running trials paused with a checkpoint; rerun "
+                    "the same command (or resubmit the job) to resume")
         errors = "".join(f"\n  - {e}" for e in self.errors)
         if self.n_complete == 0:
             why = f": {self.reason}" if self.reason else ""
@@ -157,7 +161,8 @@ class Driver:
 
     # -- public ---------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
-        """Stop starting trials and cancel the running ones (they are rerun on resume)."""
+        """Stop starting trials and cancel the running ones, or with ``reason="preempted"`` (a walltime
+        warning) pause them at their next step with a checkpoint; either way they are rerun on resume."""
         if self._stop_reason is None:
             self._stop_reason = reason
 
@@ -189,8 +194,11 @@ class Driver:
                     deadline = None
                 if self._stop_reason is not None and not cancelling:
                     cancelling = True
+                    # a walltime warning pauses the running trials (a checkpoint at their next step);
+                    # any other stop cancels them; either way they are rerun on resume
+                    stop = self.engine.pause if self._stop_reason == "preempted" else self.engine.cancel
                     for number in list(self._inflight):
-                        self.engine.cancel(number, f"study stopped ({self._stop_reason})")
+                        stop(number, f"study stopped ({self._stop_reason})")
                 while not cancelling and summary.stopped_by == "budget" and self._can_start(slots):
                     if not self._start_one():
                         summary.stopped_by = "grid_exhausted"
@@ -218,7 +226,7 @@ class Driver:
                     self.engine.cancel(number, "driver error")
             if self._ready is not None:  # asked ahead, never started
                 ready, self._ready = self._ready, None
-                if self._stop_reason == "signal":  # rerun with its parameters on resume
+                if self._stop_reason in ("signal", "preempted"):  # rerun with its parameters on resume
                     self._interrupt(ready.trial.number, ready.params,
                                     self._carry_over(ready.trial.number, dict(ready.trial.user_attrs)))
                 else:  # the study is over (max_failures, timeout, a stop): it never ran and does not count

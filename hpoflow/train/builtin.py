@@ -103,16 +103,25 @@ class EpochStats:
 
 
 def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: OptimizerLike,
-                loader: DataLoader[tuple[torch.Tensor, ...]], schedule: LrSchedule, first_step: int
-                ) -> tuple[EpochStats, int]:
-    """One pass over this rank's shard; returns the epoch's stats and the next step number."""
+                loader: DataLoader[tuple[torch.Tensor, ...]], schedule: LrSchedule, first_step: int,
+                start_batch: int = 0, stats: EpochStats | None = None, on_resume: Any = None
+                ) -> tuple[EpochStats, int, int | None]:
+    """One pass over this rank's shard from micro-batch ``start_batch`` (a resume in the middle of the
+    epoch: ``stats`` so far, and ``on_resume()`` called once the data is in place); returns the epoch's
+    stats, the next step number, and the micro-batch it paused before (``None``: the epoch ended).
+    After each optimizer step every rank passes a pause point (``TrialContext.pause_point``)."""
     accum = ctx.config.grad_accum_steps
     n = len(loader)
-    stats = EpochStats()
+    stats = stats or EpochStats()
     step = first_step
     group = 0
     t0 = time.perf_counter()
-    for i, (xb, yb) in enumerate(loader):
+    batches = iter(loader)
+    for _ in range(start_batch):  # the sampler's order is a function of the epoch: skip what was done
+        next(batches)
+    if on_resume is not None:
+        on_resume()
+    for i, (xb, yb) in enumerate(batches, start=start_batch):
         pos = i % accum
         if pos == 0:  # a new optimizer step: the last one of an epoch may have fewer micro-batches
             group = min(accum, n - i)
@@ -134,8 +143,12 @@ def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: Opti
             strategy.step(opt)
             strategy.meter.end_step()
             step += 1
-    stats.seconds = time.perf_counter() - t0
-    return stats, step
+            if i + 1 < n and ctx.pause_point():
+                stats.seconds += time.perf_counter() - t0
+                return stats, step, i + 1
+    ctx.pause_point(last=True)  # the epoch ends here anyway: should_stop() decides with the rest
+    stats.seconds += time.perf_counter() - t0
+    return stats, step, None
 
 
 def _ranks_identical(ctx: TrialContext, digest: str) -> bool:
@@ -177,14 +190,19 @@ class Progress:
 
 
 def _checkpoint_state(progress: Progress, model: nn.Module, optimizer: torch.optim.Optimizer,
-                      strategy: Strategy, metrics: dict[str, float], fingerprint: str) -> dict[str, Any]:
-    """Everything to resume after ``progress.epoch`` epochs (RNG states are added by the context).
-    Data order is a function of the epoch (``DistributedSampler`` seeded by the trial's seed and
-    ``set_epoch``), so at an epoch boundary the position is the epoch and batch 0."""
+                      strategy: Strategy, metrics: dict[str, float], fingerprint: str, batch: int = 0,
+                      stats: EpochStats | None = None) -> dict[str, Any]:
+    """Everything to resume after ``progress.epoch`` epochs and ``batch`` micro-batches of the next
+    (a pause in the middle of an epoch, with that epoch's ``stats`` so far); RNG states are added by
+    the context. Data order is a function of the epoch (``DistributedSampler`` seeded by the trial's
+    seed and ``set_epoch``), so the position is the epoch and the micro-batch."""
+    partial = stats or EpochStats()
     return {
         "epoch": progress.epoch, "step": progress.step,
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "strategy": strategy.state_dict(),
-        "data": {"epoch": progress.epoch, "batch": 0},
+        "data": {"epoch": progress.epoch, "batch": batch},
+        "epoch_stats": {"loss_sum": partial.loss_sum, "correct": partial.correct, "seen": partial.seen,
+                        "seconds": partial.seconds},
         "progress": {"t_train": progress.t_train, "samples": progress.samples},
         "metrics": dict(metrics), "config": fingerprint,
     }
@@ -203,6 +221,16 @@ def _restore(ctx: TrialContext, saved: dict[str, Any], model: nn.Module, optimiz
     p = saved["progress"]
     progress = Progress(int(saved["epoch"]), int(saved["step"]), float(p["t_train"]), int(p["samples"]))
     return progress, {k: float(v) for k, v in saved["metrics"].items()}
+
+
+def _partial_epoch(saved: dict[str, Any] | None) -> tuple[int, EpochStats | None]:
+    """Where a checkpoint written in the middle of an epoch (a pause) left it: (micro-batch, stats)."""
+    batch = int((saved or {}).get("data", {}).get("batch", 0))
+    if saved is None or batch == 0:
+        return 0, None
+    e = saved.get("epoch_stats") or {}
+    return batch, EpochStats(float(e.get("loss_sum", 0.0)), int(e.get("correct", 0)), int(e.get("seen", 0)),
+                             float(e.get("seconds", 0.0)))
 
 
 def _batch_for(ctx: TrialContext, world: int) -> tuple[int, int]:
@@ -246,14 +274,29 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
         every = cfg.checkpoint.every
         fingerprint = config_fingerprint(cfg)
         progress = Progress()
-        if every > 0 or ctx.elastic:  # resume from the newest checkpoint valid on every rank (a collective)
-            saved = ctx.load_checkpoint()
-            if saved is not None:
-                progress, metrics = _restore(ctx, saved, model, opt_base, strategy, fingerprint)
+        # resume from the newest checkpoint valid on every rank (a collective; none: a fresh start), also
+        # when checkpoints are off: a paused trial saved one to resume from
+        saved = ctx.load_checkpoint(restore_rng=False)
+        if saved is not None:
+            progress, metrics = _restore(ctx, saved, model, opt_base, strategy, fingerprint)
+        start_batch, partial = _partial_epoch(saved)
+        if not start_batch:
+            ctx.restore_checkpoint_rng()  # at an epoch boundary: before the next epoch's data iterator
         resumed = float(progress.epoch)
+
+        def state(batch: int = 0, stats: EpochStats | None = None) -> dict[str, Any]:
+            return _checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint, batch, stats)
+
         for epoch in range(progress.epoch, cfg.epochs):
             sampler.set_epoch(epoch)
-            stats, step = train_epoch(ctx, net, strategy, opt, loader, schedule, progress.step)
+            stats, step, paused = train_epoch(ctx, net, strategy, opt, loader, schedule, progress.step,
+                                              start_batch, partial, ctx.restore_checkpoint_rng if start_batch else None)
+            start_batch, partial = 0, None
+            if paused is not None:  # stop at this step with a checkpoint; the trial resumes from it
+                progress.step = step  # (the epoch's time so far travels in its stats)
+                # keyed as the end of this epoch, which it stands for until that epoch's own checkpoint
+                ctx.save_checkpoint(state(paused, stats), step=epoch + 1)
+                break
             t_sync = time.perf_counter()
             strategy.end_epoch()
             progress.t_train += stats.seconds + time.perf_counter() - t_sync
@@ -279,19 +322,22 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                 **strategy.comm_stats(),
             }
             ctx.report(epoch + 1, **metrics)
-            # Epoch boundary: every rank is consistent here.
-            if every > 0 and (epoch + 1) % every == 0:
-                ctx.save_checkpoint(_checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint),
-                                    step=epoch + 1)
+            # Epoch boundary: every rank is consistent here. Checkpoints are keyed by epochs done.
+            saved_here = every > 0 and (epoch + 1) % every == 0
+            if saved_here:
+                ctx.save_checkpoint(state(), step=epoch + 1)
             stop = ctx.should_stop()
             if not stop and ctx.resize_to:  # elastic: checkpoint here, leave, resume on resize_to ranks
-                ctx.save_checkpoint(_checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint),
-                                    step=epoch + 1)
+                ctx.save_checkpoint(state(), step=epoch + 1)
                 stop = ctx.should_stop()
+            if stop and ctx.pausing and not saved_here and epoch + 1 < cfg.epochs:  # paused at this boundary
+                ctx.save_checkpoint(state(), step=epoch + 1)
             if stop:
                 break
         ctx.flush_checkpoints()
-        if ctx.resizing:
+        if ctx.pausing and progress.epoch >= cfg.epochs:
+            ctx.pausing = False  # asked to pause as it finished: it is complete
+        if ctx.resizing or ctx.pausing:
             return metrics
         metrics["resumed_from_epoch"] = resumed
         metrics["checkpoint_s"] = ctx.checkpoint_s

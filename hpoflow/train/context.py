@@ -17,7 +17,19 @@ if TYPE_CHECKING:
 
     from hpoflow.train.checkpoint import Checkpointer
 
-__all__ = ["TrialContext"]
+__all__ = ["PauseRequest", "TrialContext"]
+
+
+class PauseRequest:
+    """Set when the engine asks the trial to stop soon with a checkpoint (a walltime warning, a
+    preemption): by SIGUSR1 to the rank process (``hpoflow.train.runner`` installs the handler), or
+    by the rank's watcher of the attempt's ``PAUSE`` file. Safe to set from a signal handler."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def set(self) -> None:
+        self.requested = True
 
 
 @dataclass
@@ -58,6 +70,13 @@ class TrialContext:
     _resize: int = 0  # rank 0: the engine's last answer
     _saved_since_stop_check: bool = False
     _checkpointer: Checkpointer | None = field(default=None, repr=False)
+    # A pause (docs/fault-tolerance.md): the engine asked the trial to stop at its next step with a
+    # checkpoint; ``pausing`` once every rank agreed (should_stop() or pause_point() returned True for it).
+    pause_request: PauseRequest = field(default_factory=PauseRequest)
+    pausing: bool = False
+    _pause_work: Any = field(default=None, repr=False)
+    _pause_buf: Any = field(default=None, repr=False)
+    _restore_rng: Any = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -94,26 +113,55 @@ class TrialContext:
         self._resize = self.channel.resize_to if self.elastic else 0
 
     def should_stop(self) -> bool:
-        """Whether the trial should stop here: pruned, or (elastic trials) to be restarted with
-        ``resize_to`` ranks. Collective in a DDP trial: every rank must call it.
+        """Whether the trial should stop here: pruned, paused (the engine needs the trial to stop now,
+        e.g. before the allocation's walltime: save a checkpoint first, the trial resumes from it), or
+        (elastic trials) to be restarted with ``resize_to`` ranks. Collective in a DDP trial: every rank
+        must call it; rank 0's view decides for all.
 
         A resize stops the trial only where every rank saved a checkpoint since the last
         ``should_stop()`` (``save_checkpoint``), so it resumes from here on the new ranks; the
         built-in trainer saves one when ``resize_to`` is set. A function that returns when this is
         True is restarted by its engine and resumes with ``load_checkpoint()``."""
-        flag, resize = self._prune, self._resize
+        flag, resize, pause = self._prune, self._resize, self.pause_request.requested or self.pausing
         if self.distributed:
             import torch
             import torch.distributed as dist
 
-            t = torch.tensor([1 if flag else 0, resize], dtype=torch.int64)
+            t = torch.tensor([1 if flag else 0, resize, 1 if pause else 0], dtype=torch.int64)
             dist.broadcast(t, src=0)
-            flag, resize = bool(t[0].item()), int(t[1].item())
+            flag, resize, pause = bool(t[0].item()), int(t[1].item()), bool(t[2].item())
         self._prune = flag
         self.resize_to = resize if self.elastic and resize not in (0, self.world_size) else 0
         saved, self._saved_since_stop_check = self._saved_since_stop_check, False
         self.resizing = not flag and self.resize_to > 0 and saved
-        return flag or self.resizing
+        self.pausing = self.pausing or (pause and not flag)
+        return flag or self.resizing or self.pausing
+
+    def pause_point(self, *, last: bool = False) -> bool:
+        """Whether every rank agrees to pause here (a step boundary of a training loop). Collective in a
+        distributed trial: every rank calls it at the same points. The agreement is an all-reduce
+        started at one point and read at the next, so it costs no wait: a pause requested anywhere
+        stops every rank at the same point, one point later. ``last=True`` (the loop's end) reads the
+        agreement in flight and starts none."""
+        if self.pausing:
+            return True
+        local = self.pause_request.requested
+        if not self.distributed:
+            self.pausing = local
+            return local
+        import torch
+        import torch.distributed as dist
+
+        agreed = False
+        if self._pause_work is not None:
+            self._pause_work.wait()
+            agreed = bool(self._pause_buf.item())
+            self._pause_work = None
+        if not agreed and not last:
+            self._pause_buf = torch.tensor([1 if local else 0], dtype=torch.int64)
+            self._pause_work = dist.all_reduce(self._pause_buf, op=dist.ReduceOp.MAX, async_op=True)
+        self.pausing = agreed
+        return agreed
 
     # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
     @property
@@ -177,18 +225,30 @@ class TrialContext:
             self.resumed_step = None
             return None
         step, payload = found
-        if foreign:  # rank 0's state: this rank did not exist then; its own streams, from the seed
-            if restore_rng:
+
+        def restore() -> None:
+            if foreign:  # rank 0's state: this rank did not exist then; its own streams, from the seed
                 from hpoflow.train.checkpoint import seed_joining_rank
 
                 seed_joining_rank(self.seed, step, self.rank)
-        elif restore_rng and "rng" in payload:
-            from hpoflow.train.checkpoint import restore_rng as restore_rng_state
+            elif "rng" in payload:
+                from hpoflow.train.checkpoint import restore_rng as restore_rng_state
 
-            restore_rng_state(payload["rng"])
+                restore_rng_state(payload["rng"])
+
+        if restore_rng:
+            restore()
+        self._restore_rng = restore
         self.resumed_step = step
         user: dict[str, Any] = payload["user"]
         return user
+
+    def restore_checkpoint_rng(self) -> None:
+        """Restore the RNG states saved with the checkpoint ``load_checkpoint(restore_rng=False)`` loaded:
+        for a resume in the middle of an epoch, after the data iterator was rebuilt and moved to its
+        place (building it draws from torch's generator), so the rest of the epoch draws as it did."""
+        if self._restore_rng is not None:
+            self._restore_rng()
 
     def flush_checkpoints(self) -> None:
         """Wait for a background checkpoint write to finish (idempotent; call before the trial ends)."""

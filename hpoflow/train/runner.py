@@ -21,7 +21,9 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
 import traceback
 import typing
@@ -34,7 +36,7 @@ import numpy as np
 
 from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig, import_plugins
-from hpoflow.train.context import TrialContext
+from hpoflow.train.context import PauseRequest, TrialContext
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.train.usage import UsageSampler
 from hpoflow.trial import RankJob, RankOutcome, TrialRequest
@@ -126,6 +128,14 @@ def _final_metrics(ret: Any, ctx: TrialContext) -> dict[str, float]:
     return {}
 
 
+def _on_pause_signal(pause: PauseRequest) -> Any:
+    """SIGUSR1 asks this rank to pause (the engine's request to stop soon with a checkpoint; srun
+    forwards it to every task of a step). The previous handler, to put back; None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGUSR1, lambda signum, frame: pause.set())
+
+
 def log_to_stderr(level: int = logging.INFO) -> None:
     """Send the "hpoflow" logger's records to stderr (a rank's log file; the CLI's terminal), once."""
     logger = logging.getLogger("hpoflow")
@@ -166,6 +176,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         usage.start()
     ctx: TrialContext | None = None
     finished = False  # every rank that ends without an exception leaves the group with its peers
+    pause = PauseRequest()
+    old_usr1 = _on_pause_signal(pause)
     try:
         failed = import_plugins(req.plugins, req.python_path)
         if failed:
@@ -177,7 +189,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             device_name="cuda:0" if use_cuda else "cpu",
             metric=req.metric, pruning=req.pruning, channel=channel, attempt=req.attempt,
             checkpoint_dir=Path(req.checkpoints), elastic=req.elastic, base_world=req.base_processes,
-            seed=req.seed,
+            seed=req.seed, pause_request=pause,
         )
         if job.world_size > 1:
             from hpoflow.train import dist as hdist
@@ -201,6 +213,10 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             finished = True
             return RankOutcome("resized", metrics, started_at=started_at, run_s=run_s,
                                usage=_usage(usage, req, job.rank))
+        if ctx.pausing and not pruned:  # stopped at a step with a checkpoint: a rerun resumes from it
+            finished = True
+            return RankOutcome("paused", metrics, started_at=started_at, run_s=run_s,
+                               usage=_usage(usage, req, job.rank))
         if job.rank == 0 and not pruned:
             if value is None:
                 raise KeyError(
@@ -222,6 +238,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         return RankOutcome("error", {}, error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
                            retryable=retryable, usage=_usage(usage, req, job.rank))
     finally:
+        if old_usr1 is not None:
+            signal.signal(signal.SIGUSR1, old_usr1)
         if ctx is not None:
             try:
                 ctx.flush_checkpoints()  # an async save still being written must land first

@@ -16,6 +16,8 @@ file, fsync, rename: ``hpoflow.fileio``) except the report log, which is append-
   elastic trial ``"world"``: the number of ranks to continue with, 0 for no change).
 - ``STOP``: written by the engine to cancel the attempt; rank processes watch it and kill their
   process group.
+- ``PAUSE``: written by the engine to pause the attempt (stop at the next step with a checkpoint); each
+  rank's watcher turns it into the SIGUSR1 the rank's training loop reacts to.
 - ``result.json``: the task's ``TrialResult`` (written last; its presence means the task ended);
   ``status: resized`` when an elastic trial's ranks all left to be restarted on another size.
 - ``outcome-<rank>.json``, ``job.json``, ``heartbeat``: between the task and its rank processes.
@@ -116,6 +118,11 @@ class TrialFiles:
     @property
     def stop(self) -> Path:
         return self.dir / "STOP"
+
+    @property
+    def pause(self) -> Path:
+        """Written by the engine to pause the attempt: every rank stops at one step with a checkpoint."""
+        return self.dir / "PAUSE"
 
     @property
     def job(self) -> Path:

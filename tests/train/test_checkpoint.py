@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from hpoflow.engines import TrialRequest, TrialResult
+from hpoflow.engines import TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.local import LocalEngine
 from hpoflow.fileio import write_atomic
 from hpoflow.spec import TrainConfig
@@ -304,3 +304,48 @@ def test_killed_rank_resumes_to_bitwise_identical_weights_and_metrics(
     assert resumed.metrics["ranks_identical"] == 1.0
     names = _files(Path(req.checkpoints))
     assert names == sorted(checkpoint_name(s, r) for r in (0, 1) for s in (EPOCHS - 1, EPOCHS))  # keep: 2
+
+
+# -- a pause: stop at the next step with a checkpoint, resume from the middle of the epoch ---------------
+
+def _pause_request(trial_dir: Path, every: int) -> TrialRequest:
+    # small batches: an epoch of ~180 steps (about a second here, longer on a loaded machine), so a pause
+    # sent a moment after epoch 1's report lands in the middle of epoch 2
+    train = TrainConfig(model="cnn", dataset="digits", epochs=3, batch_size=4, optimizer="adam", lr=1e-3,
+                        model_options={"dropout": 0.2}, seed=11,
+                        checkpoint={"every": every, "keep": 2, "async": True}).model_dump(mode="json")
+    return TrialRequest(0, {}, train, "val_accuracy", "maximize", str(trial_dir), processes=2,
+                        python_path=PYPATH, seed=11, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every", [1, 0])  # also with checkpoints off: a pause saves one to resume from
+def test_a_paused_trial_stops_mid_epoch_with_a_checkpoint_and_resumes_bitwise(
+        engine: LocalEngine, tmp_path: Path, every: int) -> None:
+    reference = _run(engine, _pause_request(tmp_path / "ref", every))
+    assert reference.status == "complete", reference
+    req = _pause_request(tmp_path / "paused", every)
+    engine.submit(req)
+    paused = None
+    deadline = time.monotonic() + 300  # a bound for a hang: the trial takes seconds
+    while paused is None and time.monotonic() < deadline:
+        for ev in engine.poll(0.05):
+            if isinstance(ev, TrialReport) and ev.step == 1:
+                # rank 0 sent that report just before its epoch-end should_stop(): past it after a moment,
+                # into epoch 2 (a pause seen there would stop it at the epoch boundary instead)
+                time.sleep(0.1)
+                engine.pause(req.number, "walltime")
+            elif isinstance(ev, TrialResult):
+                paused = ev
+    assert paused is not None and paused.status == "cancelled" and "paused" in (paused.error or ""), paused
+    files = list(Path(req.checkpoints).glob("ckpt-*-r0.pt"))
+    newest = max(files, key=lambda p: int(p.name.split("-")[1]))
+    state = read_checkpoint(newest)["state"]["user"]
+    assert state["data"]["epoch"] == 1 and state["data"]["batch"] > 0, state["data"]  # in the middle of epoch 2
+    resumed = _run(engine, dataclasses.replace(req, attempt=1))
+    assert resumed.status == "complete", resumed
+    assert resumed.metrics["resumed_from_epoch"] == 1.0
+    for key in COMPARED:
+        if key in reference.metrics:
+            assert resumed.metrics[key] == reference.metrics[key], key
+    assert _weights(tmp_path / "paused") == _weights(tmp_path / "ref")  # bitwise the uninterrupted run

@@ -72,10 +72,13 @@ def _kill_own_group() -> None:
         os._exit(137)
 
 
-def start_stop_watcher(files: TrialFiles, deadline: float | None = None) -> threading.Thread:
-    """A daemon thread that kills this process group when ``files.stop`` exists (or at ``deadline``)."""
+def start_stop_watcher(files: TrialFiles, deadline: float | None = None, *, pause: bool = False) -> threading.Thread:
+    """A daemon thread that kills this process group when ``files.stop`` exists (or at ``deadline``);
+    with ``pause`` (a rank), it also turns ``files.pause`` into SIGUSR1 to this process, once: the
+    rank's training loop then stops at its next step with a checkpoint."""
 
     def watch() -> None:
+        paused = False
         while True:
             if files.stop_requested():
                 _log(f"{files.stop} appeared: killing process group {os.getpgrp()}")
@@ -83,6 +86,10 @@ def start_stop_watcher(files: TrialFiles, deadline: float | None = None) -> thre
             if deadline is not None and time.time() > deadline:
                 _log("the trial's deadline passed: killing process group")
                 _kill_own_group()
+            if pause and not paused and files.pause.exists():
+                paused = True
+                _log(f"{files.pause} appeared: pausing at the next step")
+                os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(_WATCH_S)
 
     t = threading.Thread(target=watch, name="hpoflow-stop-watcher", daemon=True)
@@ -137,6 +144,7 @@ def _rank_env(job: dict[str, Any], rank: int, local_rank: int, ppn: int, cores: 
 
 
 def _node(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a pause is for the ranks (they watch PAUSE themselves)
     if os.getpgrp() != os.getpid():
         try:
             os.setsid()
@@ -238,10 +246,11 @@ def _wait_ranks(procs: Sequence[tuple[int, subprocess.Popen[bytes]]]) -> int:
 # -- one rank -----------------------------------------------------------------------------------
 def _rank(args: argparse.Namespace) -> int:
     _die_with_parent()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until run_rank handles a pause
     job = _load_job(args.job)
     req = job["request"]
     files = TrialFiles(Path(req["trial_dir"]), int(req.get("attempt", 0)))
-    start_stop_watcher(files)
+    start_stop_watcher(files, pause=True)
     cores = [int(c) for c in args.cores.split(",") if c.strip().isascii() and c.strip().isdigit()]
     if cores and hasattr(os, "sched_setaffinity"):
         try:
@@ -254,6 +263,7 @@ def _rank(args: argparse.Namespace) -> int:
 def _step(args: argparse.Namespace) -> int:
     """One rank as one task of a SLURM job step (the slurm engine's steps mode): SLURM started every
     rank itself, so the rank, its node and the world come from the step's environment."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until run_rank handles a pause
     env = os.environ
     job = _load_job(args.job)
     req = job["request"]
@@ -270,7 +280,7 @@ def _step(args: argparse.Namespace) -> int:
     if world != int(job["world_size"]):
         _log(f"the step has {world} tasks but the trial {job['world_size']} ranks")
         return 3
-    start_stop_watcher(files, job.get("deadline"))
+    start_stop_watcher(files, job.get("deadline"), pause=True)
     threads = max(1, int(req["cpus_per_process"]))
     os.environ.update({str(k): str(v) for k, v in (job.get("env") or {}).items()})
     os.environ.update({

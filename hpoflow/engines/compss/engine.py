@@ -52,6 +52,7 @@ from hpoflow.train.transport import ReportReader, TrialFiles
 __all__ = ["CompssEngine", "CompssOptions", "TaskShape", "pycompss_available", "runtime_active"]
 
 _CANCEL_WAIT_S = 30.0
+PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then is cancelled
 
 
 @dataclass
@@ -254,6 +255,19 @@ class CompssEngine(Engine):
         if not self.sequential and not t.files.heartbeat.exists():
             self._cancel_group(t)  # not started yet: don't let it start
 
+    def pause(self, number: int, reason: str) -> None:
+        """A ``PAUSE`` file every rank watches (they stop at their next step with a checkpoint); a trial
+        that has not started yet is cancelled."""
+        t = self._trials.get(number)
+        if t is None or t.cancel_reason is not None:
+            return
+        if not t.files.heartbeat.exists():
+            self.cancel(number, reason)
+            return
+        t.extra.setdefault("paused_at", time.monotonic())
+        with contextlib.suppress(OSError):
+            t.files.pause.write_text(f"{reason}\n")
+
     def running(self) -> list[int]:
         return sorted(self._trials)
 
@@ -355,6 +369,9 @@ class CompssEngine(Engine):
 
     def _check(self, t: _Trial) -> None:
         self._read_reports(t)
+        paused = t.extra.get("paused_at")
+        if paused is not None and t.cancel_reason is None and time.monotonic() - paused > PAUSE_GRACE_S:
+            self.cancel(t.request.number, f"did not pause within {PAUSE_GRACE_S:g} s: stopped")
         if t.cancel_reason is not None and not t.group_cancelled and t.cancel_time is not None and (
                 time.monotonic() - t.cancel_time > self.options.kill_grace_s + 5.0):
             self._cancel_group(t)

@@ -100,8 +100,9 @@ def _reset(snap: _Snapshot) -> None:
         torch.autograd.set_detect_anomaly(False)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = False
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a pause request (the engine's) that came too late
     signal.alarm(0)
     _kill_children()
     gc.collect()
@@ -127,6 +128,7 @@ def worker_main(conn: Connection, worker_id: int) -> None:
     """Serve rank jobs from ``conn`` until told to exit or the pipe closes."""
     _die_with_parent()
     os.setsid()  # own process group: the engine kills the worker and all its children at once
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the engine's pause request; a trial's rank handles it
     devnull = os.open(os.devnull, os.O_WRONLY)
     # multiprocessing's bootstrap re-imported the parent's __main__ here (with whatever it imports):
     # freeze that too, so the collection after each trial walks only the trial's own objects.

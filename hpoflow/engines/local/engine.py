@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
@@ -36,6 +37,8 @@ from hpoflow.train.rendezvous import private_dir, store_path
 from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
 log = logging.getLogger(__name__)
+
+PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then is stopped (killed)
 
 __all__ = ["LocalEngine", "plan_placement"]
 
@@ -72,6 +75,8 @@ class _Trial:
     # for the next poll (the engine adds the size to the answer then).
     segments: Segments | None = None
     deferred: bool | None = None
+    paused_at: float | None = None  # pause(): when the engine asked the ranks to stop at a step
+    signalled_at: float = 0.0
 
     @property
     def done(self) -> bool:
@@ -285,6 +290,7 @@ class LocalEngine(Engine):
 
     def _next_wakeup(self, now: float, deadline: float | None) -> float | None:
         times = [t.deadline for t in self._trials.values() if t.deadline is not None]
+        times += [t.signalled_at + 1.0 for t in self._trials.values() if t.paused_at is not None]
         if deadline is not None:
             times.append(deadline)
         return max(0.0, min(times) - now) if times else None
@@ -311,6 +317,23 @@ class LocalEngine(Engine):
         if t is not None and t.cancel_reason is None and not t.done:
             t.cancel_reason = reason
             self._kill_unfinished(t)
+
+    def pause(self, number: int, reason: str) -> None:
+        """SIGUSR1 to the trial's ranks (again every second, until they stop: a rank that had not
+        started its training yet ignores it); cancelled if it has not paused within ``PAUSE_GRACE_S``."""
+        t = self._trials.get(number)
+        if t is None or t.done or t.cancel_reason is not None or t.failure is not None:
+            self.cancel(number, reason)  # queued: it never started
+            return
+        t.paused_at = t.paused_at or time.monotonic()
+        self._signal_pause(t)
+
+    def _signal_pause(self, t: _Trial) -> None:
+        t.signalled_at = time.monotonic()
+        for w in t.workers:
+            if w.rank not in t.outcomes and w.proc.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(w.proc.pid, signal.SIGUSR1)
 
     def running(self) -> list[int]:
         return sorted([*self._trials, *(r.number for r in self._queued)])
@@ -372,6 +395,12 @@ class LocalEngine(Engine):
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for t in self._trials.values():
+            if t.paused_at is not None and t.failure is None and t.cancel_reason is None and not t.done:
+                if now - t.paused_at > PAUSE_GRACE_S:
+                    t.cancel_reason = f"did not pause within {PAUSE_GRACE_S:g} s: stopped"
+                    self._kill_unfinished(t)
+                elif now - t.signalled_at >= 1.0:
+                    self._signal_pause(t)
             if t.deadline is not None and now >= t.deadline and t.failure is None and t.cancel_reason is None:
                 t.failure = f"timed out after {t.request.timeout:g} s (resources.timeout)"
                 t.retryable = False  # the same configuration would run as long again

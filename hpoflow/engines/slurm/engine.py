@@ -51,6 +51,7 @@ from hpoflow.trial import RankOutcome, result_from_ranks
 
 __all__ = ["SlurmEngine"]
 
+PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then is stopped (killed)
 _SQUEUE_EVERY_S = 2.0  # jobs mode: one squeue for every job at most this often
 _GONE_GRACE_S = 10.0  # jobs mode: a job squeue no longer lists may still be writing its result
 
@@ -71,6 +72,8 @@ class _Trial:
     failure: str | None = None
     retryable: bool = False
     stop_time: float | None = None
+    paused_at: float | None = None  # pause(): when the engine asked the ranks to stop at a step
+    signalled_at: float = 0.0
     gone_since: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -167,6 +170,23 @@ class SlurmEngine(Engine):
             return
         t.cancel_reason = reason
         self._stop(t)
+
+    def pause(self, number: int, reason: str) -> None:
+        """A ``PAUSE`` file every rank watches, and SIGUSR1 to the step's srun (it forwards it to every
+        rank); stopped for good if it has not paused within ``PAUSE_GRACE_S``."""
+        t = self._trials.get(number)
+        if t is None or t.cancel_reason is not None or t.failure is not None or t.paused_at is not None:
+            return
+        t.paused_at = time.monotonic()
+        with contextlib.suppress(OSError):
+            t.files.pause.write_text(f"{reason}\n")
+        self._signal_pause(t)
+
+    def _signal_pause(self, t: _Trial) -> None:
+        t.signalled_at = time.monotonic()
+        if t.proc is not None and t.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(t.proc.pid, signal.SIGUSR1)
 
     def running(self) -> list[int]:
         return sorted(self._trials)
@@ -326,6 +346,12 @@ class SlurmEngine(Engine):
             t.failure = f"timed out after {t.request.timeout:g} s (resources.timeout)"
             t.retryable = False  # the same configuration would run as long again
             self._stop(t)
+        if t.paused_at is not None and t.stop_time is None:
+            if now - t.paused_at > PAUSE_GRACE_S:
+                t.cancel_reason = f"did not pause within {PAUSE_GRACE_S:g} s: stopped"
+                self._stop(t)
+            elif now - t.signalled_at >= 1.0:
+                self._signal_pause(t)
         if t.stop_time is not None and now - t.stop_time > self.options.kill_grace_s:
             if t.proc is not None and t.proc.poll() is None:
                 with contextlib.suppress(OSError):

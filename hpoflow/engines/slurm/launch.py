@@ -110,5 +110,5 @@ def batch_script(o: SlurmLaunch) -> str:
 
 def sbatch_argv(script_path: str, output: str, sbatch: Sequence[str] = ("sbatch",)) -> list[str]:
     """How to submit the script: its output file on the command line (a path may hold spaces, which an
-    ``#SBATCH`` line cannot carry)."""
-    return [*sbatch, "--parsable", f"--output={output}", script_path]
+    ``#SBATCH`` line cannot carry), appended to, so a requeued job's runs all stay in it."""
+    return [*sbatch, "--parsable", f"--output={output}", "--open-mode=append", script_path]

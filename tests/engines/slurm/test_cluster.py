@@ -76,12 +76,14 @@ def _study(run_dir: Path) -> optuna.Study:
 
 
 def _rank_hosts(trial_dir: Path) -> dict[int, tuple[str, str]]:
-    """rank -> (node, address) from the rank logs' first line (steps mode)."""
+    """rank -> (node, address) of its latest attempt, from the rank logs (steps mode: each attempt's
+    rank says where it runs as its first line; the logs of a retried trial hold both attempts)."""
     out = {}
     for log in sorted(trial_dir.glob("rank*.log")):
-        m = re.search(r"rank (\d+) of \d+ .*? on node (\S+) \(([\d.]+)", log.read_text())
-        if m:
-            out[int(m.group(1))] = (m.group(2), m.group(3))
+        found = re.findall(r"rank (\d+) of \d+ .*? on node (\S+) \(([\d.]+)", log.read_text())
+        if found:
+            rank, node, address = found[-1]
+            out[int(rank)] = (node, address)
     return out
 
 
@@ -141,3 +143,89 @@ def test_the_digits_example_runs_in_steps_mode(slurm_cluster: SlurmCluster) -> N
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 4, out
     assert all(t.value is not None and t.value > 0.5 for t in study.trials)  # it learnt
     assert (shared / "run" / "trials.csv").exists() and (shared / "run" / "best.yaml").exists()
+
+
+def _digits_spec(path: Path, n_trials: int, epochs: int, **resources: Any) -> Path:
+    data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    data["engine"] = "slurm"
+    data["search"].update(n_trials=n_trials, max_concurrent=n_trials)
+    data["training"].update(epochs=epochs, checkpoint={"every": 1, "keep": 2, "async": True})
+    data["resources"] = {**data.get("resources", {}), **resources}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _wait_for(what: str, ok: Any, timeout: float = JOB_WAIT_S) -> None:
+    end = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.5)
+
+
+def _reported_epochs(run_dir: Path) -> dict[int, int]:
+    """trial number -> epochs it reported so far (read from the study while it runs)."""
+    try:
+        study = _study(run_dir)
+    except Exception:  # not started yet
+        return {}
+    return {t.number: max(t.intermediate_values, default=0) for t in study.get_trials(deepcopy=False)}
+
+
+def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued_job_finishes_the_study(
+        slurm_cluster: SlurmCluster) -> None:
+    from hpoflow.run.ledger import ATTR_REPLACES, count_finished
+
+    shared = slurm_cluster.shared_dir / "walltime"
+    spec, run_dir = _digits_spec(shared / "digits.yaml", n_trials=3, epochs=8), shared / "run"
+    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2", "--requeue")
+    _wait_for("a trial's second epoch", lambda: max(_reported_epochs(run_dir).values(), default=0) >= 2)
+    slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # what --signal=B:USR1@S does
+    info = wait_job(slurm_cluster, job)
+    out = "\n".join(p.read_text() for p in (run_dir / "launch").glob("slurm-*.out"))
+    assert info["JobState"] == "COMPLETED", out
+    assert "walltime warning" in out and "requeued" in out, out  # the first run paused, then requeued itself
+    study = _study(run_dir)
+    assert count_finished(study) == 3, out
+    reruns = [t for t in study.trials if ATTR_REPLACES in t.user_attrs]
+    assert reruns, "no trial was running when the warning came"
+    for t in reruns:
+        paused = study.trials[int(t.user_attrs[ATTR_REPLACES])]
+        assert "paused" in paused.user_attrs.get("error", ""), paused.user_attrs
+        done_before = max(paused.intermediate_values, default=0)
+        # no epoch that had been checkpointed is rerun: it resumes where the paused trial stood
+        assert t.user_attrs["metrics"]["resumed_from_epoch"] == done_before, (done_before, t.user_attrs)
+        assert t.state == optuna.trial.TrialState.COMPLETE
+
+
+def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
+        slurm_cluster: SlurmCluster) -> None:
+    shared = slurm_cluster.shared_dir / "nodefail"
+    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=12, processes=2, nodes=1)  # a node each
+    run_dir = shared / "run"
+    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
+
+    def on_n2() -> int | None:
+        for t, epochs in _reported_epochs(run_dir).items():
+            hosts = _rank_hosts(run_dir / "trials" / str(t))
+            if epochs >= 2 and hosts and {h for h, _ in hosts.values()} == {"n2"}:
+                return t
+        return None
+
+    _wait_for("a trial on n2 with two epochs checkpointed", lambda: on_n2() is not None)
+    victim = on_n2()
+    try:
+        slurm_cluster.down_node("n2")
+        info = wait_job(slurm_cluster, job)
+    finally:
+        slurm_cluster.resume_node("n2")
+    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out
+    study = _study(run_dir)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2, out
+    t = study.trials[victim]  # type: ignore[index]
+    assert t.user_attrs.get("attempts") == 2, t.user_attrs  # retried once, as the same trial
+    assert t.user_attrs["metrics"]["resumed_from_epoch"] >= 2  # from its checkpoint, not from scratch
+    second = _rank_hosts(run_dir / "trials" / str(victim))
+    assert {h for h, _ in second.values()} == {"n1"}, second  # the rerun ran on the node that was left
