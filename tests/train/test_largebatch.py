@@ -103,7 +103,8 @@ def test_grad_accumulation_matches_the_big_batch(tmp_path: Path, n_batches: int)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sched = LrSchedule(0.1, 0.1, 0)
         loader = DataLoader(data, batch_size=batch, shuffle=False)
-        _, steps = train_epoch(ctx, net, strategy, opt, loader, sched, 0)
+        _, steps, paused = train_epoch(ctx, net, strategy, opt, loader, sched, 0)
+        assert paused is None
         assert steps == math.ceil(n_batches / 2)
         return flat_params(list(model.parameters()))
 
