@@ -2,12 +2,14 @@
 
 Each engine runs the same trials, described by their params (tests/trainfns.py:behave): the
 threads engine calls the behaviour in a thread, the local engine in warm worker processes, the
-compss engine in its sequential mode (the task body and rank processes, without the runtime).
+compss engine in its sequential mode (the task body and rank processes, without the runtime), the
+slurm engine in jobs mode on the real namespace cluster (tests/infra/slurm.py: each trial a batch job).
 Assertions are on events and their order, never on wall-clock bounds.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
 from tests.conftest import ROOT
 
-ENGINES = ["threads", "local", "compss"]
+ENGINES = ["threads", "local", "compss", pytest.param("slurm", marks=pytest.mark.slow)]
 PYPATH = (str(ROOT / "tests"),)
 if PYPATH[0] not in sys.path:  # the threads engine imports trainfns in this process
     sys.path.insert(0, PYPATH[0])
@@ -37,13 +39,23 @@ def _thread_objective(params: dict[str, Any], reporter: Reporter) -> Any:
 
 
 @pytest.fixture(params=ENGINES)
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+def engine(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Engine]:
     name = request.param
     eng: Engine
     if name == "threads":
         eng = ThreadEngine(_thread_objective, slots=2)
     elif name == "local":
         eng = LocalEngine()
+    elif name == "slurm":
+        from hpoflow.engines.slurm.engine import SlurmEngine
+        from hpoflow.engines.slurm.options import SlurmOptions
+
+        cluster = request.getfixturevalue("slurm_cluster")
+        cluster.wait_idle()
+        for key in [k for k in os.environ if k.startswith("SLURM_")]:
+            monkeypatch.delenv(key)
+        monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+        eng = SlurmEngine(SlurmOptions(mode="jobs", poll_interval_s=0.1), tmp_path / "slurm-run")
     else:
         eng = CompssEngine(tmp_path / "compss-run", sequential=True, poll_interval_s=0.05)
     try:
