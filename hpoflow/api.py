@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from hpoflow.engines import Engine, make_engine
 from hpoflow.report.outputs import write_outputs
 from hpoflow.run import rundir
 from hpoflow.run.open import load_run, open_run_storage, open_study, run_budget, study_url
+from hpoflow.run.retry import StorageUnavailable
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.warm_start import warm_start
@@ -98,7 +100,8 @@ def optimize(
         finally:
             if engine is None:
                 eng.close()
-            if summary is None or summary.stopped_by != "storage":  # (a storage that stopped answering: none)
+            down = isinstance(sys.exc_info()[1], StorageUnavailable) or getattr(summary, "stopped_by", "") == "storage"
+            if not down:  # (a storage that stopped answering has nothing to write them from)
                 write_outputs(study, parsed, text, rd, label, journal=url is None)
 
 

@@ -171,3 +171,63 @@ def test_a_password_never_reaches_the_message(tmp_path: Path) -> None:
     with pytest.raises(StorageUnavailable) as info:
         study.get_trials()
     assert "s3cret!" not in str(info.value) and '(password "***")' in str(info.value)
+
+
+# -- the driver and optimize() around it ------------------------------------------------------------
+SPEC: dict[str, Any] = {
+    "study": {"name": "down", "metric": "score", "direction": "maximize"},
+    "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+    "search": {"algorithm": "random", "n_trials": 8, "max_concurrent": 2, "seed": 3},
+    "training": {"function": "trainfns:counter"}, "storage_retry_s": 0.5,
+}
+
+
+def test_a_storage_that_stops_answering_stops_the_study_cleanly_and_a_rerun_resumes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from hpoflow.api import optimize
+    from hpoflow.engines.threads import ThreadEngine
+    from hpoflow.run.journal import JournalFile
+
+    down = {"now": False}
+    real_append = JournalFile.append_logs
+
+    def append(self: JournalFile, logs: list[dict[str, Any]]) -> None:
+        if down["now"]:  # the journal's network file system stopped answering
+            raise OSError(errno.ESTALE, "Stale file handle")
+        real_append(self, logs)
+
+    calls: list[float] = []
+
+    def objective(params: dict[str, Any], reporter: Any) -> float:
+        calls.append(params["x"])
+        if len(calls) == 4:
+            down["now"] = True
+        return float(params["x"])
+
+    monkeypatch.setattr(JournalFile, "append_logs", append)
+    with caplog.at_level(logging.WARNING, logger="hpoflow"):
+        r = optimize(SPEC, tmp_path / "run", engine=ThreadEngine(objective, 2))
+    s = r.summary
+    assert s.stopped_by == "storage" and s.exit_code == 1
+    assert s.outcome_message().startswith("stopped: the study's storage ") and "did not answer for" in s.reason
+    assert [m.getMessage()[:45] for m in caplog.records] == ["storage unreachable, retrying for up to 0.5 s"]
+    assert not (tmp_path / "run" / "trials.csv").exists()  # nothing to write it from
+    down["now"] = False
+    r = optimize(SPEC, tmp_path / "run", engine=ThreadEngine(lambda p, rep: float(p["x"]), 2))
+    assert r.summary.exit_code == 0 and r.summary.n_finished == 8
+    assert sum(t.state == TrialState.COMPLETE for t in r.study.trials) == 8
+
+
+def test_an_outage_before_the_first_trial_is_one_error_not_a_second(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpoflow.api import optimize
+    from hpoflow.engines.threads import ThreadEngine
+    from hpoflow.search.driver import Driver
+
+    def reconcile(self: Driver) -> None:
+        raise StorageUnavailable("the study's storage X did not answer for 60 s (storage_retry_s: 60): cause")
+
+    monkeypatch.setattr(Driver, "_reconcile", reconcile)
+    with pytest.raises(StorageUnavailable, match="did not answer for 60 s"):
+        optimize(SPEC, tmp_path / "run", engine=ThreadEngine(lambda p, rep: 0.0, 2))
+    assert not (tmp_path / "run" / "trials.csv").exists()
