@@ -82,8 +82,9 @@ class DriverSummary:
 
     @property
     def exit_code(self) -> int:
-        """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal; 3 no
-        trial of the study completed; 1 stopped early by max_failures or fail_fast; 0 otherwise."""
+        """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal; 1 stopped
+        by the storage (an outage past storage_retry_s, a full disk); 3 no trial of the study completed;
+        1 stopped early by max_failures or fail_fast; 0 otherwise."""
         if self.stopped_by == "signal":
             return 130
         if self.stopped_by == "storage":
