@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -18,10 +19,10 @@ from typing import Any
 import optuna
 
 from hpoflow.engines import Engine, make_engine
-from hpoflow.errors import RunDirError
 from hpoflow.report.outputs import write_outputs
 from hpoflow.run import rundir
-from hpoflow.run.open import load_run, open_run_storage, open_study, run_budget
+from hpoflow.run.open import load_run, open_run_storage, open_study, run_budget, study_url
+from hpoflow.run.retry import StorageUnavailable
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.warm_start import warm_start
@@ -83,27 +84,25 @@ def optimize(
         n_trials = min(cap, parsed.search.n_trials or cap)  # a cap: never more than the spec
     dirs = search_dirs(spec) if isinstance(spec, str | os.PathLike) else search_dirs()  # for training.function
     rd = rundir.resolve(run_dir if run_dir is not None else Path("runs") / parsed.study.name, create=True)
-    url = parsed.storage_url()
-    if parsed.storage_env and url is None:
-        raise RunDirError(f"storage_env: the environment variable {parsed.storage_env} is not set, so the study's "
-                          f"storage is unknown. Fix: export {parsed.storage_env}=<storage URL>")
+    url = study_url(parsed)  # storage_env's variable leaves os.environ here: no process started later sees it
     with rundir.RunLock(rd):
-        try:
+        with rundir.disk_errors(rd):
             study, label = open_study(rd, parsed, text, url, pruner=make_pruner(parsed.search.pruner),
                                       sampler_for=lambda n: make_sampler(parsed.search, resumed_trials=n))
-        except OSError as exc:
-            raise rundir.disk_error(exc, rd) from None
-        if parsed.search.warm_start and not study.get_trials(deepcopy=False):
-            warm_start(study, parsed)
+            if parsed.search.warm_start and not study.get_trials(deepcopy=False):
+                warm_start(study, parsed)
         eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)
+        summary: DriverSummary | None = None
         try:
             summary = _run(study, rd, parsed, eng, dirs, n_trials, _listener(parsed, rd, listener, progress),
                            handle_signals)
+            return StudyResult(rd, study, summary, label)
         finally:
             if engine is None:
                 eng.close()
-            write_outputs(study, parsed, text, rd, label, journal=parsed.storage_url() is None)
-        return StudyResult(rd, study, summary, label)
+            down = isinstance(sys.exc_info()[1], StorageUnavailable) or getattr(summary, "stopped_by", "") == "storage"
+            if not down:  # (a storage that stopped answering has nothing to write them from)
+                write_outputs(study, parsed, text, rd, label, journal=url is None)
 
 
 def _listener(spec: StudySpec, rd: Path, listener: DriverListener | None, progress: bool) -> DriverListener | None:

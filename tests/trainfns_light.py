@@ -34,3 +34,62 @@ def costly(ctx: Any) -> dict[str, float]:
             return {"value": x * epoch / 3}
         time.sleep(0.02)
     return {"value": x, "samples_per_s": 1000.0 * (1 + x), "step_time_s": 0.01 / (1 + x), "comm_fraction": 0.1 * x}
+
+
+def slow(ctx: Any) -> dict[str, float]:
+    """Returns ``params['x']`` after ``options['sleep']`` seconds (default 0.5), printing a line a step
+    (so its rank log grows), and reporting each step; for studies a test disturbs while they run."""
+    import time
+
+    x = float(ctx.params["x"])
+    steps = int(ctx.options.get("steps", 5))
+    for step in range(steps):
+        print(f"step {step} of trial {ctx.trial_number}", flush=True)
+        ctx.report(step, value=x * (step + 1) / steps)
+        time.sleep(float(ctx.options.get("sleep", 0.5)) / steps)
+    return {"value": x}
+
+
+def environment(ctx: Any) -> dict[str, float]:
+    """Writes what this rank's process can see of credentials to ``trial_dir/seen<rank>.json``: its own
+    environment, and the environment and command line of every ancestor process it may read."""
+    import json
+    import os
+    from pathlib import Path
+
+    seen: dict[str, Any] = {"environ": dict(os.environ), "ancestors": {}}
+    pid = os.getppid()
+    while pid > 1:
+        entry: dict[str, str] = {}
+        for what in ("environ", "cmdline"):
+            try:
+                entry[what] = Path(f"/proc/{pid}/{what}").read_bytes().decode(errors="replace")
+            except OSError as exc:
+                entry[what] = f"<{exc.strerror}>"
+        seen["ancestors"][str(pid)] = entry
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    (Path(ctx.trial_dir) / f"seen{ctx.rank}.json").write_text(json.dumps(seen))
+    return {"value": float(ctx.params.get("x", 0.0))}
+
+
+def fills_the_disk(ctx: Any) -> dict[str, float]:
+    """Trial ``options['at']`` fills the run directory's file system (``RUN_DIR/filler``, until it is
+    full) and then prints; the others sleep ``options['sleep']`` s. Returns ``params['x']``."""
+    import time
+    from pathlib import Path
+
+    if ctx.trial_number == int(ctx.options.get("at", 2)):
+        with open(Path(ctx.trial_dir).parent.parent / "filler", "ab") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        for _ in range(100):
+            print("x" * 1000, flush=True)
+    time.sleep(float(ctx.options.get("sleep", 0.2)))
+    return {"value": float(ctx.params["x"])}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hpoflow.cli._args import non_negative_int
+from hpoflow.cli._args import add_storage_args, non_negative_int, storage_arg
 
 __all__ = ["register"]
 
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                    "(reach it from elsewhere through an ssh tunnel). Ctrl-C stops it.")
     p.add_argument("run_dir", help="run directory of a study")
     p.add_argument("--port", type=non_negative_int, default=8080, help="TCP port (0: any free one; default 8080)")
-    p.add_argument("--storage", help="the study's storage URL, when it has a password (never written to disk)")
+    add_storage_args(p)
     p.set_defaults(func=run)
 
 
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         import optuna_dashboard
     except ImportError:
         raise HpoflowError(INSTALL_HINT) from None
-    storage, study_name, label = open_run_storage(args.run_dir, args.storage)
+    storage, study_name, label = open_run_storage(args.run_dir, storage_arg(args))
 
     class _Quiet(WSGIRequestHandler):
         def log_message(self, format: str, *a: object) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hpoflow.cli._args import add_storage_args, storage_arg
+
 __all__ = ["register"]
 
 
@@ -16,7 +18,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("run_dir", help="run directory of a study")
     p.add_argument("-o", "--output", help="the HTML file (default: RUN_DIR/report.html)")
     p.add_argument("--png", metavar="DIR", help="also write each figure as a PNG into DIR (needs kaleido)")
-    p.add_argument("--storage", help="the study's storage URL, when it has a password (never written to disk)")
+    add_storage_args(p)
     p.set_defaults(func=run)
 
 
@@ -28,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from hpoflow.run.open import load_run, run_budget
 
     rd = rundir.resolve(args.run_dir, create=False)
-    study, label = load_run(rd, args.storage)
+    study, label = load_run(rd, storage_arg(args))
     try:
         spec_text = (rd / "spec.yaml").read_text()
         data = yaml.safe_load(spec_text) or {}

@@ -33,6 +33,7 @@ def _prestart(spec_path: str) -> None:
         spec, _ = load_spec(spec_path)
     except HpoflowError:
         return
+    spec.storage_url()  # storage_env's variable leaves the environment before any worker process starts
     if spec.engine != "local":
         return
     from hpoflow.engines.local import prestart
@@ -59,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     listener = ProgressListener(console, quiet=args.quiet or args.json)
     result = optimize(args.spec, args.run_dir, n_trials=args.n_trials, listener=listener)
     s = result.summary
+    if s.stopped_by == "storage":  # the storage stopped answering: nothing to read from it now
+        if args.json:
+            print(json.dumps({"run_dir": str(result.run_dir), "stopped_by": s.stopped_by, "reason": s.reason}))
+        print(f"hpoflow: {s.outcome_message()}", file=sys.stderr)
+        return s.exit_code
     status = status_dict(result.study, result.storage, budget=s.n_trials)
     if args.json:
         print(json.dumps({**status, "run_dir": str(result.run_dir), "stopped_by": s.stopped_by}))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hpoflow.cli._args import add_storage_args, storage_arg
+
 __all__ = ["register"]
 
 
@@ -13,15 +15,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("run_dir", help="run directory of a study")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--top", type=int, default=10, help="rows of the best-trials table")
-    p.add_argument("--storage", help="the study's storage URL, when it has a password (never written to disk)")
+    add_storage_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from hpoflow.run import rundir
 
+    storage = storage_arg(args)
     snapshot = None
-    if args.storage is None and args.top == 10:  # a finished run's own snapshot, if still current
+    if storage is None and args.top == 10:  # a finished run's own snapshot, if still current
         snapshot = rundir.read_status_snapshot(rundir.resolve(args.run_dir, create=False))
     if snapshot is not None:
         status, table = snapshot["status"], snapshot["table"]
@@ -29,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         from hpoflow.report.tables import best_rows, status_dict
         from hpoflow.run.open import load_run, run_budget
 
-        study, label = load_run(args.run_dir, args.storage)
+        study, label = load_run(args.run_dir, storage)
         status = status_dict(study, label, budget=run_budget(args.run_dir))
         table = None if args.json else best_rows(study, top=args.top)
     if args.json:

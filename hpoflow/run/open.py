@@ -22,21 +22,24 @@ import optuna
 import yaml
 
 from hpoflow._version import __version__
+from hpoflow.credentials import password_of, take_env
 from hpoflow.errors import HpoflowError, RunDirError, SpecError
 from hpoflow.fileio import write_atomic
 from hpoflow.run import rundir
+from hpoflow.run.retry import RetryingStorage, StorageFull, StorageUnavailable, transient_cause
 from hpoflow.run.rundir import redact
 from hpoflow.run.storage import open_storage, storage_label
 from hpoflow.spec import StudySpec, spec_from_mapping
 
-__all__ = ["LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget"]
+__all__ = ["LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget",
+           "study_url"]
 
 LAUNCH_DIR = "launch"  # hpoflow launch's batch script and the job's output, written before the run starts
 
 # What may change between a run and its resume: budgets and limits, never what a trial is.
 RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
                   ("search", "max_failures"), ("search", "fail_fast"), ("resources", "timeout"),
-                  ("resources", "max_retries")}
+                  ("resources", "max_retries"), ("storage_retry_s",)}
 
 
 def _diff(a: Any, b: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -71,8 +74,39 @@ def check_resume(run_dir: Path, spec: StudySpec) -> None:
         raise RunDirError(
             f"{run_dir} holds a run of a different study (they differ at {shown}); resuming it with this "
             "spec would mix results. Fix: use a new --run-dir, or undo those changes (only search.n_trials, "
-            "timeout, max_concurrent, max_failures and resources.timeout/max_retries may change on resume)"
+            "timeout, max_concurrent, max_failures, resources.timeout/max_retries and storage_retry_s may change on "
+            "resume)"
         )
+
+
+def _open_error(exc: Exception, url: str | None, label: str) -> HpoflowError:
+    """The one-line error for a storage that cannot be opened (the password blanked out)."""
+    if isinstance(exc, HpoflowError) and not isinstance(exc, StorageUnavailable):
+        return exc
+    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, StorageUnavailable):
+        why = exc.cause or why
+    elif isinstance(exc, optuna.exceptions.StorageInternalError):
+        why = transient_cause(exc) or why  # the database's own words, not Optuna's guess about them
+    if url:
+        why = why.replace(url, label)
+        pw = password_of(url)
+        if pw:
+            why = why.replace(pw, "***")  # wherever the driver quoted it
+    kind = "" if isinstance(exc, StorageUnavailable) else f"{type(exc).__name__}: "
+    return RunDirError(f"cannot open the study's storage {label}: {kind}{why[:300]}. Fix: check the URL, that the "
+                       "database answers, and that its Python driver is installed")
+
+
+def study_url(spec: StudySpec) -> str | None:
+    """The storage URL a run opens (None: the run directory's journal). ``storage_env``'s variable is
+    taken out of the environment here and kept in memory (``StudySpec.storage_url``); ``RunDirError``
+    when it is not set."""
+    url = spec.storage_url()
+    if spec.storage_env and url is None:
+        raise RunDirError(f"storage_env: the environment variable {spec.storage_env} is not set, so the study's "
+                          f"storage is unknown. Fix: export {spec.storage_env}=<storage URL>")
+    return url
 
 
 def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
@@ -91,23 +125,20 @@ def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
         write_atomic(rd / "spec.yaml", text)
     label = redact(storage_label(url, rd)) or ""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
+    storage = None
+    try:  # no waiting at open: a URL that does not answer now is more often wrong than down
+        storage = RetryingStorage(optuna.storages.get_storage(open_storage(url, rd)), label, 0.0,
+                                  secret=password_of(url))
         study = optuna.create_study(
-            storage=open_storage(url, rd), study_name=spec.study.name,
+            storage=storage, study_name=spec.study.name,
             directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
             sampler=sampler_for(0), pruner=pruner, load_if_exists=True,
         )
-    except (OSError, HpoflowError):
+    except (OSError, StorageFull):
         raise
     except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if url:
-            why = why.replace(url, label)
-            parts = url.split("@")[0].rsplit(":", 1)
-            if len(parts) == 2 and parts[1]:
-                why = why.replace(parts[1], "***")  # the password, wherever the driver quoted it
-        raise RunDirError(f"cannot open the study's storage {label}: {type(exc).__name__}: {why[:300]}. Fix: check "
-                          "the URL, that the database answers, and that its Python driver is installed") from None
+        raise _open_error(exc, url, label) from None
+    storage.retry_s = spec.storage_retry_s
     if spec.study.multi and study.metric_names is None:
         with warnings.catch_warnings():  # experimental in Optuna 5, and the one public way to name them
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -142,18 +173,22 @@ def open_run_storage(run_dir: str | os.PathLike[str], storage: str | None = None
         except (OSError, yaml.YAMLError):
             data = {}
         env = data.get("storage_env")
-        storage = os.environ.get(env) if isinstance(env, str) else data.get("storage")
+        storage = take_env(env) if isinstance(env, str) else data.get("storage")
         if isinstance(env, str) and storage is None:
             raise RunDirError(f"the run's storage URL is in the environment variable {env}, which is not set. "
                               f"Fix: export {env}=<storage URL>")
         if isinstance(storage, str) and "***" in storage:
-            raise RunDirError("the run's storage URL has a password, which hpoflow does not write down. Fix: pass "
-                              "--storage URL, or name an environment variable with storage_env in the spec")
+            raise RunDirError("the run's storage URL has a password, which hpoflow does not write down. Fix: export "
+                              "it in an environment variable and pass its name with --storage-env NAME (or "
+                              "--storage URL, which other users of this machine can see in ps)")
+    label = redact(storage_label(storage, rd)) or ""
     try:
         opened = open_storage(storage, rd, create=False)
     except FileNotFoundError as exc:
         raise RunDirError(f"{rd}: {exc}. Fix: pass the --run-dir of a run that has started") from None
-    return opened, study_name, redact(storage_label(storage, rd)) or ""
+    except Exception as exc:  # a database that does not answer, a missing driver, bad credentials
+        raise _open_error(exc, storage, label) from None
+    return opened, study_name, label
 
 
 def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tuple[optuna.Study, str]:
@@ -165,6 +200,8 @@ def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tup
     except KeyError:
         raise RunDirError(f"{run_dir}: its storage holds no study {study_name!r}. Fix: pass the --run-dir of a "
                           "run that has started") from None
+    except Exception as exc:  # the database stopped answering since
+        raise _open_error(exc, storage, label) from None
     return study, label
 
 

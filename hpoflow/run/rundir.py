@@ -10,10 +10,12 @@ answers ``status`` without opening the storage (Optuna's import alone takes long
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -21,8 +23,8 @@ from urllib.parse import urlsplit, urlunsplit
 from hpoflow.errors import RunDirError
 from hpoflow.fileio import write_atomic
 
-__all__ = ["LOCK_FILE", "STATUS_FILE", "RunLock", "read_status_snapshot", "redact", "resolve",
-           "write_status_snapshot"]
+__all__ = ["LOCK_FILE", "STATUS_FILE", "RunLock", "disk_error", "disk_errors", "disk_why", "read_status_snapshot",
+           "redact", "resolve", "write_status_snapshot"]
 
 LOCK_FILE = ".hpoflow.lock"
 STATUS_FILE = "status.json"
@@ -50,12 +52,26 @@ def resolve(path: str | os.PathLike[str], *, create: bool) -> Path:
     return rd
 
 
-def disk_error(exc: OSError, rd: Path) -> RunDirError:
-    """A write into the run directory failed: the one-line error for it (full disk, read-only fs)."""
+def disk_why(exc: OSError) -> str:
+    """Why a write failed, in a few words (the disk is full, ...)."""
     what = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
             errno.EDQUOT: "the disk quota is exceeded", errno.EACCES: "permission denied"}
-    why = what.get(exc.errno or 0, exc.strerror or str(exc))
-    return RunDirError(f"cannot write to run directory {rd}: {why}. Fix: free space or choose another --run-dir")
+    return what.get(exc.errno or 0, exc.strerror or str(exc))
+
+
+def disk_error(exc: OSError, rd: Path) -> RunDirError:
+    """A write into the run directory failed: the one-line error for it (full disk, read-only fs)."""
+    return RunDirError(f"cannot write to run directory {rd}: {disk_why(exc)}. Fix: free space or choose another "
+                       "--run-dir")
+
+
+@contextlib.contextmanager
+def disk_errors(rd: Path) -> Iterator[None]:
+    """A failed write into ``rd`` (``OSError``) becomes ``disk_error``'s one line (exit code 2)."""
+    try:
+        yield
+    except OSError as exc:
+        raise disk_error(exc, rd) from None
 
 
 class RunLock:
@@ -67,7 +83,10 @@ class RunLock:
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise disk_error(exc, self.path.parent) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -75,8 +94,12 @@ class RunLock:
             os.close(fd)
             raise RunDirError(f"another hpoflow run (pid {holder}) is using {self.path.parent}. Fix: wait for it "
                               "to finish, stop it, or choose another --run-dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:  # a full disk: say so now, before anything else is written
+            os.close(fd)
+            raise disk_error(exc, self.path.parent) from None
         self._fd = fd
         return self
 

@@ -1,21 +1,17 @@
 """Where a study lives: an Optuna journal file in the run directory by default, or any Optuna URL.
 
-The journal file is Optuna's own format (``JournalFileBackend``): plain Optuna, optuna-dashboard
-and other processes open it; appends are locked, so it also works on a shared file system.
-
-Durability: Optuna fsyncs every append (~1-3 ms each, several per trial). hpoflow's default journal
-fsyncs only the append that finishes a trial (its final state and value), so a trial the driver
-counts as finished is on disk before the driver moves on; the other appends (creation, parameters,
-intermediate reports, attributes) are written with ``write()`` under the same lock: in the kernel
-once the call returns, so any process crash loses nothing, and a machine crash can lose only
-intermediate records of unfinished trials, which a resume reruns. ``HPOFLOW_JOURNAL_FSYNC=1``
-restores Optuna's fsync per append; a database URL gives the database's guarantees.
+The journal file is Optuna's own format: plain Optuna, optuna-dashboard and other processes open it;
+appends are locked, so it also works on a shared file system. ``hpoflow.run.journal`` keeps it whole
+(a torn last record is cut off on open, damage elsewhere refused) and says how durable it is. A
+database URL is opened with Optuna's ``RDBStorage``, its pooled connections checked before use
+(``pool_pre_ping``: a connection a server restart killed is replaced instead of failing the next
+call) and a 10 s connect timeout. ``hpoflow.run.retry`` wraps either so a run waits out outages.
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import logging
 import os
 from collections.abc import Container
 from pathlib import Path
@@ -23,36 +19,14 @@ from typing import Any
 
 import optuna
 from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from optuna.trial import FrozenTrial, TrialState
+
+from hpoflow.errors import RunDirError
+from hpoflow.run.journal import JournalFile, check_journal, find_damage
 
 __all__ = ["DEFAULT_JOURNAL", "open_storage", "storage_label"]
 
 DEFAULT_JOURNAL = "study.journal"
-
-
-_FINISHED_STATES = {TrialState.COMPLETE.value, TrialState.PRUNED.value, TrialState.FAIL.value}
-
-
-class _JournalFileNoFsync(JournalFileBackend):
-    """Optuna's journal file, appended without fsync except when an append finishes a trial (see
-    the module docstring): a trial the driver counts as finished is on disk."""
-
-    def append_logs(self, logs: list[dict[str, Any]]) -> None:
-        path = getattr(self, "_file_path", None)
-        lock = getattr(self, "_lock", None)
-        if path is None or lock is None:  # Optuna's internals changed: keep its own behaviour
-            super().append_logs(logs)
-            return
-        from optuna.storages.journal._file import get_lock_file
-
-        data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode("utf-8")
-        durable = any(log.get("state") in _FINISHED_STATES and "values" in log for log in logs)
-        with get_lock_file(lock), open(path, "ab") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
 
 
 class _Journal(JournalStorage):
@@ -65,7 +39,7 @@ class _Journal(JournalStorage):
     that changes shape, the parent's scan is used.
     """
 
-    def __init__(self, backend: JournalFileBackend) -> None:
+    def __init__(self, backend: JournalFile) -> None:
         super().__init__(backend)
         self._waiting: dict[int, tuple[int, set[int]]] = {}  # study -> (trials seen, candidates)
 
@@ -108,20 +82,61 @@ def storage_label(storage: str | None, run_dir: Path) -> str:
     return storage
 
 
+def _open_journal(path: Path, create: bool) -> _Journal:
+    """The journal at ``path``, its tail checked first (repaired only by a writer, ``create``) and
+    replayed: ``JournalDamaged`` (a ``RunDirError``) names the first damaged line."""
+    check_journal(path, repair=create)
+    try:
+        return _Journal(JournalFile(str(path), fsync_always=os.environ.get("HPOFLOW_JOURNAL_FSYNC") == "1"))
+    except OSError:
+        raise
+    except Exception as exc:  # Optuna's replay met a line that is not JSON, or JSON that is no record of it
+        damage = find_damage(path)
+        if damage is not None:
+            raise damage from None
+        raise RunDirError(f"{path} cannot be replayed as an Optuna journal ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}): a record in it is damaged. Fix: restore "
+                          "it from a backup") from None
+
+
+class _NoFallbackNoise(logging.Filter):
+    """Drop the warning Optuna's RDBStorage logs when a trial query fails and it retries it another way
+    (meant for SQLite's variable limit): during an outage it is a second traceback-like line for what
+    ``hpoflow.run.retry`` already says once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Caught an error from sqlalchemy")
+
+
+_RDB_LOGGER = "optuna.storages._rdb.storage"
+
+
+def _engine_kwargs(url: str) -> dict[str, Any]:
+    """SQLAlchemy engine options for a database URL: pooled connections checked before use, a bounded
+    connect (SQLite: wait up to 60 s for another writer's lock instead)."""
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": 60}}
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith(("postgresql", "mysql")) and "connect_timeout" not in url:
+        kwargs["connect_args"] = {"connect_timeout": 10}
+    return kwargs
+
+
 def open_storage(storage: str | None, run_dir: Path, *, create: bool = True) -> optuna.storages.BaseStorage:
     """Open the study's storage. ``None`` or a path is a journal file (relative to the run
     directory); anything else is an Optuna storage URL. ``create=False`` (readers such as
-    ``status``) refuses to create a journal or SQLite file that is not there."""
+    ``status``) refuses to create a journal or SQLite file that is not there, and changes nothing
+    (a torn journal tail is reported, not cut)."""
     label = storage_label(storage, run_dir)
     if "://" not in label:
         path = Path(label)
         if not create and not path.is_file():
             raise FileNotFoundError(f"no study storage at {path}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        backend = JournalFileBackend if os.environ.get("HPOFLOW_JOURNAL_FSYNC") == "1" else _JournalFileNoFsync
-        return _Journal(backend(str(path), lock_obj=JournalFileOpenLock(str(path))))
-    if label.startswith("sqlite"):
-        if not create and not Path(label.removeprefix("sqlite:///")).is_file():
-            raise FileNotFoundError(f"no study storage at {label}")
-        return optuna.storages.RDBStorage(label, engine_kwargs={"connect_args": {"timeout": 60}})
-    return optuna.storages.RDBStorage(label)
+        return _open_journal(path, create)
+    if label.startswith("sqlite") and not create and not Path(label.removeprefix("sqlite:///")).is_file():
+        raise FileNotFoundError(f"no study storage at {label}")
+    rdb_log = logging.getLogger(_RDB_LOGGER)
+    if not any(isinstance(f, _NoFallbackNoise) for f in rdb_log.filters):
+        rdb_log.addFilter(_NoFallbackNoise())
+    return optuna.storages.RDBStorage(label, engine_kwargs=_engine_kwargs(label))

@@ -35,6 +35,8 @@ from hpoflow.run.ledger import (
     FINISHED,
     is_counted,
 )
+from hpoflow.run.retry import StorageUnavailable, is_disk_error
+from hpoflow.run.rundir import disk_why
 from hpoflow.search.space import grid_points, suggest
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
@@ -71,7 +73,8 @@ class DriverSummary:
     n_complete: int = 0
     n_pruned: int = 0
     n_failed: int = 0
-    stopped_by: str = "budget"  # budget | timeout | max_failures | fail_fast | signal | preempted | grid_exhausted
+    # budget | timeout | max_failures | fail_fast | signal | preempted | grid_exhausted | storage
+    stopped_by: str = "budget"
     reason: str = ""  # why the study stopped early, in one line
     errors: list[str] = field(default_factory=list)  # the first distinct errors of failed trials
     elapsed_s: float = 0.0
@@ -81,10 +84,12 @@ class DriverSummary:
     @property
     def exit_code(self) -> int:
         """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal (a walltime
-        warning included); 3 no trial of the study completed; 1 stopped early by max_failures or
-        fail_fast; 0 otherwise."""
+        warning included); 1 stopped by the storage (an outage past storage_retry_s, a full disk); 3 no
+        trial of the study completed; 1 stopped early by max_failures or fail_fast; 0 otherwise."""
         if self.stopped_by in ("signal", "preempted"):
             return 130
+        if self.stopped_by == "storage":
+            return 1
         if self.n_complete == 0:
             return 3
         return 1 if self.stopped_by in ("max_failures", "fail_fast") else 0
@@ -96,6 +101,8 @@ class DriverSummary:
         if self.stopped_by == "preempted":
             return ("stopped by a walltime warning (SIGUSR1): the running trials paused with a checkpoint; rerun "
                     "the same command (or resubmit the job) to resume")
+        if self.stopped_by == "storage":
+            return f"stopped: {self.reason}"
         errors = "".join(f"\n  - {e}" for e in self.errors)
         if self.n_complete == 0:
             why = f": {self.reason}" if self.reason else ""
@@ -220,6 +227,10 @@ class Driver:
                     else:
                         self._on_result(ev)
                 overhead += time.monotonic() - t1
+        except (StorageUnavailable, OSError) as exc:  # the storage stopped answering, or a disk filled
+            if not isinstance(exc, StorageUnavailable) and not is_disk_error(exc):
+                raise
+            self._storage_fault(exc)
         finally:
             if self._inflight:  # an exception escaped: leave nothing running
                 for number in list(self._inflight):
@@ -243,6 +254,25 @@ class Driver:
         return summary
 
     # -- internals ------------------------------------------------------------------------------
+    def _storage_fault(self, exc: OSError | StorageUnavailable) -> None:
+        """Stop at once: the storage did not answer within ``storage_retry_s``, or a write found the disk
+        full. Running trials are cancelled and, where the storage still answers, recorded interrupted;
+        those it cannot record stay RUNNING, and a resume reruns them."""
+        self._stop_reason = "storage"
+        self.summary.reason = str(exc) if isinstance(exc, StorageUnavailable) else (
+            f"cannot write to run directory {self.run_dir}: {disk_why(exc)}; free space, then rerun the same "
+            "command to resume")
+        stopped = [*self._inflight.values(), *([self._ready] if self._ready is not None else [])]
+        self._inflight, self._ready = {}, None
+        for fl in stopped:
+            self.engine.cancel(fl.trial.number, "study stopped (storage)")
+        try:
+            for fl in stopped:
+                number = fl.trial.number
+                self._interrupt(number, fl.params, self._carry_over(number, dict(fl.trial.user_attrs)))
+        except (StorageUnavailable, OSError):
+            pass
+
     def _reconcile(self) -> None:
         """Resume: trials left RUNNING by a crashed driver are marked interrupted and rerun."""
         trials = self.study.get_trials(deepcopy=False)
@@ -419,7 +449,8 @@ class Driver:
             trial.set_user_attr("system", res.system)
         if res.error:
             trial.set_user_attr("error", res.error[:2000])
-        self._write_result(fl.request, res)
+        if not self._write_result(fl.request, res) and res.status == "failed":
+            res = replace(res, status="cancelled")  # the disk filled under it: rerun it on resume, uncounted
         if res.status == "cancelled":
             self._interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
@@ -483,11 +514,23 @@ class Driver:
                         "(search.fail_fast; set it to 0 to keep going)")
             self.request_stop("fail_fast")
 
-    def _write_result(self, request: TrialRequest, res: TrialResult) -> None:
+    def _write_result(self, request: TrialRequest, res: TrialResult) -> bool:
+        """Write the trial's result.json; False (and the study stops) when the disk is full: the storage
+        still gets the result."""
         d = Path(request.trial_dir)
-        d.mkdir(parents=True, exist_ok=True)
         payload = {"params": request.params, "attempt": request.attempt, **res.to_dict()}
-        write_atomic(d / "result.json", json.dumps(payload, indent=1, default=str))
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            write_atomic(d / "result.json", json.dumps(payload, indent=1, default=str))
+        except OSError as exc:
+            if not is_disk_error(exc):
+                raise
+            if self._stop_reason is None:
+                self.summary.reason = (f"cannot write to run directory {self.run_dir}: {disk_why(exc)}; free space, "
+                                       "then rerun the same command to resume")
+                self.request_stop("storage")
+            return False
+        return True
 
 
 def _median(xs: list[float]) -> float:

@@ -537,10 +537,18 @@ class StudySpec(_Strict):
     engine: str = Field(default="local", description="A registered engine: local, compss, ...")
     storage: str | None = Field(
         default=None, description="An Optuna storage URL or a journal file path (default: study.journal in the "
-                                  "run directory). A password in it is never written or printed.")
+                                  "run directory). A URL with a password belongs in storage_env; a password "
+                                  "written here is redacted from everything hpoflow writes or prints.")
     storage_env: str | None = Field(
         default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="Name of an environment variable holding the storage URL (keeps it out of the spec).")
+        description="Name of an environment variable holding the storage URL (keeps it out of the spec; the "
+                    "way to give a URL with a password). The run takes it out of its environment before any "
+                    "trial process starts, so trial code never sees it.")
+    storage_retry_s: float = Field(
+        default=60.0, ge=0, le=86400,
+        description="Seconds a run waits out a storage outage (a database that refuses or drops connections, a "
+                    "network file system that stops answering), retrying with backoff; past it the run stops "
+                    "cleanly (exit code 1) and a rerun resumes. 0: never wait.")
     compss: dict[str, Any] = Field(default_factory=dict, description="Options of the compss engine.")
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the engine (for compss: the compss: section).")
@@ -603,9 +611,13 @@ class StudySpec(_Strict):
 
     def storage_url(self) -> str | None:
         """The storage to open: ``storage_env``'s value when set (``SpecError``-free: a missing variable
-        is reported by the caller), else ``storage``."""
-        import os
+        is reported by the caller), else ``storage``. The variable is taken out of the environment and
+        kept in memory (``hpoflow.credentials.take_env``): later calls answer from there, and no process
+        started afterwards inherits it."""
+        from hpoflow.credentials import hold, scrub_environ, take_env
 
         if self.storage_env:
-            return os.environ.get(self.storage_env) or None
+            return take_env(self.storage_env)
+        hold(self.storage)  # a URL with a password written in the spec: no variable holding it is passed on
+        scrub_environ()
         return self.storage

@@ -12,6 +12,7 @@ and given the rank's thread count the moment its import completes (``_when_impor
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -230,8 +231,9 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
                            usage=_usage(usage, req, job.rank))
     except (Exception, SystemExit) as exc:  # a trial never raises through the engine
         tb = traceback.format_exc()
-        sys.stderr.write(tb)
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):  # the rank log's disk is full: the outcome still goes back
+            sys.stderr.write(tb)
+            sys.stderr.flush()
         # A broken collective (peer died) is a lost rank: worth retrying. User errors are not.
         text = str(exc).lower()
         retryable = job.world_size > 1 and any(w in text for w in ("gloo", "connection", "timed out"))
@@ -251,5 +253,6 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             from hpoflow.train import dist as hdist
 
             hdist.destroy(leave_together=finished)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):  # (a full disk under the rank log)
+            sys.stdout.flush()
+            sys.stderr.flush()

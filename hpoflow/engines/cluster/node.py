@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hpoflow.credentials import scrub
 from hpoflow.engines.cluster.layout import (
     bound_cpus,
     bound_gpus,
@@ -128,6 +129,7 @@ def _node_index(args: argparse.Namespace) -> int:
 def _rank_env(job: dict[str, Any], rank: int, local_rank: int, ppn: int, cores: tuple[int, ...],
               gpus: tuple[int, ...], use_gpu_env: bool) -> dict[str, str]:
     env = dict(os.environ)
+    scrub(env, any_database_url=True)  # a storage URL with a password in the job's environment: not for ranks
     for name in ("COMPSS_BINDED_CPUS", "COMPSS_BINDED_GPUS"):
         env.pop(name, None)  # the rank's own share is below; these described the whole task
     threads = str(max(1, len(cores)))

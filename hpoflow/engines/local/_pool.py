@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from hpoflow.credentials import scrub_environ
 from hpoflow.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def prestart(light: int, preload: list[str] | None = None) -> None:
     the forkserver (its torch preload takes seconds; started with light workers it would take a core
     from them and the driver just when they are needed). The next ``WorkerPool`` created in this
     process adopts them."""
+    scrub_environ()  # a storage URL's variable or password never reaches a worker (hpoflow.credentials)
     if light <= 0:
         from multiprocessing import forkserver
 
@@ -91,6 +93,7 @@ class WorkerPool:
 
     def __init__(self, n_cores: int, preload: list[str] | None = None, max_trials_per_worker: int = 0,
                  warm: bool = True) -> None:
+        scrub_environ()  # the forkserver and spawned workers inherit os.environ: no storage secret in it
         self.n_cores = n_cores
         self.max_trials_per_worker = max_trials_per_worker
         self._ctx = mp.get_context("forkserver")

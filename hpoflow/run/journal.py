@@ -1,0 +1,199 @@
+"""The default storage's file: Optuna's journal (one JSON record per line), whole records only.
+
+Optuna's ``JournalFileBackend`` appends records under a lock file (``study.journal.lock``); a reader
+skips a last line without its newline (an append in progress, or a torn one). A record torn by a
+node crash or a full disk mid-append is such a line, and the next append would glue onto it, making
+a line in the middle that is not JSON: from then on Optuna refuses the whole file. So:
+
+- ``check_journal(path, repair=True)`` (a run opening its journal, under the journal's lock) cuts a
+  torn last record off (truncates to the last newline) with a warning naming the byte offset and the
+  bytes dropped, completes a whole last record that lost only its newline, and refuses a journal
+  damaged anywhere else (``JournalDamaged``: the file, line and byte offset, and the fix) before
+  anything is appended. ``repair=False`` (``status``, ``report``, ``dashboard``) changes nothing: it
+  warns about a torn tail (Optuna reads what is whole) and refuses damage elsewhere alike.
+- ``JournalFile.append_logs`` (every append, under the same lock) checks the file still ends with a
+  newline, and takes a failed write back (truncates to the size before it), so a full disk never
+  leaves part of a record behind.
+
+Durability: Optuna fsyncs every append (~1-3 ms each, several per trial). ``JournalFile`` fsyncs only
+the append that finishes a trial (its final state and value), so a trial the driver counts as
+finished is on disk before the driver moves on; the other appends (creation, parameters, reports,
+attributes) are written under the same lock without fsync: in the kernel once the call returns, so
+any process crash loses nothing, and a machine crash can lose only records of unfinished trials,
+which a resume reruns. ``fsync_always=True`` (``HPOFLOW_JOURNAL_FSYNC=1``) fsyncs every append.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from optuna.storages.journal._file import get_lock_file
+from optuna.trial import TrialState
+
+from hpoflow.errors import RunDirError
+
+__all__ = ["JournalDamaged", "JournalFile", "check_journal", "find_damage", "journal_lock"]
+
+log = logging.getLogger(__name__)
+
+_FINISHED_STATES = {TrialState.COMPLETE.value, TrialState.PRUNED.value, TrialState.FAIL.value}
+_CHUNK = 1 << 16
+_SETTLE_S = 0.2  # a reader that sees a partial last line looks again after this long
+
+
+class JournalDamaged(RunDirError):
+    """A journal line other than a torn last record is not valid JSON: Optuna cannot replay the file."""
+
+
+def journal_lock(path: Path) -> JournalFileOpenLock:
+    """The lock Optuna's appends to ``path`` take (``path.lock``, created with ``O_EXCL``)."""
+    return JournalFileOpenLock(str(path))
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # not JSON, or not UTF-8
+        return False
+
+
+def _tail(fd: int, size: int) -> tuple[int, bytes]:
+    """(offset, bytes) of the end of the file holding its last two newlines (or all of it)."""
+    want = _CHUNK
+    while True:
+        start = max(0, size - want)
+        data = os.pread(fd, size - start, start)
+        if start == 0 or data.count(b"\n") >= 2:
+            return start, data
+        want *= 4
+
+
+def _line_number(fd: int, offset: int) -> int:
+    """The 1-based line number of the line starting at ``offset``."""
+    lines, pos = 1, 0
+    while pos < offset:
+        chunk = os.pread(fd, min(_CHUNK * 16, offset - pos), pos)
+        if not chunk:
+            break
+        lines += chunk.count(b"\n")
+        pos += len(chunk)
+    return lines
+
+
+def _damaged(path: Path, fd: int, offset: int, what: str, note: str = "") -> JournalDamaged:
+    line = _line_number(fd, offset)
+    quoted = shlex.quote(str(path))
+    note = note or (", so Optuna cannot read the study past it (a torn last record is cut off on resume; this is not "
+                    "one)")
+    return JournalDamaged(
+        f"{path} is damaged: line {line} (byte offset {offset}) {what}{note}. Nothing was written to it. Fix: restore "
+        f"the file from a backup, or keep the records before the damage with `head -c {offset} {quoted} > "
+        f"{quoted}.fixed` and move that over it (trials recorded after it are lost; a resume reruns unfinished ones)")
+
+
+def find_damage(path: Path) -> JournalDamaged | None:
+    """The first line of ``path``, other than a last line without its newline, that is not a JSON
+    record, as the error to raise; None if there is none. Reads the whole file."""
+    with open(path, "rb") as f:
+        offset = 0
+        for line in f:
+            if line.endswith(b"\n") and not _is_record(line):
+                return _damaged(path, f.fileno(), offset, "is not a valid JSON record")
+            offset += len(line)
+    return None
+
+
+def _check_tail(path: Path, fd: int, repair: bool) -> None:
+    """The tail check of the module docstring on an open file (``fd``, read-write when ``repair``)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return
+    base, data = _tail(fd, size)
+    nl = data.rfind(b"\n")
+    partial_at = base + nl + 1
+    partial = data[nl + 1:]
+    if nl >= 0:  # the last whole line must be a record: garbage with a newline is not a torn append
+        start = data.rfind(b"\n", 0, nl) + 1
+        if not _is_record(data[start:nl + 1]):
+            if repair or partial:
+                raise _damaged(path, fd, base + start, "is not a valid JSON record")
+            log.warning("%s", _damaged(path, fd, base + start, "is not a valid JSON record", note=(
+                "; it is the last line, so the study is read without it here (as Optuna does), but `hpoflow run` "
+                "refuses to resume until it is fixed")))
+            return
+    if not partial:
+        return
+    if _is_record(partial):  # a whole record that lost only its newline
+        if repair:
+            os.pwrite(fd, b"\n", size)
+            log.warning("%s: the last record (byte offset %d) had no newline; added it", path, partial_at)
+        return
+    if repair:
+        os.ftruncate(fd, partial_at)
+        log.warning("%s: cut off a torn last record (a crash or a full disk during an append): %d byte(s) dropped "
+                    "at byte offset %d; the records before it are intact", path, len(partial), partial_at)
+        return
+    time.sleep(_SETTLE_S)  # a reader holds no lock: this may be an append in progress
+    if os.fstat(fd).st_size == size:
+        log.warning("%s ends with a torn record (%d byte(s) at byte offset %d, no newline): it is ignored here, and "
+                    "the next `hpoflow run` on this directory cuts it off", path, len(partial), partial_at)
+
+
+def check_journal(path: Path, *, repair: bool) -> None:
+    """Check ``path``'s tail (module docstring). ``repair=True`` takes the journal's lock and may cut a torn
+    last record off; ``repair=False`` reads only. ``JournalDamaged`` when the last whole line is not a
+    record. Damage further up is found by Optuna's replay (``find_damage`` then names it)."""
+    if not repair:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            _check_tail(path, fd, repair=False)
+        finally:
+            os.close(fd)
+        return
+    with get_lock_file(journal_lock(path)):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            _check_tail(path, fd, repair=True)
+        finally:
+            os.close(fd)
+
+
+class JournalFile(JournalFileBackend):
+    """Optuna's journal file with whole-record appends and fewer fsyncs (module docstring)."""
+
+    def __init__(self, file_path: str, *, fsync_always: bool = False) -> None:
+        super().__init__(file_path, lock_obj=journal_lock(Path(file_path)))
+        self.fsync_always = fsync_always
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode("utf-8")
+        durable = self.fsync_always or any(log.get("state") in _FINISHED_STATES and "values" in log for log in logs)
+        path = Path(self._file_path)
+        with get_lock_file(self._lock):
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":  # another writer died mid-append
+                    _check_tail(path, fd, repair=True)
+                    size = os.fstat(fd).st_size
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    if durable:
+                        os.fsync(fd)
+                except BaseException:
+                    os.ftruncate(fd, size)  # never leave part of a record (a full disk, a signal)
+                    raise
+            finally:
+                os.close(fd)

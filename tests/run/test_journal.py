@@ -1,0 +1,199 @@
+"""A torn journal record is cut off, damage elsewhere refused before anything is appended, and readers
+change nothing (hpoflow.run.journal)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from hpoflow.run.journal import JournalDamaged, check_journal
+from hpoflow.run.storage import open_storage
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _plain(path: Path, name: str) -> optuna.Study:
+    """The study as plain Optuna reads the file."""
+    return optuna.load_study(study_name=name, storage=JournalStorage(JournalFileBackend(str(path))))
+
+
+def _study(tmp_path: Path, n: int = 3) -> Path:
+    """A journal of ``n`` complete trials, written by hpoflow's storage; its path."""
+    study = optuna.create_study(storage=open_storage(None, tmp_path), study_name="j")
+    for i in range(n):
+        t = study.ask()
+        t.suggest_float("x", 0, 1)
+        study.tell(t, float(i))
+    return tmp_path / "study.journal"
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- the tail check and the append, in process -----------------------------------------------------
+def test_a_torn_last_record_is_cut_off_at_open_with_its_offset(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    path = _study(tmp_path)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-40])
+    cut_at = whole[:-40].rfind(b"\n") + 1
+    with caplog.at_level(logging.WARNING, logger="hpoflow"):
+        check_journal(path, repair=False)  # a reader: says so, changes nothing
+    assert path.read_bytes() == whole[:-40]
+    assert f"byte offset {cut_at}" in caplog.text and "ignored here" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hpoflow"):
+        study = optuna.load_study(study_name="j", storage=open_storage(None, tmp_path))  # a writer's open
+    assert path.read_bytes() == whole[:cut_at]
+    assert f"{len(whole) - 40 - cut_at} byte(s) dropped at byte offset {cut_at}" in caplog.text
+    assert not (tmp_path / "study.journal.lock").exists()  # the journal's lock, taken and released
+    t = study.ask()  # appends after the cut: the file stays readable by plain Optuna
+    study.tell(t, 9.0)
+    states = [t.state for t in _plain(path, "j").trials]
+    assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.RUNNING, TrialState.COMPLETE]
+
+
+def test_a_whole_last_record_without_its_newline_gets_it_back(tmp_path: Path) -> None:
+    path = _study(tmp_path)
+    path.write_bytes(path.read_bytes()[:-1])  # only the newline of the last finish is missing
+    assert [t.state for t in _plain(path, "j").trials][-1] == TrialState.RUNNING  # Optuna skips the line
+    open_storage(None, tmp_path)
+    assert path.read_bytes().endswith(b"}\n")
+    assert [t.state for t in _plain(path, "j").trials] == [TrialState.COMPLETE] * 3  # nothing was lost
+
+
+@pytest.mark.parametrize("damage", ["garbage at the end", "a line in the middle"])
+def test_a_journal_damaged_elsewhere_is_refused_before_anything_is_appended(tmp_path: Path, damage: str) -> None:
+    path = _study(tmp_path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    if damage == "garbage at the end":
+        lines.append(b"garbage{\n")
+        bad = len(lines)
+    else:
+        lines[4] = lines[4][:30] + b"\n"  # a record cut short in the middle of the file
+        bad = 5
+    path.write_bytes(b"".join(lines))
+    before = _sha(path)
+    offset = sum(len(line) for line in lines[:bad - 1])
+    with pytest.raises(JournalDamaged) as info:
+        open_storage(None, tmp_path)
+    assert f"line {bad} (byte offset {offset})" in str(info.value)
+    assert f"head -c {offset} " in str(info.value) and "\n" not in str(info.value)
+    assert _sha(path) == before and not (tmp_path / "study.journal.lock").exists()
+    if damage == "a line in the middle":  # readers cannot read past it either
+        with pytest.raises(JournalDamaged):
+            open_storage(None, tmp_path, create=False)
+    else:  # readers read what is whole, as Optuna does, and say what is wrong
+        study = optuna.load_study(study_name="j", storage=open_storage(None, tmp_path, create=False))
+        assert len(study.trials) == 3
+    assert _sha(path) == before
+
+
+def test_a_failed_append_leaves_no_part_of_a_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk mid-append: the write that fails is taken back, so the next append (after space is
+    freed) does not glue onto a partial line."""
+    path = _study(tmp_path)
+    storage = open_storage(None, tmp_path)
+    study = optuna.load_study(study_name="j", storage=storage)
+    before = path.read_bytes()
+    real_write = os.write
+
+    def half_then_full(fd: int, data: Any) -> int:
+        real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OSError) as info:
+        study.ask()
+    assert info.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before
+    monkeypatch.setattr(os, "write", real_write)
+    study = optuna.load_study(study_name="j", storage=open_storage(None, tmp_path))
+    t = study.ask()
+    study.tell(t, 5.0)
+    assert [t.value for t in _plain(path, "j").trials] == [0.0, 1.0, 2.0, 5.0]
+
+
+def test_an_append_after_another_writer_died_mid_append_cuts_its_record_first(tmp_path: Path) -> None:
+    path = _study(tmp_path)
+    study = optuna.load_study(study_name="j", storage=open_storage(None, tmp_path))
+    with open(path, "ab") as f:  # another process died after writing part of a record
+        f.write(b'{"op_code":4,"worker_id":"x","study_id":0,"datetime_start":"2026-')
+    t = study.ask()
+    study.tell(t, 3.0)
+    assert [t.value for t in _plain(path, "j").trials] == [0.0, 1.0, 2.0, 3.0]
+
+
+# -- through the CLI -------------------------------------------------------------------------------
+def _spec(path: Path, n: int) -> Path:
+    data = {"study": {"name": "torn", "metric": "value", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": n, "max_concurrent": 2, "seed": 1},
+            "training": {"function": "trainfns_light:costly"}, "oracle": {"enabled": False}}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _hpoflow(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpoflow", *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow  # whole studies through the CLI
+def test_a_finished_run_with_40_bytes_cut_resumes_and_completes(tmp_path: Path) -> None:
+    _spec(tmp_path / "spec.yaml", 4)
+    r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--quiet")
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "run" / "study.journal"
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-40])  # a node crash or a full disk during the last append
+    cut_at = whole[:-40].rfind(b"\n") + 1
+    status = _hpoflow(tmp_path, "status", "run", "--json")
+    assert status.returncode == 0, status.stderr
+    assert f"at byte offset {cut_at}, no newline" in status.stderr
+    assert json.loads(status.stdout)["n_complete"] == 3  # the fourth's finish was in the torn record
+    assert path.read_bytes() == whole[:-40]  # a reader changes nothing
+    assert len(_plain(path, "torn").trials) == 4  # plain Optuna reads what is whole
+    r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--json")
+    assert r.returncode == 0, r.stderr
+    assert f"dropped at byte offset {cut_at}" in r.stderr and "Traceback" not in r.stderr
+    assert json.loads(r.stdout)["n_complete"] == 4
+    status = _hpoflow(tmp_path, "status", "run", "--json")
+    assert status.returncode == 0 and status.stderr == ""
+    assert json.loads(status.stdout)["n_complete"] == 4
+    trials = _plain(path, "torn").trials
+    assert [t.state for t in trials].count(TrialState.COMPLETE) == 4  # the torn one was rerun
+
+
+@pytest.mark.slow  # whole studies through the CLI
+def test_a_damaged_journal_is_refused_by_the_cli_with_exit_2_and_left_as_it_was(tmp_path: Path) -> None:
+    _spec(tmp_path / "spec.yaml", 3)
+    r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--quiet")
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "run" / "study.journal"
+    whole = path.read_bytes()
+    lines = whole.splitlines(keepends=True)
+    middle = b"".join([*lines[:3], lines[3][:25] + b"\n", *lines[4:]])  # a record cut short, then more
+    for damaged, offset in ((whole + b"garbage\n", len(whole)), (middle, sum(map(len, lines[:3])))):
+        path.write_bytes(damaged)
+        r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--n-trials", "5")
+        assert r.returncode == 2, r.stderr
+        assert f"(byte offset {offset}) is not a valid JSON record" in r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr  # one line
+        assert path.read_bytes() == damaged  # nothing appended behind the damage
