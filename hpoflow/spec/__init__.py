@@ -31,6 +31,7 @@ from hpoflow.spec._models import (
     TrackingSpec,
     TrainConfig,
     parse_constraint,
+    unprintable,
 )
 
 __all__ = [
@@ -61,4 +62,5 @@ __all__ = [
     "resolve_training",
     "search_dirs",
     "spec_from_mapping",
+    "unprintable",
 ]

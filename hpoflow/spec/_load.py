@@ -379,17 +379,32 @@ def spec_from_mapping(
 def load_spec(path: str | os.PathLike[str]) -> tuple[StudySpec, str]:
     """Read and validate a YAML spec file; return the spec and the text as given."""
     p = FsPath(path)
-    try:
-        if p.stat().st_size > MAX_BYTES:
-            raise SpecError([Issue("", f"the file is {p.stat().st_size} bytes; a spec is read up to {MAX_BYTES}. "
-                                   "Fix: check that this is the right file", None, str(p))])
-        text = p.read_text()
-    except FileNotFoundError:
-        raise SpecError([Issue("", "no such file. Fix: check the path", None, str(p))]) from None
-    except OSError as exc:
-        raise SpecError([Issue("", f"cannot read: {exc.strerror}", None, str(p))]) from None
+    text = read_spec_text(p)
     data, lines = load_yaml_with_lines(text, str(p))
     return spec_from_mapping(data, lines, str(p), search_dirs(p)), text
+
+
+def read_spec_text(p: FsPath) -> str:
+    """The UTF-8 text of a spec file, read boundedly: at most ``MAX_BYTES`` + 1 bytes are ever read,
+    whatever the file is (a huge file, ``/dev/zero``, a pipe), so a wrong path costs nothing."""
+    try:
+        with p.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise SpecError([Issue("", "no such file. Fix: check the path", None, str(p))]) from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SpecError([Issue("", f"cannot read: {why}", None, str(p))]) from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError([Issue("", f"the file holds more than {MAX_BYTES} bytes; a spec is read up to {MAX_BYTES} "
+                               "(a study spec is a few KB). Fix: check that this is the right file", None, str(p))])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise SpecError([Issue("", f"byte {exc.start} (0x{raw[exc.start]:02x}) is not UTF-8: a spec is UTF-8 text. "
+                               "Fix: save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or check that this is "
+                               "the right file", line, str(p))]) from None
 
 
 def prepare_spec(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str]) -> tuple[StudySpec, str]:

@@ -236,7 +236,7 @@ def _rank(args: argparse.Namespace) -> int:
     req = job["request"]
     files = TrialFiles(Path(req["trial_dir"]), int(req.get("attempt", 0)))
     start_stop_watcher(files)
-    cores = [int(c) for c in args.cores.split(",") if c.strip().isdigit()]
+    cores = [int(c) for c in args.cores.split(",") if c.strip().isascii() and c.strip().isdigit()]
     if cores and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, cores)
