@@ -17,17 +17,20 @@ from typing import Any
 
 import optuna
 
-from hpoflow.engines import Engine, make_engine
-from hpoflow.errors import RunDirError
+from hpoflow.engines import Engine, check_fit, make_engine
+from hpoflow.errors import Issue, RunDirError, SpecError
 from hpoflow.report.outputs import write_outputs
 from hpoflow.run import rundir
 from hpoflow.run.open import load_run, open_run_storage, open_study, run_budget
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
+from hpoflow.search.preflight import check_search
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.warm_start import warm_start
-from hpoflow.spec import StudySpec, env_int, prepare_spec, resolve_training, search_dirs
+from hpoflow.spec import StudySpec, env_int, key_lines, prepare_spec, resolve_training, search_dirs
+from hpoflow.trial import TrialRequest
 
-__all__ = ["StudyResult", "load_run", "open_run_storage", "optimize", "prepare_spec", "run_budget"]
+__all__ = ["StudyResult", "check_runnable", "load_run", "open_run_storage", "optimize", "prepare_spec",
+           "run_budget"]
 
 
 @dataclass(frozen=True)
@@ -78,15 +81,14 @@ def optimize(
     ``LocalEngine``). ``progress=True`` shows the live progress display on stderr.
     """
     parsed, text = prepare_spec(spec)
+    source = os.fspath(spec) if isinstance(spec, str | os.PathLike) else "<spec>"
+    check_runnable(parsed, text, source, engine=engine is None)  # before anything is written
     cap = env_int("HPOFLOW_N_TRIALS", minimum=1)
     if n_trials is None and cap is not None:
         n_trials = min(cap, parsed.search.n_trials or cap)  # a cap: never more than the spec
     dirs = search_dirs(spec) if isinstance(spec, str | os.PathLike) else search_dirs()  # for training.function
     rd = rundir.resolve(run_dir if run_dir is not None else Path("runs") / parsed.study.name, create=True)
     url = parsed.storage_url()
-    if parsed.storage_env and url is None:
-        raise RunDirError(f"storage_env: the environment variable {parsed.storage_env} is not set, so the study's "
-                          f"storage is unknown. Fix: export {parsed.storage_env}=<storage URL>")
     with rundir.RunLock(rd):
         try:
             study, label = open_study(rd, parsed, text, url, pruner=make_pruner(parsed.search.pruner),
@@ -104,6 +106,34 @@ def optimize(
                 eng.close()
             write_outputs(study, parsed, text, rd, label, journal=parsed.storage_url() is None)
         return StudyResult(rd, study, summary, label)
+
+
+def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, engine: bool = True) -> None:
+    """Every check ``optimize`` makes before its first trial that needs no run directory, made at once
+    and writing nothing (``hpoflow validate`` calls it too; ``engine=False``: an engine object is
+    given, so the spec's engine is not asked): ``HPOFLOW_N_TRIALS``; the ``storage_env`` variable is
+    set; a trial of the spec's shape fits the engine (``Engine.check_fit``); the oracle's cluster
+    loads; the sampler and the pruner build and propose a trial of this study (``check_search``); the
+    warm-start run fits. A ``SpecError`` names the key (and its line when ``text`` is the YAML)."""
+    env_int("HPOFLOW_N_TRIALS", minimum=1)
+    if spec.storage_env and spec.storage_url() is None:
+        raise RunDirError(f"storage_env: the environment variable {spec.storage_env} is not set, so the study's "
+                          f"storage is unknown. Fix: export {spec.storage_env}=<storage URL>")
+    lines = key_lines(text) if text and source != "<spec>" else {}
+    r = spec.resources
+    if engine:
+        check_fit(spec.engine, spec.engine_option_values(),
+                  TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes))
+    if spec.oracle.enabled and spec.oracle.cluster and not resolve_training(spec.training, {}).function:
+        from hpoflow.oracle.cluster import load_cluster
+        from hpoflow.oracle.errors import OracleError
+
+        try:
+            load_cluster(spec.oracle.cluster)
+        except OracleError as exc:
+            raise SpecError([Issue("oracle.cluster", str(exc).replace("--cluster", "it"),
+                                   lines.get(("oracle", "cluster")), source)]) from None
+    check_search(spec, source, lines)
 
 
 def _listener(spec: StudySpec, rd: Path, listener: DriverListener | None, progress: bool) -> DriverListener | None:

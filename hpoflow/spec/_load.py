@@ -38,6 +38,7 @@ __all__ = [
     "BUILTIN_METRICS",
     "env_int",
     "import_plugins",
+    "key_lines",
     "load_spec",
     "placeholders",
     "prepare_spec",
@@ -382,6 +383,15 @@ def load_spec(path: str | os.PathLike[str]) -> tuple[StudySpec, str]:
     text = read_spec_text(p)
     data, lines = load_yaml_with_lines(text, str(p))
     return spec_from_mapping(data, lines, str(p), search_dirs(p)), text
+
+
+def key_lines(text: str) -> dict[Path, int]:
+    """Key path -> line of a spec's YAML text (``{}`` when it does not parse): for errors found after
+    loading, such as ``hpoflow validate``'s checks of the sampler and the engine."""
+    try:
+        return load_yaml_with_lines(text)[1]
+    except SpecError:
+        return {}
 
 
 def read_spec_text(p: FsPath) -> str:
