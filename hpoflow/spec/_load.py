@@ -31,7 +31,7 @@ from hpoflow.spec._models import (
     StudySpec,
     TrainConfig,
 )
-from hpoflow.spec._yaml import MAX_BYTES, Path, load_yaml_with_lines
+from hpoflow.spec._yaml import MAX_BYTES, MAX_DEPTH, Path, load_yaml_with_lines
 
 __all__ = [
     "BUILTIN_MEASURES",
@@ -334,16 +334,21 @@ def search_dirs(spec_path: str | os.PathLike[str] | None = None) -> tuple[str, .
     return tuple(dict.fromkeys([*dirs, os.getcwd()]))
 
 
-def _numbers(value: Any, path: Path = ()) -> Iterator[tuple[Path, float]]:
-    """Every float in a parsed spec, with its key path."""
-    if isinstance(value, float):
-        yield path, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _numbers(v, (*path, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _numbers(v, (*path, i))
+def _numbers(value: Any, source: str = "<spec>") -> Iterator[tuple[Path, float]]:
+    """Every float in a parsed spec, with its key path; ``SpecError`` for a mapping nested deeper than
+    ``MAX_DEPTH`` (a spec built in Python may nest anything, or contain itself). Iterative: no depth
+    of input can reach Python's recursion limit here, nor in pydantic after it."""
+    stack: list[tuple[Path, Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, float):
+            yield path, v
+        elif isinstance(v, dict | list):
+            if len(path) >= MAX_DEPTH:
+                raise SpecError([Issue(".".join(str(p) for p in path[:2]), f"the spec nests more than {MAX_DEPTH} "
+                                       "levels deep (or contains itself). Fix: flatten it", None, source)])
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend(reversed([((*path, k), x) for k, x in items]))  # popped in the spec's order
 
 
 def spec_from_mapping(
@@ -356,7 +361,7 @@ def spec_from_mapping(
     if not isinstance(data, dict):
         raise SpecError([Issue("", f"a study spec is a mapping of sections, but got {type(data).__name__}. "
                                "Fix: start with study:, space:, search:, training:", 1, source)])
-    bad = [(path, v) for path, v in _numbers(data) if not math.isfinite(v)]
+    bad = [(path, v) for path, v in _numbers(data, source) if not math.isfinite(v)]
     if bad:
         raise SpecError([Issue(".".join(str(k) for k in path), f"must be a finite number, but got {v!r} (YAML "
                                "reads numbers beyond 1.8e308 as infinity). Fix: write a finite value",

@@ -181,3 +181,17 @@ def test_cli_whole_numbers_are_ascii_digits(tmp_path: Path, value: str) -> None:
     p = _hpoflow("run", str(spec), "--n-trials", value, "--run-dir", str(tmp_path / "run"), cwd=ROOT)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "expected a whole number" in p.stderr, p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_spec_built_in_python_may_not_nest_without_bound_nor_contain_itself() -> None:
+    deep: dict[str, Any] = {}
+    cur = deep
+    for _ in range(5000):
+        cur["a"] = {}
+        cur = cur["a"]
+    looped: dict[str, Any] = {}
+    looped["again"] = looped
+    for options in (deep, looped):
+        spec = {**BASE, "training": {"function": "tests.trainfns:behave", "options": options}}
+        with pytest.raises(SpecError, match=r"training\.options: the spec nests more than 32 levels deep"):
+            spec_from_mapping(spec)
