@@ -64,3 +64,8 @@ def sim_cost_real_types(params: dict[str, Any], number: int) -> dict[str, Any]:
     return {"duration_s": np.float32(10.0 + 100.0 * x),
             "val_accuracy": fractions.Fraction(1, 2) + fractions.Fraction(x) / 4, "steps": np.int64(7),
             "curve": [np.float32((1.0 - x) * k / 4) for k in range(1, 5)]}
+
+
+def odd_metric_name(ctx: Any) -> dict[str, float]:
+    """Returns a metric whose name holds an escape sequence (it would reach the terminal and trials.csv)."""
+    return {"score": 1.0, "x\x1b[2J": 2.0}

@@ -117,12 +117,15 @@ def guard(app: WSGIApp) -> tuple[WSGIApp, Callable[[int], None]]:
     def set_port(port: int) -> None:
         allowed.clear()
         allowed.update({f"127.0.0.1:{port}", f"localhost:{port}"})
+        if port == 80:  # a client leaves the default port out of Host
+            allowed.update({"127.0.0.1", "localhost"})
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         host = str(environ.get("HTTP_HOST", "")).strip().lower()
         if host not in allowed:
             return _refuse(start_response, "421 Misdirected Request",
-                           "this hpoflow dashboard answers only http://127.0.0.1:PORT/ and http://localhost:PORT/")
+                           "this hpoflow dashboard answers only http://127.0.0.1:PORT/ and http://localhost:PORT/ "
+                           "(through an ssh tunnel, forward the same port: ssh -L PORT:127.0.0.1:PORT host)")
         if environ.get("REQUEST_METHOD", "GET").upper() not in READ_METHODS:
             return _refuse(start_response, "405 Method Not Allowed", "this hpoflow dashboard is read-only",
                            [("Allow", ", ".join(READ_METHODS))])

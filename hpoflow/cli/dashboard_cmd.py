@@ -5,7 +5,10 @@ only requests addressed to ``127.0.0.1:PORT`` or ``localhost:PORT`` (no DNS rebi
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from typing import Any
 
 from hpoflow.cli._args import non_negative_int
 
@@ -53,10 +56,24 @@ def run(args: argparse.Namespace) -> int:
     set_port(server.server_port)
     print(f"hpoflow: read-only dashboard of study {study_name!r} ({label}) at http://127.0.0.1:{server.server_port}/ "
           "(Ctrl-C to stop)", file=sys.stderr, flush=True)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_signalled(server)
     return 0
+
+
+def serve_until_signalled(server: Any) -> None:
+    """Serve ``server`` (a ``socketserver`` server) until SIGINT or SIGTERM, then close it. The signal
+    only sets a flag: a KeyboardInterrupt raised inside a request would be caught and printed by
+    wsgiref's handler, and the server would go on serving."""
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    else:
+        old = {}
+    server.timeout = 0.2  # handle_request() returns at least this often to look at the flag
+    try:
+        while not stop.is_set():
+            server.handle_request()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        server.server_close()

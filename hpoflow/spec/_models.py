@@ -8,6 +8,7 @@ trial holds) and ``engine``/``storage`` (where trials run and where the study li
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -60,7 +61,8 @@ def unprintable(name: str) -> str:
     bad = next((c for c in name if not c.isprintable()), None)
     if bad is None:
         return ""
-    return (f"holds the control character U+{ord(bad):04X}; names and values shown in tables and trials.csv "
+    kind = "control" if unicodedata.category(bad) == "Cc" else "non-printing"
+    return (f"holds the {kind} character U+{ord(bad):04X}; names and values shown in tables and trials.csv "
             "must be printable text. Fix: remove it")
 
 

@@ -93,3 +93,18 @@ def test_a_simulated_cost_function_may_answer_in_numpy_and_fraction(tmp_path: Pa
         assert t.user_attrs["timings"]["duration_s"] == pytest.approx(10.0 + 100.0 * x, rel=1e-6)
         assert t.user_attrs["metrics"]["steps"] == 7.0
         assert sorted(t.intermediate_values) == [1, 2, 3]
+
+
+def test_a_returned_metric_name_with_a_control_character_fails_the_trial(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    spec = {"study": {"name": "odd", "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": 1},
+            "training": {"function": "tests.trainfns_light:odd_metric_name"}, "oracle": {"enabled": False}}
+    result = hpoflow.optimize(spec, tmp_path / "run")
+    t = result.study.trials[0]
+    assert t.state == TrialState.FAIL
+    assert "metric name 'x\\x1b[2J' holds the control character U+001B" in t.user_attrs["error"]
+    header = (tmp_path / "run" / "trials.csv").read_text().splitlines()[0]
+    assert "\x1b" not in header
