@@ -3,7 +3,8 @@
 
 Each leaves a trace the tests can check: the model and the strategy append a line to the file their
 ``marker`` option names (they run in the trial's processes), the sampler pins every parameter to its
-lowest value, the cost model and the engine score trials by their number and ``lr``.
+lowest value (``kit_single`` too, for one objective only), the cost model and the engine score trials
+by their number and ``lr``.
 """
 
 from __future__ import annotations
@@ -96,6 +97,18 @@ class PinnedSampler(optuna.samplers.BaseSampler):
 
 
 SAMPLERS.register("kit_pinned", PinnedSampler, PinnedOptions)
+
+
+class SingleObjectiveSampler(PinnedSampler):
+    """Pinned, and for one objective only (as Optuna's CmaEsSampler is): a study of several refuses it."""
+
+    def sample_relative(self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        self._raise_error_if_multi_objective(study)
+        return {}
+
+
+SAMPLERS.register("kit_single", SingleObjectiveSampler, PinnedOptions)
 
 
 # -- a cost model of the simulated engine ---------------------------------------------------------------

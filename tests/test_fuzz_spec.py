@@ -39,6 +39,11 @@ TEXT_ATTACKS = [
     "b5: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n",
     "x: !!python/object/apply:os.system ['true']\n",
     "deep: " + "[" * 60 + "]" * 60 + "\n",
+    "deeper: " + "[" * 100_000 + "]" * 100_000 + "\n",  # once a RecursionError: depth is checked before composing
+    "".join(f"{'  ' * i}k{i}:\n" for i in range(100)) + "  " * 100 + "v\n",
+    "nul: a\x00b\n", "esc: \x1b[2J\n",  # once a ReaderError outside the try
+    "long: [" + "1, " * 30_000 + "1]\n",
+    "space: {c: {type: categorical, choices: [" + ", ".join(str(i) for i in range(12_000)) + "]}}\n",
     "\t- broken: [\n",
     "study: {name: 'a b', metric: m, direction: sideways}\n",
 ]

@@ -279,3 +279,31 @@ def test_without_its_plugin_module_a_registered_name_is_unknown_with_the_choices
     with pytest.raises(SpecError, match=r"unknown model 'kit_tinyy'.*valid models: .*cnn.*mlp"):
         load_spec(spec)
     assert "cnn" in MODELS and "mlp" in MODELS
+
+
+@pytest.mark.parametrize("sampler", ["kit_pinned", "kit_single"])
+def test_validate_knows_whether_a_registered_sampler_takes_several_objectives(
+        tmp_path: Path, sampler: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The sampler is asked for a trial of this study at validate time: a user's sampler that raises for
+    several objectives (as Optuna's CmaEsSampler does) is refused there, with the fix, and run refuses it
+    before anything is written; one that takes them runs."""
+    from hpoflow.cli.main import main
+    from hpoflow.errors import HpoflowError
+
+    spec = _kit_spec(tmp_path, study={"name": "kit", "metrics": [{"name": "val_accuracy", "direction": "maximize"},
+                                                                 {"name": "steps", "direction": "minimize"}]},
+                     search={"algorithm": sampler, "n_trials": 2}, engine="simulated",
+                     training={"function": "tests.trainfns_light:costly"},
+                     space={"x": {"type": "float", "low": 0.0, "high": 1.0}},
+                     engine_options={"slots": 1, "function": "tests.trainfns_light:sim_cost_real_types"})
+    code = main(["validate", str(spec)])
+    if sampler == "kit_pinned":
+        assert code == 0, capsys.readouterr().err
+        assert hpoflow.optimize(spec, tmp_path / "run").summary.n_complete == 2
+        return
+    assert code == 2
+    assert "search.algorithm: the sampler kit_single optimises one objective, but study.metrics has 2" in \
+        capsys.readouterr().err
+    with pytest.raises(HpoflowError, match="optimises one objective"):
+        hpoflow.optimize(spec, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

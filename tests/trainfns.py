@@ -201,3 +201,14 @@ def elastic_epochs(ctx: TrialContext) -> dict[str, float]:
         (ctx.trial_dir / "sizes.json").write_text(json.dumps(state["sizes"]))
     return {"loss": 1.0 / max(1, int(state["epoch"])), "epochs_done": float(state["epoch"]),
             "total": float(state["total"])}
+
+
+def tensor_result(ctx: TrialContext) -> Any:
+    """Returns (and reports) ``score`` as a 0-d tensor, a one-element tensor or a tensor in a dict."""
+    kind = ctx.params["kind"]
+    score = torch.tensor(0.25, requires_grad=True) * 1.0  # a loss-like tensor still attached to a graph
+    made: Any = {"tensor0": score, "tensor1": score.reshape(1), "dict_tensor0": score,
+                 "int_tensor": torch.tensor(3), "bool_tensor": torch.tensor(True)}[kind]
+    if kind != "bool_tensor":
+        ctx.report(1, score=made)
+    return {"score": made} if kind.startswith("dict_") else made

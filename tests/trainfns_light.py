@@ -93,3 +93,38 @@ def fills_the_disk(ctx: Any) -> dict[str, float]:
             print("x" * 1000, flush=True)
     time.sleep(float(ctx.options.get("sleep", 0.2)))
     return {"value": float(ctx.params["x"])}
+
+
+def real_types(ctx: Any) -> Any:
+    """Returns (and reports) its ``score`` as the number type ``ctx.params["kind"]`` names, directly or
+    in a dict: NumPy scalars, Fraction, Decimal, and a bool (which is not a metric)."""
+    import decimal
+    import fractions
+
+    import numpy as np
+
+    kind = ctx.params["kind"]
+    x = 0.25
+    made: Any = {"float32": np.float32(x), "int64": np.int64(3), "float16": np.float16(x), "uint8": np.uint8(3),
+                 "ndarray0": np.array(x), "fraction": fractions.Fraction(1, 4), "decimal": decimal.Decimal("0.25"),
+                 "bool": True, "numpy_bool": np.bool_(True)}[kind.removeprefix("dict_")]
+    if not kind.endswith("bool"):
+        ctx.report(1, score=made, other=np.float64(1.5))
+    return {"score": made, "note": "strings are not metrics"} if kind.startswith("dict_") else made
+
+
+def sim_cost_real_types(params: dict[str, Any], number: int) -> dict[str, Any]:
+    """A function cost model answering in NumPy and Fraction numbers."""
+    import fractions
+
+    import numpy as np
+
+    x = float(params["x"])
+    return {"duration_s": np.float32(10.0 + 100.0 * x),
+            "val_accuracy": fractions.Fraction(1, 2) + fractions.Fraction(x) / 4, "steps": np.int64(7),
+            "curve": [np.float32((1.0 - x) * k / 4) for k in range(1, 5)]}
+
+
+def odd_metric_name(ctx: Any) -> dict[str, float]:
+    """Returns a metric whose name holds an escape sequence (it would reach the terminal and trials.csv)."""
+    return {"score": 1.0, "x\x1b[2J": 2.0}

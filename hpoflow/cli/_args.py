@@ -13,10 +13,10 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     """argparse type: a whole number >= ``minimum``."""
 
     def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        digits = text.strip().removeprefix("-")
+        if not (digits.isascii() and digits.isdigit()):  # int() would take "٣" and "1_0"
+            raise argparse.ArgumentTypeError(f"expected a whole number (ASCII digits), got {text!r}")
+        v = int(text)
         if v < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
         return v

@@ -118,7 +118,7 @@ def _elastic_slots(spec: StudySpec, batch: bool, nodes: int | None, cpus_per_nod
     for arg in compss_args:
         if arg.startswith("--worker_in_master_cpus="):
             value = arg.partition("=")[2]
-            in_master = int(value) if value.isdigit() else 0
+            in_master = int(value) if value.isascii() and value.isdigit() else 0
     return (nodes - 1) * cpus_per_node + in_master
 
 

@@ -1,4 +1,5 @@
-"""``hpoflow validate SPEC``: check a spec (and that its trials fit the engine it names) without running."""
+"""``hpoflow validate SPEC``: check a spec without running it, with every check ``hpoflow run`` makes
+before its first trial (``hpoflow.api.preflight.check_runnable``): a spec that validates runs."""
 
 from __future__ import annotations
 
@@ -9,20 +10,21 @@ __all__ = ["register"]
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("validate", help="check a study spec without running it",
-                       description="Check a study spec; errors give the key path, line, rule and fix.")
+                       description="Check a study spec, and everything `hpoflow run` checks before its first "
+                                   "trial (the engine fits the trials, the sampler and pruner build and can "
+                                   "propose a trial of this study, HPOFLOW_N_TRIALS, storage_env, the oracle's "
+                                   "cluster, the warm-start run); errors give the key path, line, rule and fix.")
     p.add_argument("spec", help="study spec (YAML)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpoflow.engines import check_fit
+    from hpoflow.api.preflight import check_runnable
     from hpoflow.spec import load_spec
-    from hpoflow.trial import TrialRequest
 
-    spec, _ = load_spec(args.spec)
+    spec, text = load_spec(args.spec)
+    check_runnable(spec, text, args.spec)
     r = spec.resources
-    check_fit(spec.engine, spec.engine_option_values(),
-              TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes))
     n = spec.search.n_trials
     ranks = f"{r.processes}-{r.elastic.max} process(es) per trial (elastic, {r.elastic.policy})" \
         if r.elastic is not None else f"{r.processes} process(es) per trial"

@@ -19,7 +19,7 @@ def detect_gpus() -> list[int]:
     """GPU ids usable here, without importing torch: ``CUDA_VISIBLE_DEVICES`` or the NVIDIA driver."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return [int(v) for v in visible.split(",") if v.strip().isdigit()]
+        return [int(v) for v in visible.split(",") if v.strip().isascii() and v.strip().isdigit()]
     proc = Path("/proc/driver/nvidia/gpus")
     return list(range(len(list(proc.iterdir())))) if proc.is_dir() else []
 

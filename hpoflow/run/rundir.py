@@ -34,8 +34,15 @@ _SNAPSHOT_FORMAT = 1
 def resolve(path: str | os.PathLike[str], *, create: bool) -> Path:
     """The one absolute path of a run directory; ``RunDirError`` (one line, with the fix) when it is
     a file, cannot be created, or is not writable. ``create=False`` (readers) never creates it."""
-    rd = Path(path).expanduser().resolve()
-    if rd.exists() and not rd.is_dir():
+    try:
+        rd = Path(path).expanduser().resolve()
+        exists = rd.exists()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, ~nouser, a NUL, a name too long
+        why = "a symlink loop" if "loop" in str(exc).lower() or getattr(exc, "errno", None) == errno.ELOOP \
+            else (getattr(exc, "strerror", None) or str(exc))
+        raise RunDirError(f"run directory {os.fsdecode(path)!r} cannot be resolved: {why.rstrip('.')}. Fix: pass a "
+                          "directory path that exists or can be created (check its symlinks)") from None
+    if exists and not rd.is_dir():
         raise RunDirError(f"run directory {rd} is a file, not a directory. Fix: pass a directory as --run-dir")
     if not create:
         if not rd.is_dir():

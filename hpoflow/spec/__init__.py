@@ -7,6 +7,7 @@ from hpoflow.spec._load import (
     BUILTIN_METRICS,
     env_int,
     import_plugins,
+    key_lines,
     load_spec,
     outside,
     placeholders,
@@ -31,6 +32,7 @@ from hpoflow.spec._models import (
     TrackingSpec,
     TrainConfig,
     parse_constraint,
+    unprintable,
 )
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "TrainConfig",
     "env_int",
     "import_plugins",
+    "key_lines",
     "load_spec",
     "outside",
     "parse_constraint",
@@ -61,4 +64,5 @@ __all__ = [
     "resolve_training",
     "search_dirs",
     "spec_from_mapping",
+    "unprintable",
 ]

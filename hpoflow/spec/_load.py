@@ -31,13 +31,14 @@ from hpoflow.spec._models import (
     StudySpec,
     TrainConfig,
 )
-from hpoflow.spec._yaml import MAX_BYTES, Path, load_yaml_with_lines
+from hpoflow.spec._yaml import MAX_BYTES, MAX_DEPTH, Path, load_yaml_with_lines
 
 __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
     "env_int",
     "import_plugins",
+    "key_lines",
     "load_spec",
     "placeholders",
     "prepare_spec",
@@ -333,16 +334,21 @@ def search_dirs(spec_path: str | os.PathLike[str] | None = None) -> tuple[str, .
     return tuple(dict.fromkeys([*dirs, os.getcwd()]))
 
 
-def _numbers(value: Any, path: Path = ()) -> Iterator[tuple[Path, float]]:
-    """Every float in a parsed spec, with its key path."""
-    if isinstance(value, float):
-        yield path, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _numbers(v, (*path, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _numbers(v, (*path, i))
+def _numbers(value: Any, source: str = "<spec>") -> Iterator[tuple[Path, float]]:
+    """Every float in a parsed spec, with its key path; ``SpecError`` for a mapping nested deeper than
+    ``MAX_DEPTH`` (a spec built in Python may nest anything, or contain itself). Iterative: no depth
+    of input can reach Python's recursion limit here, nor in pydantic after it."""
+    stack: list[tuple[Path, Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, float):
+            yield path, v
+        elif isinstance(v, dict | list):
+            if len(path) >= MAX_DEPTH:
+                raise SpecError([Issue(".".join(str(p) for p in path[:2]), f"the spec nests more than {MAX_DEPTH} "
+                                       "levels deep (or contains itself). Fix: flatten it", None, source)])
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend(reversed([((*path, k), x) for k, x in items]))  # popped in the spec's order
 
 
 def spec_from_mapping(
@@ -355,7 +361,7 @@ def spec_from_mapping(
     if not isinstance(data, dict):
         raise SpecError([Issue("", f"a study spec is a mapping of sections, but got {type(data).__name__}. "
                                "Fix: start with study:, space:, search:, training:", 1, source)])
-    bad = [(path, v) for path, v in _numbers(data) if not math.isfinite(v)]
+    bad = [(path, v) for path, v in _numbers(data, source) if not math.isfinite(v)]
     if bad:
         raise SpecError([Issue(".".join(str(k) for k in path), f"must be a finite number, but got {v!r} (YAML "
                                "reads numbers beyond 1.8e308 as infinity). Fix: write a finite value",
@@ -379,17 +385,41 @@ def spec_from_mapping(
 def load_spec(path: str | os.PathLike[str]) -> tuple[StudySpec, str]:
     """Read and validate a YAML spec file; return the spec and the text as given."""
     p = FsPath(path)
-    try:
-        if p.stat().st_size > MAX_BYTES:
-            raise SpecError([Issue("", f"the file is {p.stat().st_size} bytes; a spec is read up to {MAX_BYTES}. "
-                                   "Fix: check that this is the right file", None, str(p))])
-        text = p.read_text()
-    except FileNotFoundError:
-        raise SpecError([Issue("", "no such file. Fix: check the path", None, str(p))]) from None
-    except OSError as exc:
-        raise SpecError([Issue("", f"cannot read: {exc.strerror}", None, str(p))]) from None
+    text = read_spec_text(p)
     data, lines = load_yaml_with_lines(text, str(p))
     return spec_from_mapping(data, lines, str(p), search_dirs(p)), text
+
+
+def key_lines(text: str) -> dict[Path, int]:
+    """Key path -> line of a spec's YAML text (``{}`` when it does not parse): for errors found after
+    loading, such as ``hpoflow validate``'s checks of the sampler and the engine."""
+    try:
+        return load_yaml_with_lines(text)[1]
+    except SpecError:
+        return {}
+
+
+def read_spec_text(p: FsPath) -> str:
+    """The UTF-8 text of a spec file, read boundedly: at most ``MAX_BYTES`` + 1 bytes are ever read,
+    whatever the file is (a huge file, ``/dev/zero``, a pipe), so a wrong path costs nothing."""
+    try:
+        with p.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise SpecError([Issue("", "no such file. Fix: check the path", None, str(p))]) from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SpecError([Issue("", f"cannot read: {why}", None, str(p))]) from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError([Issue("", f"the file holds more than {MAX_BYTES} bytes; a spec is read up to {MAX_BYTES} "
+                               "(a study spec is a few KB). Fix: check that this is the right file", None, str(p))])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise SpecError([Issue("", f"byte {exc.start} (0x{raw[exc.start]:02x}) is not UTF-8: a spec is UTF-8 text. "
+                               "Fix: save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or check that this is "
+                               "the right file", line, str(p))]) from None
 
 
 def prepare_spec(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str]) -> tuple[StudySpec, str]:

@@ -8,9 +8,10 @@ trial holds) and ``engine``/``storage`` (where trials run and where the study li
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import did_you_mean
@@ -25,6 +26,7 @@ from hpoflow.registry import (
     check_class,
     is_class_path,
 )
+from hpoflow.spec._yaml import MAX_ITEMS as MAX_CHOICES
 
 __all__ = [
     "PLACEHOLDER",
@@ -45,10 +47,33 @@ __all__ = [
     "TrackingSpec",
     "TrainConfig",
     "parse_constraint",
+    "unprintable",
 ]
 
 PLACEHOLDER = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 Scalar = bool | int | float | str | None
+
+
+def unprintable(name: str) -> str:
+    """Why ``name`` cannot be shown as it is ('' when it can): it holds a control or formatting
+    character (NUL, ESC, a newline, a tab, U+202E RIGHT-TO-LEFT OVERRIDE...), which would reach the
+    terminal table and the CSV header raw."""
+    bad = next((c for c in name if not c.isprintable()), None)
+    if bad is None:
+        return ""
+    kind = "control" if unicodedata.category(bad) == "Cc" else "non-printing"
+    return (f"holds the {kind} character U+{ord(bad):04X}; names and values shown in tables and trials.csv "
+            "must be printable text. Fix: remove it")
+
+
+def _printable_name(name: str) -> str:
+    why = unprintable(name)
+    if why:
+        raise PydanticCustomError("bad_name", "name {name} {why}", {"name": repr(name), "why": why})
+    return name
+
+
+Name = Annotated[str, Field(min_length=1), AfterValidator(_printable_name)]
 
 
 class _Strict(BaseModel):
@@ -123,7 +148,20 @@ class IntParam(_ParamBase):
 
 class CategoricalParam(_ParamBase):
     type: Literal["categorical"]
-    choices: list[Scalar]
+    choices: list[Scalar] = Field(description=f"The values to try (at most {MAX_CHOICES}).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        """A bound on choices, checked before any choice is: a long list is a range written out."""
+        if isinstance(data, dict) and isinstance(data.get("choices"), list | tuple) and \
+                len(data["choices"]) > MAX_CHOICES:
+            raise PydanticCustomError(
+                "too_many_choices", "{at}: a categorical parameter holds at most {max} choices, but got {n}. "
+                "Fix: search a range instead ({type: int, low: 0, high: {top}} or type: float), or list fewer "
+                "choices", {"at": "choices", "max": MAX_CHOICES, "n": len(data["choices"]),
+                             "top": len(data["choices"]) - 1})
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> CategoricalParam:
@@ -131,13 +169,16 @@ class CategoricalParam(_ParamBase):
             raise PydanticCustomError(
                 "empty_choices", "choices must hold at least one value, but got []. Fix: list the values to try", {}
             )
-        seen: list[Scalar] = []
-        for c in self.choices:
-            if c in seen and type(c) is type(seen[seen.index(c)]):
+        seen: set[tuple[type, Scalar]] = set()  # 1 and 1.0 and True are different choices
+        for i, c in enumerate(self.choices):
+            if (type(c), c) in seen:
                 raise PydanticCustomError(
                     "duplicate_choice", "choices must be distinct, but {value} appears twice", {"value": c}
                 )
-            seen.append(c)
+            seen.add((type(c), c))
+            if isinstance(c, str) and (why := unprintable(c)):
+                raise PydanticCustomError("bad_name", "{at}: choice {value} {why}",
+                                          {"at": f"choices.{i}", "value": repr(c), "why": why})
         return self
 
 
@@ -168,7 +209,7 @@ Param = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator=
 class Objective(_Strict):
     """One objective of a multi-objective study."""
 
-    name: str = Field(min_length=1)
+    name: Name
     direction: Literal["minimize", "maximize"]
 
 
@@ -177,7 +218,7 @@ class StudySection(_Strict):
     ``metric``/``direction`` then name the first, which progress and pruning use)."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
-    metric: str = Field(min_length=1)
+    metric: Name
     direction: Literal["minimize", "maximize"]
     metrics: list[Objective] = Field(default_factory=list, description="Several objectives (a Pareto front).")
     constraints: list[str] = Field(
@@ -558,6 +599,18 @@ class StudySpec(_Strict):
         default_factory=list, description="Modules that register plug-ins (hpoflow.registry: engines, samplers, "
         "strategies, models, ...), imported before the spec is validated, in the driver and in every trial "
         "process.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _printable_names(cls, data: Any) -> Any:
+        """Parameter names reach the terminal table and the CSV header: printable text only."""
+        space = data.get("space") if isinstance(data, dict) else None
+        for name in space if isinstance(space, dict) else ():
+            why = unprintable(str(name))
+            if why:
+                raise PydanticCustomError("bad_name", "{at}: parameter name {name} {why}",
+                                          {"at": f"space.{name}", "name": repr(name), "why": why})
+        return data
 
     @model_validator(mode="after")
     def _check_multi_objective(self) -> StudySpec:

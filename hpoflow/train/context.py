@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import decimal
 import math
+import numbers
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpoflow.spec import TrainConfig
+from hpoflow.spec import TrainConfig, unprintable
 from hpoflow.train.transport import Channel, NullChannel
 
 if TYPE_CHECKING:
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
 
     from hpoflow.train.checkpoint import Checkpointer
 
-__all__ = ["PauseRequest", "TrialContext"]
+__all__ = ["PauseRequest", "TrialContext", "metric_dict", "real_number"]
 
 
 class PauseRequest:
@@ -30,6 +33,77 @@ class PauseRequest:
 
     def set(self) -> None:
         self.requested = True
+
+
+def _plain(value: Any) -> float | None:
+    """A number that is not an array: any ``numbers.Real`` (int, float, ``Fraction``), a ``Decimal``,
+    or a NumPy scalar of an integer or floating dtype. Beyond a float's range: +-inf."""
+    if isinstance(value, bool):
+        return None
+    np = sys.modules.get("numpy")  # a NumPy scalar exists only where NumPy is imported
+    if np is not None and isinstance(value, np.generic):
+        if value.dtype.kind not in "iuf":  # bool_, complex, datetime, str
+            return None
+    elif not isinstance(value, numbers.Real | decimal.Decimal):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # 10**400, Fraction(10**400)
+        return math.inf if value > 0 else -math.inf
+    except (ValueError, TypeError):  # Decimal("sNaN")
+        return math.nan
+
+
+def _one_element(value: Any) -> bool:
+    if getattr(value, "ndim", None) == 0:
+        return True
+    numel = getattr(value, "numel", None)  # torch
+    if callable(numel):
+        try:
+            return bool(numel() == 1)
+        except Exception:
+            return False
+    return getattr(value, "size", None) == 1  # NumPy, JAX
+
+
+def real_number(value: Any) -> float | None:
+    """``value`` as a float when it is a real number, else None: a ``numbers.Real`` (int, float,
+    ``fractions.Fraction``), a ``decimal.Decimal``, a NumPy scalar of an integer or floating dtype, or
+    an array or tensor of one element (NumPy, torch, JAX...: ``.item()`` with ``ndim == 0`` or one
+    element; torch is never imported for this). A bool is a yes/no, not a measurement: None (say
+    ``float(flag)`` to report one). Values beyond a float's range become +-inf."""
+    found = _plain(value)
+    if found is not None or isinstance(value, bool):
+        return found
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, str | bytes | Mapping) and _one_element(value):
+        try:
+            return _plain(item())
+        except Exception:  # a tensor on a lost device, an object whose item() means something else
+            return None
+    return None
+
+
+def metric_dict(values: Mapping[Any, Any], *, strict: bool, where: str) -> dict[str, float]:
+    """The real-valued entries of ``values`` as floats. A name that is not printable text is refused
+    (``ValueError``: it would reach the terminal and the CSV header); with ``strict`` a value that is
+    not a real number is refused too (``TypeError``), else skipped."""
+    out: dict[str, float] = {}
+    for key, raw in values.items():
+        name = str(key)
+        why = unprintable(name)
+        if why:
+            raise ValueError(f"{where}: metric name {name!r} {why}")
+        value = real_number(raw)
+        if value is None:
+            if strict:
+                flag = isinstance(raw, bool) or getattr(getattr(raw, "dtype", None), "kind", "") == "b"
+                kind = "a bool is not a metric (report float(flag))" if flag else \
+                    "it must be a real number (int, float, a NumPy scalar, a one-element tensor)"
+                raise TypeError(f"{where}: metric {name!r} is {raw!r}: {kind}")
+            continue
+        out[name] = value
+    return out
 
 
 @dataclass
@@ -103,8 +177,10 @@ class TrialContext:
         return self.config.options
 
     def report(self, step: int, **metrics: float) -> None:
-        """Record intermediate ``metrics`` at ``step``; rank 0 sends them to the study's storage."""
-        clean = {k: float(v) for k, v in metrics.items()}
+        """Record intermediate ``metrics`` at ``step``; rank 0 sends them to the study's storage. A
+        metric is any real number (``hpoflow.train.context.real_number``: int, float, a NumPy scalar,
+        a 0-d tensor, ``Fraction``, ``Decimal``); anything else, a bool included, raises ``TypeError``."""
+        clean = metric_dict(metrics, strict=True, where=f"ctx.report(step={step})")
         self.reports.append((int(step), clean))
         if self.rank != 0:
             return

@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -37,7 +37,7 @@ import numpy as np
 
 from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig, import_plugins
-from hpoflow.train.context import PauseRequest, TrialContext
+from hpoflow.train.context import PauseRequest, TrialContext, metric_dict, real_number
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.train.usage import UsageSampler
 from hpoflow.trial import RankJob, RankOutcome, TrialRequest
@@ -120,10 +120,14 @@ def _seed_everything(seed: int, threads: int) -> _WhenImported | None:
 
 
 def _final_metrics(ret: Any, ctx: TrialContext) -> dict[str, float]:
-    if isinstance(ret, dict):
-        return {k: float(v) for k, v in ret.items() if isinstance(v, (int, float))}
-    if isinstance(ret, (int, float)):
-        return {ctx.metric: float(ret)}
+    """What a training function's return value says: a mapping's real-valued entries (others, such
+    as strings or bools, are not metrics and are left out), a real number as the study's metric, or
+    (returning None) the last report. Real: ``hpoflow.train.context.real_number``."""
+    if isinstance(ret, Mapping):
+        return metric_dict(ret, strict=False, where="the training function's result")
+    value = real_number(ret)
+    if value is not None:
+        return {ctx.metric: value}
     if ret is None and ctx.reports:
         return dict(ctx.reports[-1][1])
     return {}
@@ -135,6 +139,11 @@ def _on_pause_signal(pause: PauseRequest) -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGUSR1, lambda signum, frame: pause.set())
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({type(value).__name__})"
 
 
 def log_to_stderr(level: int = logging.INFO) -> None:
@@ -222,7 +231,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             if value is None:
                 raise KeyError(
                     f"the training function returned no {req.metric!r} (study.metric); it returned "
-                    f"{sorted(metrics) or ret!r}. Fix: return a dict with {req.metric!r}, or a float"
+                    f"{sorted(metrics) or _short(ret)}. Fix: return a dict with {req.metric!r}, or a number (int, "
+                    "float, a NumPy scalar, a 0-d tensor; a bool is not a metric)"
                 )
             if not math.isfinite(value):
                 raise NonFiniteLoss(f"{req.metric} is {value}")

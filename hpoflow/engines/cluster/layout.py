@@ -42,6 +42,11 @@ __all__ = [
 RANK_CLI = "hpoflow.engines.cluster.node"
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` is true of "²", which ``int`` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_id_list(text: str | None) -> list[int]:
     """``"0,1,4-6"`` -> ``[0, 1, 4, 5, 6]``; empty, ``None`` or unparsable parts give nothing."""
     out: list[int] = []
@@ -49,9 +54,9 @@ def parse_id_list(text: str | None) -> list[int]:
         if not part:
             continue
         lo, sep, hi = part.partition("-")
-        if sep and lo.isdigit() and hi.isdigit():
+        if sep and _digits(lo) and _digits(hi):
             out.extend(range(int(lo), int(hi) + 1))
-        elif part.isdigit():
+        elif _digits(part):
             out.append(int(part))
     return list(dict.fromkeys(out))
 
@@ -183,7 +188,7 @@ def node_index_from_env(env: Mapping[str, str]) -> int | None:
     """The launcher's index from an MPI launcher's environment (one launcher per node)."""
     for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
         v = env.get(name, "")
-        if v.isdigit():
+        if _digits(v):
             return int(v)
     return None
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpoflow.engines.simulated.options import FunctionCost, LogNormalCostModel, ReplayCost
 from hpoflow.errors import EngineError
+from hpoflow.train.context import metric_dict, real_number
 from hpoflow.trial import TrialRequest
 
 __all__ = ["TrialCost", "function_cost", "lognormal_cost", "replay_cost"]
@@ -50,7 +51,8 @@ def lognormal_cost(options: LogNormalCostModel) -> Callable[[TrialRequest], Tria
 
 
 def function_cost(options: FunctionCost) -> Callable[[TrialRequest], TrialCost]:
-    """``function(params, number)`` returns ``duration_s``, metrics and optionally ``curve``."""
+    """``function(params, number)`` returns ``duration_s``, metrics and optionally ``curve`` (each a
+    real number of any type: ``hpoflow.train.context.real_number``)."""
     ref = options.function
 
     def cost(req: TrialRequest) -> TrialCost:
@@ -62,13 +64,21 @@ def function_cost(options: FunctionCost) -> Callable[[TrialRequest], TrialCost]:
         out = fn(dict(req.params), req.number)
         if not isinstance(out, Mapping) or "duration_s" not in out:
             raise TypeError(f"{ref} must return a mapping with duration_s, got {out!r}")
-        duration = float(out["duration_s"])
-        if not math.isfinite(duration) or duration < 0:
-            raise ValueError(f"{ref} returned duration_s={duration}; it must be a finite number >= 0")
-        metrics = {k: float(v) for k, v in out.items() if k not in ("duration_s", "curve")
-                   and isinstance(v, int | float)}
-        raw = out.get("curve") or []
-        curve = [dict(v) if isinstance(v, Mapping) else {req.metric: float(v)} for v in raw]
+        duration = real_number(out["duration_s"])
+        if duration is None or not math.isfinite(duration) or duration < 0:
+            raise ValueError(f"{ref} returned duration_s={out['duration_s']!r}; it must be a finite number >= 0")
+        metrics = metric_dict({k: v for k, v in out.items() if k not in ("duration_s", "curve")}, strict=False,
+                              where=ref)
+        curve = []
+        for step in out.get("curve") or []:
+            if isinstance(step, Mapping):
+                curve.append(metric_dict(step, strict=True, where=f"{ref} curve"))
+            else:
+                value = real_number(step)
+                if value is None:
+                    raise TypeError(f"{ref}: a curve entry is {step!r}; it must be a real number or a mapping of "
+                                    "metrics")
+                curve.append({req.metric: value})
         return TrialCost(duration, metrics, curve)
 
     return cost
@@ -80,7 +90,7 @@ def replay_cost(options: ReplayCost) -> Callable[[TrialRequest], TrialCost]:
     run_dir = Path(options.run_dir)
     recorded = []
     for p in sorted((run_dir / "trials").glob("*/result.json"), key=lambda p: int(p.parent.name)
-                    if p.parent.name.isdigit() else -1):
+                    if p.parent.name.isascii() and p.parent.name.isdigit() else -1):
         try:
             data = json.loads(p.read_text())
         except (OSError, ValueError):

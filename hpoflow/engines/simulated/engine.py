@@ -97,10 +97,12 @@ class SimulatedEngine(Engine):
 
     @classmethod
     def check_fit(cls, options: SimulatedOptions, request: TrialRequest) -> None:
-        """A trial takes ``resources.processes`` of the simulated ``slots``."""
+        """A trial takes ``resources.processes`` of the simulated ``slots``; the cost model builds (a replay
+        run that holds no finished trial is refused here, before the study starts)."""
         if request.processes > options.slots:
             raise EngineError(f"a trial of {request.processes} processes cannot fit {options.slots} simulated slots. "
                               "Fix: raise engine_options.slots or lower resources.processes")
+        _cost_model(options)
 
     # -- contract -------------------------------------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:

@@ -1,7 +1,8 @@
 """The Python API: ``optimize(spec_or_path)`` runs (or resumes) a study and returns its result.
 
 Everything lives in the run directory (``hpoflow.run``); rerunning on it resumes the study and never
-exceeds ``n_trials``.
+exceeds ``n_trials``. ``preflight.check_runnable`` is every check made before the first trial (what
+``hpoflow validate`` reports).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
 
+from hpoflow.api.preflight import check_runnable
+from hpoflow.api.result import StudyResult
 from hpoflow.engines import Engine, make_engine
 from hpoflow.report.outputs import write_outputs
 from hpoflow.run import rundir
@@ -28,38 +30,8 @@ from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.warm_start import warm_start
 from hpoflow.spec import StudySpec, env_int, prepare_spec, resolve_training, search_dirs
 
-__all__ = ["StudyResult", "load_run", "open_run_storage", "optimize", "prepare_spec", "run_budget"]
-
-
-@dataclass(frozen=True)
-class StudyResult:
-    """What a study produced. ``study`` is the live Optuna study (open on its storage)."""
-
-    run_dir: Path
-    study: optuna.Study
-    summary: DriverSummary
-    storage: str
-
-    @property
-    def best_trial(self) -> optuna.trial.FrozenTrial | None:
-        """The best complete trial (None before one completes, and with several objectives)."""
-        from hpoflow.report.tables import best_trial
-
-        return best_trial(self.study)
-
-    @property
-    def best_params(self) -> dict[str, Any] | None:
-        best = self.best_trial
-        return None if best is None else dict(best.params)
-
-    @property
-    def best_value(self) -> float | None:
-        best = self.best_trial
-        return None if best is None else best.value
-
-    def trials_dataframe(self) -> Any:
-        """Optuna's ``trials_dataframe()`` (needs pandas)."""
-        return self.study.trials_dataframe()
+__all__ = ["StudyResult", "check_runnable", "load_run", "open_run_storage", "optimize", "prepare_spec",
+           "run_budget"]
 
 
 def optimize(
@@ -79,6 +51,8 @@ def optimize(
     ``LocalEngine``). ``progress=True`` shows the live progress display on stderr.
     """
     parsed, text = prepare_spec(spec)
+    source = os.fspath(spec) if isinstance(spec, str | os.PathLike) else "<spec>"
+    check_runnable(parsed, text, source, engine=engine is None)  # before anything is written
     cap = env_int("HPOFLOW_N_TRIALS", minimum=1)
     if n_trials is None and cap is not None:
         n_trials = min(cap, parsed.search.n_trials or cap)  # a cap: never more than the spec
