@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         out.print(
             f"run dir: {result.run_dir}   finished {status['n_complete']} complete, "
             f"{status['n_pruned']} pruned, {status['n_failed']} failed in {s.elapsed_s:.1f} s; "
-            f"best {status['best_value']} with {status['best_params']}", highlight=False)
+            f"best {status['best_value']} with {status['best_params']}", highlight=False, markup=False)
     message = s.outcome_message()
     if message:
         print(f"hpoflow: {message}", file=sys.stderr)
