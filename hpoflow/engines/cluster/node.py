@@ -10,6 +10,9 @@ them; if a rank fails, it kills the others (they would hang in a collective).
 Both start a watcher thread that kills the whole process group (launcher, ranks and their children)
 as soon as the attempt's ``STOP`` file appears: a cancelled COMPSs task's children survive the task,
 and ranks started by srun/ssh on other nodes are not the task's children at all.
+
+A rank's stdout and stderr go through a pipe to the node launcher, which writes ``rank<r>.log`` with
+a cap (``hpoflow.engines.logcap``, ``HPOFLOW_RANK_LOG_MB``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from hpoflow.engines.cluster.layout import (
     resolve_node_index,
     split_for_ranks,
 )
+from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
 from hpoflow.fileio import read_json, write_json_atomic
 from hpoflow.train.transport import TrialFiles
 
@@ -172,6 +176,13 @@ def _node(args: argparse.Namespace) -> int:
          f"{(job.get('env') or {}).get('GLOO_SOCKET_IFNAME') or os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
     procs: list[tuple[int, subprocess.Popen[bytes]]] = []
     try:
+        cap = cap_bytes()
+    except ValueError as exc:  # the driver checked its own environment; this node's may differ
+        _log(f"{exc}; using the default")
+        cap = cap_bytes({})
+    pump = LogPump(cap)
+    streams: list[LogStream] = []
+    try:
         for lr in range(ppn):
             rank = node_index * ppn + lr
             cores, gshare = core_shares[lr], gpu_shares[lr]
@@ -179,9 +190,13 @@ def _node(args: argparse.Namespace) -> int:
                     "--rank", str(rank), "--local-rank", str(lr),
                     "--cores", ",".join(str(c) for c in cores)]
             env = _rank_env(job, rank, lr, ppn, cores, gshare, bool(gpus) or int(req["gpus_per_process"]) > 0)
-            with open(files.rank_log(rank), "ab") as log:
-                procs.append((rank, subprocess.Popen(argv, env=env, stdout=log, stderr=log,
+            out, stream = pump.open(str(files.rank_log(rank)))
+            streams.append(stream)
+            try:
+                procs.append((rank, subprocess.Popen(argv, env=env, stdout=out, stderr=out,
                                                      stdin=subprocess.DEVNULL)))
+            finally:
+                os.close(out)  # the rank holds it now
         return _wait_ranks(procs)
     finally:
         for _, p in procs:  # never leave a rank behind
@@ -192,6 +207,8 @@ def _node(args: argparse.Namespace) -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+        pump.wait(streams, 10.0)  # what the ranks wrote last, into their logs
+        pump.close()
 
 
 def _kill_tree(pid: int) -> None:
