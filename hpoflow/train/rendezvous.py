@@ -23,6 +23,7 @@ __all__ = ["LOOPBACK_ENV", "free_port", "private_dir", "remove_private_dir", "st
            "wait_for_master"]
 
 _PREFIX = "hpoflow-rdzv-"
+_LOCKED = "flock-"  # after the prefix: a directory whose creator holds its flock (older ones hold none)
 _MIN_AGE_S = 60.0  # a directory younger than this may be one another process is about to lock
 _LOCKS: dict[str, int] = {}  # private_dir -> the descriptor holding its flock, in this process
 
@@ -44,7 +45,7 @@ def private_dir(prefix: str = _PREFIX) -> str:
     for path in [p for p in _LOCKS if not os.path.isdir(p)]:  # removed by a caller with rmtree
         with contextlib.suppress(OSError):
             os.close(_LOCKS.pop(path))
-    path = tempfile.mkdtemp(prefix=prefix, dir=_base())
+    path = tempfile.mkdtemp(prefix=prefix + _LOCKED, dir=_base())
     try:
         import fcntl
 
@@ -66,9 +67,10 @@ def remove_private_dir(path: str) -> None:
 
 
 def sweep_private_dirs(prefix: str = _PREFIX, min_age_s: float = _MIN_AGE_S) -> list[str]:
-    """Remove this user's rendezvous directories that no live process holds (their creator died
-    without removing them, e.g. a driver killed with SIGKILL) and that are older than ``min_age_s``;
-    the paths removed."""
+    """Remove this user's locked rendezvous directories that no live process holds any more (their
+    creator died without removing them, e.g. a driver killed with SIGKILL) and that are older than
+    ``min_age_s``; the paths removed. Directories made without a lock (by older versions) are left
+    alone: nothing tells whether their process still uses them."""
     try:
         import fcntl
     except ImportError:
@@ -80,7 +82,7 @@ def sweep_private_dirs(prefix: str = _PREFIX, min_age_s: float = _MIN_AGE_S) -> 
         base = tempfile.gettempdir()
     removed = []
     try:
-        names = [n for n in os.listdir(base) if n.startswith(prefix)]
+        names = [n for n in os.listdir(base) if n.startswith(prefix + _LOCKED)]
     except OSError:
         return []
     now = time.time()
