@@ -20,6 +20,7 @@ import logging
 import os
 import selectors
 import threading
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,13 @@ __all__ = ["CAP_ENV", "CappedLog", "LogPump", "LogStream", "cap_bytes"]
 CAP_ENV = "HPOFLOW_RANK_LOG_MB"
 DEFAULT_CAP_MB = 16
 _CHUNK = 1 << 20
-_PIPE_SIZE = 1 << 20  # a rank may write this far ahead of the pump before it waits
+_PIPE_SIZE = 256 << 10  # a rank may write this far ahead of the pump before it waits
 _NOTE_LEN = 200  # the note is rewritten in place as more is dropped: fixed width
+# After a wake-up that found little to move, the pump lets the pipes fill for this long before it
+# looks again: a rank printing line by line (unbuffered) then costs one wake-up per few hundred
+# lines instead of one per line, and waits only once its pipe is full.
+_LINGER_S = 0.005
+_LITTLE = 64 << 10
 
 
 def cap_bytes(environ: dict[str, str] | None = None) -> int:
@@ -62,6 +68,7 @@ class CappedLog:
         self.head = max(cap // 2, self.pos)  # bytes kept from the start, whatever follows
         self.start = self.head  # where the kept tail begins (after the note once one is written)
         self.dropped = 0
+        self.received = 0  # bytes moved from the pipe so far
         self._splice = hasattr(os, "splice")
         self._copy = hasattr(os, "copy_file_range")
 
@@ -71,6 +78,7 @@ class CappedLog:
         if n == 0:
             return False
         self.pos += n
+        self.received += n
         if self.tail and self.pos - self.start > 2 * self.tail + _NOTE_LEN:
             self._trim()
         return True
@@ -247,21 +255,29 @@ class LogPump:
                                 pass
                         finish(fd)
                     return
+                moved = 0
                 for key, _ in sel.select():
                     fd = int(key.fd)
                     if fd == self._wake_r:
                         with contextlib.suppress(OSError):
                             os.read(fd, 4096)
+                        moved = _LITTLE
                         continue
                     if fd not in logs:
                         continue
+                    capped = logs[fd][1]
                     try:
-                        more = logs[fd][1].feed(fd)
+                        before = capped.received
+                        more = capped.feed(fd)
+                        moved = max(moved, capped.received - before)
                     except OSError as exc:  # the disk is full: the rest of this rank's output is lost
                         log.warning("rank log %s: %s; the rest of its output is dropped", logs[fd][0].path, exc)
                         more = False
                     if not more:
                         finish(fd)
+                        moved = _LITTLE
+                if moved < _LITTLE:
+                    time.sleep(_LINGER_S)
         finally:
             for fd in list(logs):
                 finish(fd)
