@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import selectors
 import threading
-import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class LogPump:
             if self._closed:
                 raise RuntimeError("the log pump is closed")
             self._pending.append((stream, capped))
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="hpoflow-log-pump", daemon=True)
                 self._thread.start()
         self._wake()
@@ -196,6 +196,8 @@ class LogPump:
         """Block until every stream in ``streams`` is at end of file, or ``timeout_s``; streams still
         open then are abandoned (their read end closed: a process that kept the write end gets
         EPIPE). True if all ended by themselves."""
+        if any(not s.done.is_set() for s in streams):
+            self._wake()  # out of its linger: the pipes' ends are there to be seen now
         ok = True
         for s in streams:
             if not s.done.wait(timeout_s):
@@ -225,6 +227,8 @@ class LogPump:
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ)
+        linger = select.poll()
+        linger.register(self._wake_r, select.POLLIN)
         logs: dict[int, tuple[LogStream, CappedLog]] = {}
 
         def finish(fd: int) -> None:
@@ -251,7 +255,7 @@ class LogPump:
                 if closed:
                     for fd in list(logs):  # what the pipes hold now, then done
                         with contextlib.suppress(OSError):
-                            while select_one(fd) and logs[fd][1].feed(fd):
+                            while _readable(fd) and logs[fd][1].feed(fd):
                                 pass
                         finish(fd)
                     return
@@ -270,23 +274,22 @@ class LogPump:
                         before = capped.received
                         more = capped.feed(fd)
                         moved = max(moved, capped.received - before)
-                    except OSError as exc:  # the disk is full: the rest of this rank's output is lost
+                    except Exception as exc:  # a full disk: the rest of this rank's output is lost
                         log.warning("rank log %s: %s; the rest of its output is dropped", logs[fd][0].path, exc)
                         more = False
                     if not more:
                         finish(fd)
                         moved = _LITTLE
-                if moved < _LITTLE:
-                    time.sleep(_LINGER_S)
+                if moved < _LITTLE:  # linger, unless someone waits for a stream (``wait`` wakes us)
+                    linger.poll(_LINGER_S * 1000)
         finally:
             for fd in list(logs):
                 finish(fd)
             sel.close()
 
 
-def select_one(fd: int) -> bool:
-    """Whether ``fd`` can be read without blocking."""
-    import select
-
-    r, _, _ = select.select([fd], [], [], 0)
-    return bool(r)
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` can be read without blocking (or is at end of file)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
