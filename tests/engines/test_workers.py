@@ -388,7 +388,11 @@ def test_a_cluster_rank_log_is_capped_by_its_node_launcher(tmp_path: Path, monke
 
 
 def test_a_rank_log_cap_that_is_not_a_number_is_refused_before_any_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpoflow.engines import check_fit
+
     monkeypatch.setenv(CAP_ENV, "lots")
+    with pytest.raises(EngineError, match=f"{CAP_ENV} must be a whole number of MiB.*'lots'.*Fix"):
+        check_fit("local", {}, TrialRequest.shape(1, 1, 0))  # what validate checks
     with pytest.raises(EngineError, match=f"{CAP_ENV} must be a whole number of MiB.*'lots'.*Fix"):
         LocalEngine(cores=[0], prestart=False)
 

@@ -137,13 +137,18 @@ class LocalEngine(Engine):
 
     @classmethod
     def check_fit(cls, options: LocalOptions, request: TrialRequest) -> None:
-        """A trial runs on this machine's cores and GPUs (``engine_options.cores``/``gpus`` if given)."""
+        """A trial runs on this machine's cores and GPUs (``engine_options.cores``/``gpus`` if given);
+        ``HPOFLOW_RANK_LOG_MB``, if set, is a whole number."""
         if request.nodes > 1:
             raise EngineError(f"resources.nodes={request.nodes}: the local engine runs a trial on this machine only. "
                               "Fix: set resources.nodes to 1, or use a cluster engine (engine: compss)")
         cores = options.cores if options.cores is not None else machine_cores()
         gpus = options.gpus if options.gpus is not None else detect_gpus()
         check_fits(request, len(cores), len(gpus))
+        try:
+            cap_bytes()  # the engine refuses to start with a rank log cap it cannot read
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
 
     def submit(self, request: TrialRequest) -> None:
         if self._closed:
