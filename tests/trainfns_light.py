@@ -34,3 +34,14 @@ def costly(ctx: Any) -> dict[str, float]:
             return {"value": x * epoch / 3}
         time.sleep(0.02)
     return {"value": x, "samples_per_s": 1000.0 * (1 + x), "step_time_s": 0.01 / (1 + x), "comm_fraction": 0.1 * x}
+
+
+
+def nap(ctx: Any) -> dict[str, float]:
+    """A quick trial for studies shared by several drivers: sleeps ``options.seconds`` (default 0.3) and
+    returns ``1 - (x - 0.5)^2``."""
+    import time
+
+    x = float(ctx.params["x"])
+    time.sleep(float(ctx.options.get("seconds", 0.3)))
+    return {"value": 1.0 - (x - 0.5) ** 2}

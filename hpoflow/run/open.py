@@ -34,7 +34,8 @@ __all__ = ["RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "op
 # What may change between a run and its resume: budgets and limits, never what a trial is.
 RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
                   ("search", "max_failures"), ("search", "fail_fast"), ("resources", "timeout"),
-                  ("resources", "max_retries")}
+                  ("resources", "max_retries"),
+                  ("search", "lease_s")}
 
 
 def _diff(a: Any, b: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -69,7 +70,8 @@ def check_resume(run_dir: Path, spec: StudySpec) -> None:
         raise RunDirError(
             f"{run_dir} holds a run of a different study (they differ at {shown}); resuming it with this "
             "spec would mix results. Fix: use a new --run-dir, or undo those changes (only search.n_trials, "
-            "timeout, max_concurrent, max_failures and resources.timeout/max_retries may change on resume)"
+            "timeout, max_concurrent, max_failures, fail_fast, lease_s and resources.timeout/max_retries may change on "
+            "resume)"
         )
 
 
