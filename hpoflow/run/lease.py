@@ -14,7 +14,7 @@ trial a driver runs carries its id (user attr ``hpoflow_driver``).
   this same machine (host, boot and pid namespace) that no longer exists; or when its beat counter
   has not moved for its ``lease_s`` as seen by this driver's own monotonic clock. Clocks of
   different hosts are never compared. A gap in this driver's own reads (a stalled loop, a storage
-  outage) restarts the observation instead of declaring everyone dead.
+  outage), or its own beats failing, restarts the observation instead of declaring everyone dead.
 - ``lease_rows``: what ``hpoflow status`` shows. It reads once and changes nothing, so it judges by
   the wall clock of the lease's last beat (and, for drivers of this machine, by their pid).
 
@@ -190,11 +190,16 @@ class LeaseWatch:
         self._unowned: dict[int, float] = {}  # trial number -> when first seen RUNNING without a driver
         self._last: float | None = None
 
+    def forget(self) -> None:
+        """Start every observation over (this driver cannot trust what it saw: a gap, an outage)."""
+        self._since.clear()
+        self._unowned.clear()
+        self._last = None
+
     def update(self, leases: dict[str, LeaseInfo], now: float) -> None:
         """A new read of the leases, made at monotonic time ``now``."""
         if self._last is not None and now - self._last > self.own_lease_s / 2:
-            self._since.clear()  # this driver did not look for a while: do not judge across the gap
-            self._unowned.clear()
+            self.forget()  # this driver did not look for a while: do not judge across the gap
         self._last = now
         self.leases = leases
         for i, info in leases.items():

@@ -143,6 +143,9 @@ class SharedStudy:
         if now < self._next_tick:
             return
         self._next_tick = now + self.lease.beat_s
+        if self.lease.failed_beats:  # the storage takes no writes now: judge no one, observe afresh later
+            self.watch.forget()
+            return
         self.refresh()
         self.watch.update(read_leases(self.study), time.monotonic())
         if not self._reseeded and self.watch.any_other_alive(now):
