@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -109,15 +109,17 @@ class Tally:
         return self._by_state[TrialState.FAIL]
 
     def trial(self, number: int) -> FrozenTrial:
-        """The trial ``number`` as of the last refresh."""
-        t = self._trials[number]
-        return t if t.number == number else next(x for x in self._trials if x.number == number)
+        """The trial ``number`` as of the last refresh (``KeyError`` if it was not there)."""
+        if 0 <= number < len(self._trials) and self._trials[number].number == number:
+            return self._trials[number]  # Optuna numbers a study's trials 0, 1, 2, ... in creation order
+        for t in self._trials:
+            if t.number == number:
+                return t
+        raise KeyError(number)
 
     def refresh(self, study: optuna.Study) -> list[FrozenTrial]:
         """Read the study; returns the trials that finished (and count) since the last refresh."""
         self._trials = trials = study.get_trials(deepcopy=False)
-        if any(t.number != i for i, t in enumerate(trials[self._seen:], self._seen)):
-            raise RuntimeError("the study's trial numbers are not 0, 1, 2, ...: not a study Optuna wrote")
         for t in trials[self._seen:]:
             self._open.add(t.number)
             for key in claims(t):
@@ -132,11 +134,11 @@ class Tally:
                     self._by_state[state] -= 1
             if t.system_attrs.get(_LEGACY_INTERRUPTED):
                 self._replaced.add(t.number)
-        self._seen = len(trials)
+        self._seen = max(self._seen, len(trials))
         done = []
         self.running, self.waiting = {}, {}
         for number in sorted(self._open):
-            t = trials[number]
+            t = self.trial(number)
             if t.state == TrialState.RUNNING:
                 self.running[number] = t
             elif t.state == TrialState.WAITING:
@@ -170,6 +172,8 @@ class Tally:
         """
         undecided = [n for n, t in self.running.items() if n != number and not t.user_attrs.get(ATTR_DRIVER)]
         contended = False
+        if number not in self.running:
+            return "yield"  # closed or put back by another driver meanwhile: nothing to run
         for key in claims(self.trial(number)):
             for j in self._holders.get(key, []):
                 if j == number:
@@ -183,16 +187,10 @@ class Tally:
                     contended = True
                 elif t.state == TrialState.WAITING and j < number:
                     return "yield"  # the older copy goes first
-        decided = len(self.running) - len(undecided) - (1 if number in self.running else 0)
+        decided = len(self.running) - len(undecided) - 1
         if self.finished + decided + 1 > budget:
             return "yield"
         if not contended and self.finished + len(self.running) <= budget:
             return "run"
         return "contended" if all(n > number for n in undecided) else "yield"
 
-    def holders(self, key: tuple[str, int]) -> list[FrozenTrial]:
-        """The trials that stand for ``key`` and count (see ``claims``), as of the last refresh."""
-        return [t for t in (self.trial(j) for j in self._holders.get(key, [])) if self._counts(t)]
-
-    def describe(self) -> dict[str, Any]:
-        return {"finished": self.finished, "running": sorted(self.running), "waiting": sorted(self.waiting)}

@@ -100,12 +100,16 @@ class SharedStudy:
                 break
             time.sleep(0.02)
         if verdict == "run":
-            trial.set_user_attr(ATTR_DRIVER, self.lease.id)
+            try:
+                trial.set_user_attr(ATTR_DRIVER, self.lease.id)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                return False  # another driver closed it meanwhile
             return True
         if verdict == "duplicate":
-            trial.set_user_attr(ATTR_UNUSED, True)
-            self.study.tell(trial, state=TrialState.FAIL)
-        else:
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                trial.set_user_attr(ATTR_UNUSED, True)
+                self.study.tell(trial, state=TrialState.FAIL)
+        elif trial.number in self.tally.running:
             self.give_back(trial, admitted=False)
         return False
 
@@ -128,7 +132,7 @@ class SharedStudy:
         self.study.enqueue_trial(params, user_attrs={**user_attrs, ATTR_REPLACES: number}, skip_if_exists=False)
         try:
             running = self.tally.trial(number).state == TrialState.RUNNING
-        except (IndexError, StopIteration):  # newer than the last read
+        except KeyError:  # newer than the last read
             running = True
         if running:
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):

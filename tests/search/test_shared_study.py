@@ -272,3 +272,32 @@ def test_a_dead_drivers_running_trial_is_rerun_with_its_checkpoints(tmp_path: Pa
     assert rerun.user_attrs["checkpoint_dir"] == str(tmp_path / "dead" / "trials" / str(t.number) / "checkpoints")
     assert count_finished(study) == 2 and driver.summary.n_complete == 2
 
+
+
+def test_a_driver_whose_trial_was_taken_over_goes_on_without_a_traceback(tmp_path: Path,
+                                                                        caplog: Any) -> None:
+    """Another driver judged this one dead (it stalled for longer than search.lease_s) and reran its
+    trial: this driver's result for it is dropped with a warning, and the study still ends exact."""
+    import time
+
+    path = tmp_path / "s.journal"
+    spec = spec_of(n_trials=3, max_concurrent=1)
+    other = journal_study(path, spec)
+    taken: list[int] = []
+
+    def objective(p: dict[str, Any], r: Reporter) -> float:
+        if not taken:  # the first trial: "another driver" interrupts it while it runs
+            (running,) = other.get_trials(states=(TrialState.RUNNING,))
+            SharedStudy(other, tmp_path, 60.0).interrupt(running.number, running.params, {})
+            taken.append(running.number)
+        time.sleep(0.01)
+        return float(p["x"])
+
+    with caplog.at_level("WARNING", logger="hpoflow"):
+        (driver,) = run_drivers_in_threads(path, spec, 1, objective)
+    study = journal_study(path, spec)
+    assert count_finished(study) == 3 and driver.summary.n_complete == 3
+    assert study.trials[taken[0]].state == TrialState.FAIL
+    rerun = next(t for t in study.trials if t.user_attrs.get(ATTR_REPLACES) == taken[0])
+    assert rerun.state == TrialState.COMPLETE and rerun.params == study.trials[taken[0]].params
+    assert "was finished by another driver" in caplog.text
