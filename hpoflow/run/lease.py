@@ -26,6 +26,7 @@ is used outside ``Study.optimize``, and a stale trial is only failed, never reru
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -49,6 +50,7 @@ def _storage(study: optuna.Study) -> tuple[optuna.storages.BaseStorage, int]:
     return study._storage, study._study_id
 
 
+@functools.cache
 def _machine() -> str:
     """This process's machine as far as pids are comparable: host, kernel boot, pid namespace."""
     try:
@@ -139,10 +141,6 @@ class Lease:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.failed_beats = 0
-
-    @property
-    def label(self) -> str:
-        return f"{self._record['host']}:{self._record['pid']}"
 
     def start(self) -> None:
         """Write the lease (raises if the storage cannot take it) and start beating."""

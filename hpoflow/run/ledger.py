@@ -151,6 +151,13 @@ class Tally:
                     done.append(t)
         return done
 
+    def note_running(self, t: FrozenTrial) -> None:
+        """This driver runs ``t`` (asked since the last refresh): counted in flight until the next refresh
+        reads it. A trial of this driver that finished since is still in ``running`` then, so
+        ``finished + len(running)`` stays right for a driver alone on the study."""
+        self.waiting.pop(t.number, None)
+        self.running[t.number] = t
+
     def _counts(self, t: FrozenTrial) -> bool:
         return (t.number not in self._replaced and ATTR_IMPORTED not in t.user_attrs
                 and ATTR_UNUSED not in t.user_attrs)

@@ -301,3 +301,22 @@ def test_a_driver_whose_trial_was_taken_over_goes_on_without_a_traceback(tmp_pat
     rerun = next(t for t in study.trials if t.user_attrs.get(ATTR_REPLACES) == taken[0])
     assert rerun.state == TrialState.COMPLETE and rerun.params == study.trials[taken[0]].params
     assert "was finished by another driver" in caplog.text
+
+
+def test_a_driver_alone_does_not_read_every_trial_per_start(tmp_path: Path, monkeypatch: Any) -> None:
+    """Alone on its study, a driver admits a trial from the leases (no other driver alive), not from a
+    read of all trials: reading every trial at every start would make a 10,000-trial study slower
+    per trial as it grows (bench/driver_scale.py)."""
+    reads = {"n": 0}
+    original = Tally.refresh
+
+    def counting(self: Tally, study: optuna.Study) -> Any:
+        reads["n"] += 1
+        return original(self, study)
+
+    monkeypatch.setattr(Tally, "refresh", counting)
+    path = tmp_path / "s.journal"
+    spec = spec_of(n_trials=60)
+    (driver,) = run_drivers_in_threads(path, spec, 1, lambda p, r: 0.0)
+    assert driver.summary.n_complete == 60 and count_finished(journal_study(path, spec)) == 60
+    assert reads["n"] < 10  # the start, the end, and a beat interval or two
