@@ -93,7 +93,7 @@ class SharedStudy:
             except optuna.exceptions.UpdateFinishedTrialError:
                 return False
             return True
-        until = time.monotonic() + _CONTEND_S
+        until = time.monotonic() + min(_CONTEND_S, self.lease.lease_s / 4)  # well before others call it orphaned
         while True:
             self.refresh()
             verdict = self.tally.verdict(trial.number, budget)
