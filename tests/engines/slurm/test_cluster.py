@@ -292,3 +292,26 @@ def test_a_job_array_of_two_drivers_finishes_one_study_with_exactly_n_trials(slu
     assert len(drivers) == 2, drivers  # both drivers ran trials of the one study
     for text in outs.values():
         assert "Traceback" not in text
+
+
+def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_walltime(
+        slurm_cluster: SlurmCluster) -> None:
+    """A hand-written batch script (no --signal): the driver reads its job's end from SLURM and warns
+    itself HPOFLOW_WALLTIME_WARNING_S before it (here: 80 s before a 2-minute limit)."""
+    shared = slurm_cluster.shared_dir / "no-signal"
+    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=200)
+    run_dir = shared / "run"
+    script = shared / "job.sh"
+    script.write_text("#!/bin/bash\n"
+                      f"export PYTHONPATH={ROOT}:{ROOT / 'tests'}\n"
+                      "export HPOFLOW_WALLTIME_WARNING_S=80\n"
+                      f"exec python -m hpoflow run {spec} --run-dir {run_dir}\n")
+    r = slurm_cluster.run(["sbatch", "--parsable", "-N2", "--exclusive", "--time=2", f"--chdir={shared}",
+                           f"--output={shared}/job.out", str(script)])
+    info = wait_job(slurm_cluster, r.stdout.strip())
+    out = (shared / "job.out").read_text()
+    assert "walltime warning" in out, out  # paused by its own timer, 40 s in, not killed at 2 minutes
+    assert info["JobState"] in ("FAILED", "COMPLETED") and info["ExitCode"].startswith("130"), (info, out)
+    study = _study(run_dir)
+    paused = [t for t in study.trials if "paused" in t.user_attrs.get("error", "")]
+    assert paused, [t.user_attrs for t in study.trials]
