@@ -230,8 +230,11 @@ class LogPump:
         linger = select.poll()
         linger.register(self._wake_r, select.POLLIN)
         logs: dict[int, tuple[LogStream, CappedLog]] = {}
+        dropping: set[int] = set()  # logs that cannot be written (a full disk): drained and discarded, so
+        # the rank's writes still succeed and it runs on
 
         def finish(fd: int) -> None:
+            dropping.discard(fd)
             stream, capped = logs.pop(fd)
             sel.unregister(fd)
             with contextlib.suppress(OSError):
@@ -255,7 +258,7 @@ class LogPump:
                 if closed:
                     for fd in list(logs):  # what the pipes hold now, then done
                         with contextlib.suppress(OSError):
-                            while _readable(fd) and logs[fd][1].feed(fd):
+                            while fd not in dropping and _readable(fd) and logs[fd][1].feed(fd):
                                 pass
                         finish(fd)
                     return
@@ -270,13 +273,23 @@ class LogPump:
                     if fd not in logs:
                         continue
                     capped = logs[fd][1]
+                    if fd in dropping:
+                        try:
+                            more = bool(os.read(fd, _CHUNK))
+                        except OSError:
+                            more = False
+                        if not more:
+                            finish(fd)
+                        moved = _LITTLE
+                        continue
                     try:
                         before = capped.received
                         more = capped.feed(fd)
                         moved = max(moved, capped.received - before)
                     except Exception as exc:  # a full disk: the rest of this rank's output is lost
                         log.warning("rank log %s: %s; the rest of its output is dropped", logs[fd][0].path, exc)
-                        more = False
+                        dropping.add(fd)
+                        more = True
                     if not more:
                         finish(fd)
                         moved = _LITTLE

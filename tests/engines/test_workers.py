@@ -278,8 +278,8 @@ def test_a_daemonised_grandchild_dies_with_its_trial_and_the_worker_is_reused(tm
     eng = LocalEngine(cores=[0])
     try:
         first = run_one(eng, request(tmp_path, 0, "fns:daemonize"))
-        sleeper = int((tmp_path / "trials" / "0" / "sleeper.pid").read_text())
         assert first.status == "complete", first
+        sleeper = int((tmp_path / "trials" / "0" / "sleeper.pid").read_text())
         assert gone(sleeper), f"the daemonised sleeper {sleeper} outlived its trial"
         second = run_one(eng, request(tmp_path, 1, "fns:daemonize"))  # on the same (reused) worker
         assert second.status == "complete", second
@@ -292,7 +292,8 @@ def test_a_daemonised_grandchild_of_a_timed_out_trial_dies_with_its_worker(tmp_p
     write_fns(tmp_path)
     eng = LocalEngine(cores=[0])
     try:
-        res = run_one(eng, request(tmp_path, 0, "fns:daemonize", options={"hang": True}, timeout=3.0))
+        # the timeout must fall after the trial wrote the sleeper's pid: 3 s was too short at load 19
+        res = run_one(eng, request(tmp_path, 0, "fns:daemonize", options={"hang": True}, timeout=20.0))
     finally:
         eng.close()
     assert res.status == "failed" and "timed out" in (res.error or "")

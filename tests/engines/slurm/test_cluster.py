@@ -299,7 +299,7 @@ def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_wall
     """A hand-written batch script (no --signal): the driver reads its job's end from SLURM and warns
     itself HPOFLOW_WALLTIME_WARNING_S before it (here: 80 s before a 2-minute limit)."""
     shared = slurm_cluster.shared_dir / "no-signal"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=200)
+    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=100_000)  # runs until paused, on any machine
     run_dir = shared / "run"
     script = shared / "job.sh"
     script.write_text("#!/bin/bash\n"
