@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--time", type=positive_int, metavar="MIN",
                    help="wall time of the batch job in minutes (default: from the study's budget, see "
                         "docs/cluster.md)")
-    p.add_argument("--qos", help="quality of service of the job (warns when the site config drops it)")
+    p.add_argument("--qos", help="quality of service of the job (compss: refused where the site config drops it)")
     p.add_argument("--sc-cfg", metavar="NAME|FILE",
                    help="enqueue_compss site config (queue system and its flags; COMPSs's default is LSF)")
     p.add_argument("--queue", "--partition", dest="queue", help="queue / partition")
