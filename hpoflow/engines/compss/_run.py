@@ -14,7 +14,7 @@ from hpoflow.engines.compss.shape import TaskShape
 from hpoflow.engines.elastic import Segments
 from hpoflow.train.transport import ReportReader, TrialFiles
 
-__all__ = ["TaskRun", "mtime", "task_result", "whole_trial_timeout"]
+__all__ = ["TaskRun", "mtime", "numbers", "task_result", "whole_trial_timeout"]
 
 _TIMED_OUT = re.compile(r"timed out after \S+ s \(resources\.timeout\)")
 
@@ -76,6 +76,13 @@ def mtime(path: Path) -> float | None:
         return path.stat().st_mtime
     except OSError:
         return None
+
+
+def numbers(value: Any) -> dict[str, float]:
+    """The numeric entries of a mapping from a task's result (``system``, ``timings``); {} otherwise."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): float(v) for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def whole_trial_timeout(error: str, timeout: float) -> str:

@@ -53,7 +53,7 @@ from typing import Any
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest
 from hpoflow.engines.cluster.attempt import HEARTBEAT_S, run_trial
 from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, runtime_active
-from hpoflow.engines.compss._run import TaskRun, mtime, task_result, whole_trial_timeout
+from hpoflow.engines.compss._run import TaskRun, mtime, numbers, task_result, whole_trial_timeout
 from hpoflow.engines.compss.options import CompssOptions
 from hpoflow.engines.compss.placement import INFRASTRUCTURE
 from hpoflow.engines.compss.shape import TaskShape
@@ -391,11 +391,8 @@ class CompssEngine(Engine):
             if data.get(INFRASTRUCTURE) and self._place_again(t, data):
                 return
             if data.get("status") == "resized":
-                system, timings = data.get("system"), data.get("timings")
-                ran = timings.get("duration_s", 0.0) if isinstance(timings, dict) else 0.0
-                if self._restart(t, {str(k): float(v) for k, v in system.items() if isinstance(v, int | float)}
-                                 if isinstance(system, dict) else {}, float(ran) if isinstance(ran, int | float)
-                                 else 0.0):
+                ran_s = numbers(data.get("timings")).get("duration_s", 0.0)
+                if self._restart(t, numbers(data.get("system")), ran_s):
                     return
                 data = {"status": "failed", "retryable": False,
                         "error": f"timed out after {t.timeout:g} s (resources.timeout, over all its sizes)"}
