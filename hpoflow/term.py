@@ -11,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 __all__ = ["PIPE_WIDTH", "console", "render_table"]
 
@@ -27,11 +28,12 @@ def console(stderr: bool = False) -> Console:
 
 def render_table(table: Mapping[str, Any]) -> Table:
     """A rich table of plain rows: ``{"title", "columns", "rows"}`` (``hpoflow.report.tables.best_rows``;
-    the first two and the last columns right-aligned)."""
-    out = Table(title=str(table["title"]))
+    the first two and the last columns right-aligned). Every cell is plain text: a value such as
+    ``[red]x`` is shown as written, never read as rich markup."""
+    out = Table(title=Text(str(table["title"])))
     columns = [str(c) for c in table["columns"]]
     for i, c in enumerate(columns):
-        out.add_column(c, justify="right" if i < 2 or i == len(columns) - 1 else "left")
+        out.add_column(Text(c), justify="right" if i < 2 or i == len(columns) - 1 else "left")
     for row in table["rows"]:
-        out.add_row(*[str(v) for v in row])
+        out.add_row(*[Text(str(v)) for v in row])
     return out
