@@ -12,7 +12,9 @@ same command on the same run directory resumes the study. No ``assert`` here: ru
 SPEC and --run-dir accept ``b64:`` values (``hpoflow launch`` encodes paths that COMPSs would split:
 spaces, quotes, ``$``, non-ASCII; see docs/cluster.md). The study's trial shape (computing units,
 GPUs, nodes per trial) is derived from the spec *before* the task module is imported and given to
-the engine, which builds the PyCOMPSs task with those literal numbers.
+the engine, which builds the PyCOMPSs task with those literal numbers. ``--slots``, ``--cpus-per-node``
+and ``--gpus-per-node`` (what ``hpoflow launch`` knows of the batch job) fill in ``compss.slots``,
+``compss.cpus_per_node`` and ``compss.gpus_per_node`` where the spec does not set them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n-trials", type=int, help="override search.n_trials")
     p.add_argument("--slots", type=int, help="compss.slots when the spec does not set it (hpoflow launch gives "
                    "the batch job's worker cores, for elastic trials)")
+    p.add_argument("--cpus-per-node", type=int, help="compss.cpus_per_node when the spec does not set it: one "
+                   "worker's computing units (hpoflow launch gives the batch job's; multi-node trials then ask for "
+                   "whole workers, and elastic trials never grow past one)")
+    p.add_argument("--gpus-per-node", type=int, help="compss.gpus_per_node when the spec does not set it: one "
+                   "worker's GPUs")
     return p.parse_args(argv)
 
 
@@ -52,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "mode). Launch with runcompss/enqueue_compss (hpoflow launch) to run them as "
                   "COMPSs tasks.", file=sys.stderr, flush=True)
         options = spec.engine_option_values()
-        if args.slots is not None and "slots" not in options:
-            options["slots"] = args.slots
+        for key in ("slots", "cpus_per_node", "gpus_per_node"):  # what the batch job holds (hpoflow launch)
+            value = getattr(args, key)
+            if value is not None and key not in options:
+                options[key] = value
         shape = CompssOptions.from_mapping(options).task_shape(spec.resources)  # before any task import
         engine = CompssEngine(run_dir=run_dir, sequential=not in_runtime, shape=shape, **options)
         try:

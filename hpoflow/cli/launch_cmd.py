@@ -21,12 +21,14 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpoflow.cli._args import non_negative_int, positive_int
 from hpoflow.errors import EngineError
 
 if TYPE_CHECKING:
+    from hpoflow.engines.compss.launch.runtime_xml import NodeConfig
+    from hpoflow.engines.compss.shape import TaskShape
     from hpoflow.spec import StudySpec
 
 __all__ = ["register"]
@@ -50,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--time", type=positive_int, metavar="MIN",
                    help="wall time of the batch job in minutes (default: from the study's budget, see "
                         "docs/cluster.md)")
-    p.add_argument("--qos", help="quality of service of the job (warns when the site config drops it)")
+    p.add_argument("--qos", help="quality of service of the job (compss: refused where the site config drops it)")
     p.add_argument("--sc-cfg", metavar="NAME|FILE",
                    help="enqueue_compss site config (queue system and its flags; COMPSs's default is LSF)")
     p.add_argument("--queue", "--partition", dest="queue", help="queue / partition")
@@ -201,7 +203,6 @@ def _slurm(args: argparse.Namespace) -> int:
 
 def _compss(args: argparse.Namespace) -> int:
     from hpoflow.engines.cluster.jobtime import job_time
-    from hpoflow.engines.compss.launch.batch import qos_warning, sc_cfg_file
     from hpoflow.engines.compss.launch.command import (
         LaunchOptions,
         build_command,
@@ -222,19 +223,14 @@ def _compss(args: argparse.Namespace) -> int:
             f"{args.nodes - 1} worker node(s) (the COMPSs master node runs no tasks). Fix: --nodes "
             f"{res.nodes + 1} or more"
         )
-    shape = CompssOptions.from_mapping(spec.engine_option_values()).task_shape(res)
-    if args.gpus_per_node is not None and shape.gpus > args.gpus_per_node:
-        raise EngineError(
-            f"a trial needs {shape.gpus} GPUs per node (processes per node x resources.gpus_per_process), "
-            f"but --gpus-per-node is {args.gpus_per_node}. Fix: raise --gpus-per-node or lower "
-            "resources.gpus_per_process"
-        )
-    if args.cpus_per_node is not None and shape.computing_units > args.cpus_per_node:
-        raise EngineError(
-            f"a trial needs {shape.computing_units} cores per node (processes per node x "
-            f"resources.cpus_per_process), but --cpus-per-node is {args.cpus_per_node}. Fix: raise "
-            "--cpus-per-node or lower resources.cpus_per_process"
-        )
+    spec_options = spec.engine_option_values()
+    workers = _batch_workers(args, spec_options) if batch else {}
+    shape = CompssOptions.from_mapping({**workers, **spec_options}).task_shape(res)  # a node's share fits a worker
+    if batch and res.nodes > 1 and "cpus_per_node" not in workers and "cpus_per_node" not in spec_options:
+        _warn("the workers' computing units are unknown (no --cpus-per-node, no site config here), so COMPSs may "
+              "put two nodes of a trial on one worker (the task then gives them back and is submitted again, up to "
+              "compss.placement_retries times). Fix: --cpus-per-node C, so each node of a trial asks for a whole "
+              "worker")
     workflow = default_workflow()
     if not workflow.exists():
         raise EngineError(f"{workflow} does not exist; hpoflow launch needs a source checkout installed "
@@ -245,6 +241,7 @@ def _compss(args: argparse.Namespace) -> int:
     # trials import the user's code from the spec's directory and the current one through the trial
     # request; the current directory is also given to COMPSs's workers when it can pass through COMPSs
     pythonpath = (repo, os.getcwd()) if is_safe(os.getcwd()) else (repo,)
+    machine = None if batch else _check_local_workers(args, shape, pythonpath)
     time_minutes = args.time
     if batch:
         jt = job_time(args.time, search_timeout=spec.search.timeout, n_trials=args.n_trials or spec.search.n_trials,
@@ -252,13 +249,13 @@ def _compss(args: argparse.Namespace) -> int:
         time_minutes = jt.minutes
         for w in jt.warnings:
             _warn(w)
-        qos = qos_warning(args.qos, sc_cfg_file(args.sc_cfg))
-        if qos:
-            _warn(qos)
     app_args: tuple[str, ...] = ("--n-trials", str(args.n_trials)) if args.n_trials else ()
-    slots = _elastic_slots(spec, batch, args.nodes, args.cpus_per_node, args.compss_args)
+    slots = _elastic_slots(spec, batch, args.nodes, workers.get("cpus_per_node"), args.compss_args)
     if slots is not None:
         app_args += ("--slots", str(slots))
+    for key, value in workers.items():  # what the workflow cannot know of the batch job's workers
+        if key not in spec_options:
+            app_args += (f"--{key.replace('_', '-')}", str(value))
     opts = LaunchOptions(
         spec=str(Path(args.spec).resolve()), run_dir=str(run_dir.resolve()), workflow=str(workflow),
         batch=batch, nodes=args.nodes, cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node,
@@ -272,7 +269,8 @@ def _compss(args: argparse.Namespace) -> int:
     if args.generate_resources:
         from hpoflow.engines.compss.launch.runtime_xml import detect_node, write_config
 
-        rpath, ppath = write_config(Path(args.generate_resources).resolve(), [detect_node(pythonpath=pythonpath)])
+        rpath, ppath = write_config(Path(args.generate_resources).resolve(),
+                                    [machine or detect_node(pythonpath=pythonpath)])
         print(f"wrote {rpath} and {ppath}", file=sys.stderr)
         if not batch:
             opts = dataclasses.replace(opts, resources_xml=str(rpath), project_xml=str(ppath))
@@ -288,3 +286,64 @@ def _compss(args: argparse.Namespace) -> int:
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.run(argv, check=False).returncode
+
+
+def _batch_workers(args: argparse.Namespace, spec_options: dict[str, Any]) -> dict[str, int]:
+    """The batch job's site config checked (a refusal is an ``EngineError``: queue system, account, qos;
+    docs/cluster.md) and what each worker node holds: ``--cpus-per-node``/``--gpus-per-node``, else the
+    site config's defaults, as ``compss.cpus_per_node``/``gpus_per_node`` (only those known)."""
+    from hpoflow.engines.compss.launch.batch import check_site, read_site_config, sc_cfg_file, site_config_dir
+
+    path = sc_cfg_file(args.sc_cfg)
+    cfg = read_site_config(path) if path is not None else None
+    check = check_site(cfg, sc_cfg=args.sc_cfg, sbatch_here=shutil.which("sbatch") is not None,
+                       account=args.account, qos=args.qos, folder=site_config_dir())
+    if check.error:
+        raise EngineError(check.error)
+    for w in check.warnings:
+        _warn(w)
+    cpus = args.cpus_per_node or (cfg.number("DEFAULT_CPUS_PER_NODE") if cfg else None)
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else (
+        cfg.number("DEFAULT_GPUS_PER_NODE") if cfg else None)
+    workers = {k: v for k, v in (("cpus_per_node", cpus), ("gpus_per_node", gpus)) if v is not None}
+    for key, value in workers.items():
+        if key in spec_options and spec_options[key] != value:
+            flag = f"--{key.replace('_', '-')}"
+            raise EngineError(
+                f"compss.{key} is {spec_options[key]} in the spec, but the batch job's workers get {value} "
+                f"({flag} or the site config's default), and COMPSs places tasks by what they get. Fix: pass "
+                f"{flag} {spec_options[key]}, or remove compss.{key} from the spec")
+    return workers
+
+
+def _check_local_workers(args: argparse.Namespace, shape: TaskShape, pythonpath: tuple[str, ...]
+                         ) -> NodeConfig | None:
+    """runcompss here: the trial's shape must fit the workers of the resources XML it will use (given,
+    generated for this machine, or COMPSs's default); refused before anything is written. Returns this
+    machine as a COMPSs node when it was detected (for --generate-resources)."""
+    from hpoflow.engines.compss.launch.runtime_xml import detect_node, read_resources
+    from hpoflow.engines.compss.launch.workers import check_workers, default_resources_file
+
+    smaller = ("lower the trial's resources (resources.processes, cpus_per_process, gpus_per_process; nodes: 1), "
+               "or submit a batch job with --nodes N")
+    if args.resources_xml and not args.generate_resources:
+        try:
+            workers = read_resources(Path(args.resources_xml))
+        except ValueError as exc:
+            raise EngineError(f"--resources-xml: {exc}. Fix: pass a COMPSs resources.xml, or use "
+                              "--generate-resources FILE") from None
+        check_workers(shape, workers, f"--resources-xml {args.resources_xml}",
+                      f"{smaller}, or list compute nodes that hold it in that file")
+        return None
+    machine = detect_node(pythonpath=pythonpath)
+    check_workers(shape, [machine], "this machine", smaller)
+    default = None if args.generate_resources else default_resources_file()
+    if default is not None:
+        try:
+            workers = read_resources(default)
+        except ValueError:
+            return machine
+        check_workers(shape, workers, f"COMPSs's default resources.xml ({default}, what runcompss uses without "
+                      "--resources)", f"--generate-resources FILE (this machine: {machine.cpus} cores, "
+                      f"{machine.gpus} GPUs)")
+    return machine

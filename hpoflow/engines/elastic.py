@@ -117,19 +117,37 @@ class ElasticBook:
     A grow must pay: a trial grows only after one whole epoch at its size was timed (report to report),
     and the first whole epoch after the grow must be at least 3 % faster; if not, the trial shrinks
     back and never grows past that size again. Where the work left is under two epochs, nothing grows.
+
+    ``node_cpus``/``node_gpus``: what one node holds, where the engine's slots span several nodes (the
+    compss engine: one COMPSs worker's computing units and GPUs). A size whose share of one node (its
+    ranks over the trial's nodes, times the cores and GPUs per rank) exceeds them is never used: a
+    one-node trial never grows past one worker, whatever the slots of the whole job.
     """
 
-    def __init__(self, direction: str = "maximize", metric: str = "") -> None:
+    def __init__(self, direction: str = "maximize", metric: str = "", *, node_cpus: int | None = None,
+                 node_gpus: int | None = None) -> None:
         self.direction = direction
         self.metric = metric
+        self.node_cpus = node_cpus
+        self.node_gpus = node_gpus
         self._trials: dict[int, _Tracked] = {}
 
     def __contains__(self, number: object) -> bool:
         return number in self._trials
 
     def add(self, number: int, sizes: Sequence[int], cores_per_rank: int, policy: str, size: int,
-            epochs: int | None, now: float) -> None:
-        self._trials[number] = _Tracked(number, tuple(sizes), max(1, cores_per_rank), policy, size, epochs, now)
+            epochs: int | None, now: float, *, nodes: int = 1, gpus_per_rank: int = 0) -> None:
+        """Track an elastic trial on ``size`` ranks that may run on ``sizes`` (those that fit one node's
+        ``node_cpus``/``node_gpus`` per node; its first size is always kept)."""
+        fits = tuple(k for k in sizes if self.fits_node(k, cores_per_rank, gpus_per_rank, nodes))
+        kept = tuple(k for k in sizes if k == size or k in fits)
+        self._trials[number] = _Tracked(number, kept or (size,), max(1, cores_per_rank), policy, size, epochs, now)
+
+    def fits_node(self, ranks: int, cores_per_rank: int, gpus_per_rank: int = 0, nodes: int = 1) -> bool:
+        """Whether ``ranks`` ranks spread over ``nodes`` nodes fit what one node holds."""
+        per_node = -(-ranks // max(1, nodes))
+        return ((self.node_cpus is None or per_node * max(1, cores_per_rank) <= self.node_cpus)
+                and (self.node_gpus is None or per_node * gpus_per_rank <= self.node_gpus))
 
     def add_request(self, request: TrialRequest, now: float) -> None:
         """``add`` an elastic trial from its request (the built-in trainer's epochs tell the work left;
@@ -137,7 +155,8 @@ class ElasticBook:
         self.direction, self.metric = request.direction, request.metric
         epochs = None if request.train.get("function") else request.train.get("epochs")
         self.add(request.number, request.elastic_sizes, request.cpus_per_process, request.elastic_policy,
-                 request.processes, epochs if isinstance(epochs, int) else None, now)
+                 request.processes, epochs if isinstance(epochs, int) else None, now, nodes=request.nodes,
+                 gpus_per_rank=request.gpus_per_process)
 
     def remove(self, number: int) -> None:
         self._trials.pop(number, None)

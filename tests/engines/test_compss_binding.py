@@ -41,6 +41,11 @@ SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any], Registration]] = {
     "2-node-gpu": (dict(processes=8, cpus_per_process=4, gpus_per_process=1, nodes=2, timeout=3600),
                    {"memory_size_gb": 64},
                    Registration("computing_units:16;memory_size:64;" + GPU % 4, "MULTI_NODE", 2, "IGNORE", 3720)),
+    # the workers' size known (hpoflow launch --cpus-per-node 48 --gpus-per-node 4): each node asks for a
+    # whole worker, so COMPSs can never put two nodes of the trial on one host
+    "2-node-gpu-whole-workers": (dict(processes=4, cpus_per_process=2, gpus_per_process=1, nodes=2),
+                                 {"cpus_per_node": 48, "gpus_per_node": 4},
+                                 Registration("computing_units:48;" + GPU % 2, "MULTI_NODE", 2, "IGNORE", 0)),
 }
 
 
@@ -141,6 +146,39 @@ def drive(spec_json: str) -> None:
     out["calls"] = link.calls
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)  # the engine would wait for tasks that never run; nothing else to clean up
+
+
+def drive_placement(tmp_str: str) -> None:
+    """The binding's master, then a 2-node trial whose task COMPSs placed twice on one host: the task's
+    own body (``run_task``) gives it back, and the engine submits the same attempt again."""
+    tmp = Path(tmp_str)
+    link = _RecordingLink(str(tmp / "master"))
+    sys.modules["compss"] = link
+    from pycompss.util.context import CONTEXT
+
+    CONTEXT.set_master()
+    from pycompss.api.api import compss_start
+    from pycompss.runtime.binding import get_tmp_path
+    from pycompss.runtime.commons import GLOBALS
+
+    compss_start("off", False, False)
+    (tmp / "master").mkdir()
+    GLOBALS.set_temporary_directory(get_tmp_path())
+
+    from hpoflow.engines.compss import CompssEngine, CompssOptions
+    from hpoflow.engines.compss.placement import run_task
+
+    req = make_request(tmp / "trials" / "0", 0, processes=2, nodes=2)
+    engine = CompssEngine(tmp, shape=CompssOptions().task_shape(req), poll_interval_s=0.02)
+    engine.submit(req)
+    first = len(link.calls)
+    # what the worker's task body does when COMPSS_HOSTNAMES names one host twice
+    given_back = run_task(req.to_json(), "{}", env={"COMPSS_HOSTNAMES": "w1,w1"})
+    events = engine.poll(5.0)
+    out = {"calls": link.calls, "first": first, "events": [repr(e) for e in events],
+           "running": engine.running(), "given_back": given_back}
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)
 
 
 def drive_elastic(tmp_str: str) -> None:
@@ -251,3 +289,20 @@ def test_a_worker_finds_an_elastic_size_task_by_name(tmp_path: Path) -> None:
     out = _run("from tests.engines.test_compss_binding import drive_worker; drive_worker('trial_cpu__1n2u0g')",
                tmp_path)
     assert out == {"name": "trial_cpu__1n2u0g", "module": "hpoflow.engines.compss.tasks"}
+
+
+@needs_binding
+def test_the_real_binding_submits_a_given_back_placement_again_as_the_same_task(tmp_path: Path) -> None:
+    out = _run(f"from tests.engines.test_compss_binding import drive_placement; drive_placement({str(tmp_path)!r})",
+               tmp_path)
+    calls, first = out["calls"], out["first"]
+    assert out["given_back"]["infrastructure"] == "repeated_host"
+    assert out["events"] == [] and out["running"] == [0]  # no result reached the driver: the trial runs on
+    names = [c[0] for c in calls]
+    assert names.count("register_core_element") == 1  # registered once, with the study's shape
+    tasks = [args for n, args in calls if n == "process_task"]
+    signature = "hpoflow.engines.compss.tasks.trial_multinode_cpu"
+    assert [t[1] for t in tasks] == [signature, signature] and [t[5] for t in tasks] == [2, 2]
+    assert names[:first].count("process_task") == 1  # the second call came from the engine's poll
+    groups = [args[0] for n, args in calls if n == "open_task_group"]
+    assert groups == ["trial-0", "trial-0.p1"]

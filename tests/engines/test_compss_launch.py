@@ -12,7 +12,7 @@ import pytest
 
 from hpoflow.cli.main import main
 from hpoflow.engines.cluster.jobtime import FLOOR_MINUTES, MARGIN_MINUTES, job_time
-from hpoflow.engines.compss.launch.batch import qos_warning, sc_cfg_file
+from hpoflow.engines.compss.launch.batch import sc_cfg_file
 from hpoflow.engines.compss.launch.command import (
     LaunchOptions,
     build_command,
@@ -143,15 +143,10 @@ def test_job_time_from_the_study_budget() -> None:
     assert t.minutes == 20 and "shorter than one trial's timeout" in t.warnings[0] and "--time 65" in t.warnings[0]
 
 
-def test_qos_warning_reads_the_site_config(tmp_path: Path) -> None:
-    off = tmp_path / "site_off.cfg"
-    off.write_text('QUEUE_SYSTEM="slurm"\nDISABLE_QARG_QOS=true\n')
-    on = tmp_path / "site_on.cfg"
-    on.write_text('QUEUE_SYSTEM="slurm"\nDISABLE_QARG_QOS=false\n')
-    assert sc_cfg_file(str(off), env={}) == off
-    assert "will be ignored" in (qos_warning("debug", off) or "")
-    assert qos_warning("debug", on) is None and qos_warning(None, off) is None
-    assert "may be ignored" in (qos_warning("debug", None) or "")
+def test_the_site_config_is_found_as_enqueue_compss_finds_it(tmp_path: Path) -> None:
+    site = tmp_path / "site.cfg"
+    site.write_text('QUEUE_SYSTEM="slurm"\n')
+    assert sc_cfg_file(str(site), env={}) == site
     home = tmp_path / "COMPSs"
     cfgs = home / "Runtime" / "scripts" / "queues" / "supercomputers"
     cfgs.mkdir(parents=True)
@@ -170,13 +165,17 @@ def test_cli_batch_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     text = Path(DIGITS).read_text()
     spec.write_text(text.replace("resources:\n", "resources:\n  timeout: 1800\n", 1))
     cfg = tmp_path / "site.cfg"
-    cfg.write_text("DISABLE_QARG_QOS=true\n")
+    cfg.write_text('QUEUE_SYSTEM="slurm"\nDISABLE_QARG_QOS=false\n')
     assert main(["launch", str(spec), "--nodes", "2", "--qos", "debug", "--sc-cfg", str(cfg), "--dry-run",
                  "--", "--worker_in_master_cpus=0", "--tracing=false"]) == 0
     out, err = capsys.readouterr()
     assert f"--sc_cfg={cfg}" in out and "--exec_time=" in out and "--qos=debug" in out
     assert "--worker_in_master_cpus=0 --tracing=false " + str(ROOT / "workflows" / "hpo.py") in out
-    assert "will be ignored" in err
+    assert "warning" not in err  # the site config keeps the QoS
+    cfg.write_text('QUEUE_SYSTEM="slurm"\nDISABLE_QARG_QOS=true\n')
+    assert main(["launch", str(spec), "--nodes", "2", "--qos", "debug", "--sc-cfg", str(cfg), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and "--qos debug would be dropped" in err and "DISABLE_QARG_QOS=false" in err
     assert main(["launch", str(spec), "--nodes", "2", "--time", "10", "--dry-run"]) == 0
     assert "shorter than one trial's timeout (resources.timeout = 1800 s)" in capsys.readouterr().err
     assert main(["launch", str(spec), "--sc-cfg", "mn5", "--local", "--dry-run"]) == 2
@@ -291,7 +290,8 @@ def test_cli_gives_elastic_trials_the_batch_jobs_worker_cores_as_slots(capsys: p
     spec = tmp_path / "elastic.yaml"
     spec.write_text(Path(DIGITS).read_text().replace("  processes: 1\n", "  processes: {min: 1, max: 4}\n", 1))
     assert main(["launch", str(spec), "--nodes", "3", "--cpus-per-node", "48", "--dry-run"]) == 0
-    assert " --slots 96" in capsys.readouterr().out  # 2 worker nodes x 48 cores; the master runs no tasks
+    # 2 worker nodes x 48 cores (the master runs no tasks), and what one worker holds: no trial grows past it
+    assert " --slots 96 --cpus-per-node 48" in capsys.readouterr().out
     assert main(["launch", str(spec), "--nodes", "3", "--cpus-per-node", "48", "--dry-run", "--",
                  "--worker_in_master_cpus=8"]) == 0
     assert " --slots 104" in capsys.readouterr().out
@@ -302,10 +302,12 @@ def test_cli_gives_elastic_trials_the_batch_jobs_worker_cores_as_slots(capsys: p
     assert "--slots" not in capsys.readouterr().out  # not elastic
 
 
-def test_the_workflow_gives_slots_to_the_engine_and_an_elastic_trial_grows(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("per_node, grown", [(None, 2), (1, 1)])
+def test_the_workflow_gives_slots_to_the_engine_and_an_elastic_trial_grows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_node: int | None, grown: int) -> None:
     """workflows/hpo.py in sequential mode (no COMPSs runtime): ``--slots 2`` becomes compss.slots, so
-    the lone elastic trial grows onto the second core (real rank processes)."""
+    the lone elastic trial grows onto the second core (real rank processes); with ``--cpus-per-node 1``
+    (workers of one core) it never grows past one worker, however many slots are idle."""
     import importlib.util
 
     spec = tmp_path / "elastic.yaml"
@@ -321,6 +323,7 @@ def test_the_workflow_gives_slots_to_the_engine_and_an_elastic_trial_grows(tmp_p
     assert module_spec is not None and module_spec.loader is not None
     hpo = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(hpo)
-    assert hpo.main([str(spec), "--run-dir", str(tmp_path / "run"), "--slots", "2"]) == 0
+    extra = ["--cpus-per-node", str(per_node)] if per_node else []
+    assert hpo.main([str(spec), "--run-dir", str(tmp_path / "run"), "--slots", "2", *extra]) == 0
     sizes = json.loads((tmp_path / "run" / "trials" / "0" / "sizes.json").read_text())
-    assert sizes[0] == 1 and sizes[-1] == 2 and len(sizes) == 4, sizes
+    assert sizes[0] == 1 and sizes[-1] == grown and len(sizes) == 4, sizes

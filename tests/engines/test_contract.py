@@ -4,7 +4,9 @@ Each engine runs the same trials, described by their params (tests/trainfns.py:b
 threads engine calls the behaviour in a thread, the local engine in warm worker processes, the
 compss engine in its sequential mode (the task body and rank processes, without the runtime), the
 slurm engine in jobs mode on the real namespace cluster (tests/infra/slurm.py: each trial a batch job).
-Assertions are on events and their order, never on wall-clock bounds.
+Assertions are on events and their order, never on wall-clock bounds. One meaning of
+``resources.timeout`` for elastic trials: the whole trial, from its first start over every size (the
+simulated engine's check, on its virtual clock, is the last test here).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.M
         monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
         eng = SlurmEngine(SlurmOptions(mode="jobs", poll_interval_s=0.1), tmp_path / "slurm-run")
     else:
-        eng = CompssEngine(tmp_path / "compss-run", sequential=True, poll_interval_s=0.05)
+        eng = CompssEngine(tmp_path / "compss-run", sequential=True, poll_interval_s=0.05, slots=2)
     try:
         yield eng
     finally:
@@ -176,3 +178,48 @@ def test_a_rank_gets_the_cores_it_asked_for(engine: Engine, tmp_path: Path) -> N
     res = results(drain(engine, 1))[0]
     assert res.status == "complete", res
     assert res.metrics["threads"] == (2.0 if isinstance(engine, LocalEngine) else 1.0)
+
+
+def test_an_elastic_trials_timeout_bounds_the_whole_trial_over_its_resizes(engine: Engine, tmp_path: Path) -> None:
+    """Every size of an elastic trial is a restart (a new process group; on compss a new task), but the
+    timeout is not: it runs from the trial's first start. The trial grows after two 5-s epochs, the grow
+    does not pay (``split: false``: two ranks take twice as long), so it shrinks back after two 10-s
+    epochs, then runs two more 5-s ones: 40 s of work, over the 35-s timeout, while each run is under it
+    by a margin for rank start-up on a loaded machine (the first, 10 s of work, leaves 25 s: fresh ranks
+    importing torch took over 15 s at load 14 on 2 cores). With a timeout per size, the compss engine
+    would complete this trial."""
+    if isinstance(engine, ThreadEngine):
+        pytest.skip("the threads engine has no elastic trials")
+    train = TrainConfig(function="trainfns:elastic_epochs", epochs=6,
+                        options={"epochs": 6, "work_s": 5.0, "split": False}).model_dump(mode="json")
+    request = TrialRequest(0, {}, train, "loss", "minimize", str(tmp_path / "trials" / "0"), python_path=PYPATH,
+                           elastic_sizes=(1, 2), timeout=35.0)
+    if not isinstance(engine, LocalEngine | CompssEngine):  # the slurm engine does not resize trials
+        with pytest.raises(EngineError, match="elastic"):
+            engine.submit(request)
+        return
+    engine.submit(request)
+    res = results(drain(engine, 1))[0]
+    resizes = tmp_path / "trials" / "0" / "elastic.jsonl"
+    assert resizes.exists() and resizes.read_text().splitlines(), res  # it did run on more than one size
+    assert res.status == "failed" and not res.retryable, res
+    assert "timed out after 35 s (resources.timeout" in (res.error or ""), res.error
+
+
+def test_the_simulated_engine_times_an_elastic_trial_out_over_its_whole_run() -> None:
+    """On the virtual clock: a trial of 100 s on one slot grows onto the idle second one (1.8x faster),
+    and still fails at exactly 40 s, its resources.timeout."""
+    from hpoflow.engines.simulated import SimulatedEngine
+    from hpoflow.engines.simulated.costs import TrialCost
+    from hpoflow.engines.simulated.options import ElasticOptions, SimulatedOptions
+
+    curve = [{"loss": 1.0 / (k + 1)} for k in range(10)]
+    engine = SimulatedEngine(SimulatedOptions(slots=2, lognormal={}, elastic=ElasticOptions(max_slots=2)),
+                             cost=lambda r: TrialCost(100.0, {"loss": 0.1}, curve))
+    engine.submit(TrialRequest(0, {}, {}, "loss", "minimize", "/nowhere", elastic_sizes=(1, 2), timeout=40.0))
+    events = []
+    while engine.running():
+        events += engine.poll(None)
+    res = results(events)[0]
+    assert res.status == "failed" and not res.retryable and res.error == "timed out after 40 s (resources.timeout)"
+    assert engine.clock == 40.0 and engine.stats()["resizes"] >= 1

@@ -234,3 +234,33 @@ def test_a_trial_queued_for_lent_cores_can_be_cancelled_before_it_starts(engine:
     assert results[1].status == "cancelled" and results[1].error == "changed my mind"
     assert results[0].status == "complete"
     assert not (tmp_path / "1" / "rank0.log").exists()  # it never started
+
+
+def test_growth_never_passes_what_one_node_holds() -> None:
+    """``hpoflow launch SPEC --nodes 3 --cpus-per-node 16`` gives the study 32 slots over two 16-core
+    workers: a one-node trial of {min: 1, max: 32} may grow to 16 ranks, never to 32 (no worker holds
+    that, and COMPSs would park the task)."""
+    book = ElasticBook("minimize", "loss", node_cpus=16, node_gpus=4)
+    book.add(0, tuple(range(1, 33)), 1, "longest_remaining", 1, 10, 0.0)
+    for now in (1.0, 2.0):
+        book.on_report(0, {"loss": 0.5}, now)
+    assert book.decide(0, free_cores=31, demand_cores=0) == 16
+    assert book.fit(0, free_cores=31) == 16
+    # per node for a 2-node trial (sizes multiples of 2): 2 x 8 ranks of 2 cores fill two 16-core workers
+    book.add(1, tuple(range(2, 33, 2)), 2, "longest_remaining", 2, 10, 0.0, nodes=2)
+    assert max(book._trials[1].sizes) == 16
+    # GPUs too: 1 GPU per rank on 4-GPU workers
+    book.add(2, tuple(range(1, 9)), 1, "longest_remaining", 1, 10, 0.0, gpus_per_rank=1)
+    assert book._trials[2].sizes == (1, 2, 3, 4)
+
+
+def test_the_compss_engine_caps_elastic_sizes_at_one_worker(tmp_path: Path) -> None:
+    from hpoflow.engines.compss import CompssEngine
+
+    eng = CompssEngine(run_dir=tmp_path, sequential=True, slots=32, cpus_per_node=16, poll_interval_s=0.05)
+    try:
+        eng.submit(elastic_request(tmp_path, 0, epochs=1, work_s=0.1, sizes=tuple(range(1, 33))))
+        assert max(eng._book._trials[0].sizes) == 16
+        drive(eng)
+    finally:
+        eng.close()

@@ -33,6 +33,7 @@ __all__ = [
     "parse_id_list",
     "processes_per_node",
     "rank_layout",
+    "repeated_hosts",
     "resolve_node_index",
     "split_for_ranks",
     "srun_argv",
@@ -113,6 +114,14 @@ def rank_layout(nodes: int, ppn: int) -> list[RankSlot]:
     return [RankSlot(n * ppn + lr, n, lr) for n in range(nodes) for lr in range(ppn)]
 
 
+def repeated_hosts(env: Mapping[str, str]) -> list[str]:
+    """Host names ``COMPSS_HOSTNAMES`` lists more than once (in order of first appearance; ``[]`` when every
+    name is distinct or the variable is unset). COMPSs places the actions of a multi-node task one by one,
+    so two of them can land on one worker; the task then sees that worker's name twice."""
+    names = [h.strip() for h in env.get("COMPSS_HOSTNAMES", "").split(",") if h.strip()]
+    return [h for h in dict.fromkeys(names) if names.count(h) > 1]
+
+
 def ordered_hosts(env: Mapping[str, str], nodes: int) -> list[str]:
     """Hosts of a multi-node task, the executing node first (it holds rank 0 and the rendezvous).
 
@@ -139,6 +148,12 @@ def ordered_hosts(env: Mapping[str, str], nodes: int) -> list[str]:
             "with the slurm engine"
         )
     hosts = list(dict.fromkeys(raw))
+    if len(raw) == nodes and len(hosts) < nodes:
+        raise ValueError(
+            f"the trial needs resources.nodes={nodes} distinct nodes, but COMPSs placed several of its nodes on one "
+            f"host: {source}={env.get(source)!r} names {', '.join(h for h in hosts if raw.count(h) > 1)} more than "
+            "once. Fix: give compss.cpus_per_node (hpoflow launch --cpus-per-node), so each node of a multi-node "
+            "trial asks for a whole worker (the compss task retries such a placement: docs/cluster.md)")
     if len(hosts) != nodes:
         raise ValueError(
             f"the trial needs resources.nodes={nodes} nodes but {source} names {len(hosts)}: "

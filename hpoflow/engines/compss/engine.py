@@ -26,6 +26,16 @@ failure ever stops the application.
 
 Cancel: a ``STOP`` file in the attempt directory (every rank on every node watches it and kills its
 process group) plus ``compss_cancel_group`` for a task that has not started or does not end.
+
+Placement: a multi-node task whose nodes COMPSs put on one host gives them back at once with an
+*infrastructure* result (``placement``); the engine submits the same attempt again, at most
+``compss.placement_retries`` times in a row, and the driver never sees it (``resources.max_retries``
+counts only a trial's own failures, and this one once the placement retries are used up).
+
+Elastic trials (``ElasticBook``, docs/elastic.md) run one task per size; ``compss.slots`` says what is
+idle, ``compss.cpus_per_node``/``gpus_per_node`` cap a size at one worker per node, and
+``resources.timeout`` bounds the whole trial from its first start: each segment runs with what is
+left of it.
 """
 
 from __future__ import annotations
@@ -33,16 +43,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
+import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest
 from hpoflow.engines.cluster.attempt import HEARTBEAT_S, run_trial
 from hpoflow.engines.compss._api import INSTALL_HINT, api, pycompss_available, runtime_active
+from hpoflow.engines.compss._run import TaskRun, mtime, numbers, task_result, whole_trial_timeout
 from hpoflow.engines.compss.options import CompssOptions
+from hpoflow.engines.compss.placement import INFRASTRUCTURE
 from hpoflow.engines.compss.shape import TaskShape
 from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.errors import EngineError
@@ -51,31 +64,10 @@ from hpoflow.train.transport import ReportReader, TrialFiles
 
 __all__ = ["CompssEngine", "CompssOptions", "TaskShape", "pycompss_available", "runtime_active"]
 
+log = logging.getLogger(__name__)
+
 _CANCEL_WAIT_S = 30.0
 PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then is cancelled
-
-
-@dataclass
-class _Trial:
-    request: TrialRequest
-    files: TrialFiles
-    future: Any
-    group: str
-    submitted: float
-    reader: ReportReader
-    pending_answer: int | None = None
-    first_report: float | None = None
-    cancel_reason: str | None = None
-    cancel_time: float | None = None
-    group_cancelled: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    # elastic trials run as one task per size (see ``_restart``), and their prune decision waits for
-    # the next poll (the engine adds the size to the answer then)
-    segments: Segments | None = None
-    deferred: bool | None = None
-
-    def cores(self) -> int:
-        return self.request.processes * self.request.cpus_per_process
 
 
 class CompssEngine(Engine):
@@ -112,10 +104,11 @@ class CompssEngine(Engine):
         self._pool: cf.ThreadPoolExecutor | None = None
         self._task: Any = None
         self._shape: TaskShape | None = None
-        self._trials: dict[int, _Trial] = {}
+        self._trials: dict[int, TaskRun] = {}
         self._events: list[Event] = []
         self._closed = False
-        self._book = ElasticBook()  # elastic trials' sizes (hpoflow.engines.elastic)
+        # elastic trials' sizes (hpoflow.engines.elastic), never past one worker per node where it is known
+        self._book = ElasticBook(node_cpus=self.options.cpus_per_node, node_gpus=self.options.gpus_per_node)
         if shape is not None:
             self._load_task(shape)
 
@@ -151,14 +144,16 @@ class CompssEngine(Engine):
             t.segments = Segments(t.submitted, request.processes, request.cpus_per_process)
             self._book.add_request(request, t.submitted)
 
-    def _launch(self, request: TrialRequest, shape: TaskShape, prior: _Trial | None = None) -> None:
-        """Call the trial's task: a new trial, or (``prior``) the next segment of an elastic trial on
-        ``request.processes`` ranks, in the same attempt directory (its protocol files start afresh)."""
+    def _launch(self, request: TrialRequest, shape: TaskShape, prior: TaskRun | None = None) -> None:
+        """Call the trial's task: a new trial, or (``prior``) the same attempt again: the next segment of
+        an elastic trial on ``request.processes`` ranks, or a task whose placement was given back, in
+        the same attempt directory (its protocol files start afresh)."""
         files = TrialFiles(Path(request.trial_dir), request.attempt)
         self._fresh_attempt_dir(files)
         segment = prior.segments.resizes if prior is not None and prior.segments is not None else 0
+        placed = prior.placements if prior is not None else 0
         group = f"trial-{request.number}" + (f".{request.attempt}" if request.attempt else "") + \
-            (f".s{segment}" if segment else "")
+            (f".s{segment}" if segment else "") + (f".p{placed}" if placed else "")
         opts_json = json.dumps(self.options.for_task())
         if self.sequential:
             if self._pool is None:
@@ -170,11 +165,13 @@ class CompssEngine(Engine):
                 future = task_fn(request.to_json(), opts_json)
         now = time.monotonic()
         if prior is None:
-            self._trials[request.number] = _Trial(request, files, future, group, now, ReportReader(files.reports))
+            self._trials[request.number] = TaskRun(request, files, future, group, now, ReportReader(files.reports),
+                                                  shape=shape, task_at=now, timeout=request.timeout)
         else:
             self._trials[request.number] = replace(
                 prior, request=request, files=files, future=future, group=group, reader=ReportReader(files.reports),
-                pending_answer=None, deferred=None, extra={})
+                pending_answer=None, deferred=None, extra={}, shape=shape, task_at=now, cancel_time=None,
+                group_cancelled=False)
 
     def _free_slots(self, exclude: int | None = None) -> int:
         """``compss.slots`` minus the cores of the trials submitted (running or queued in COMPSs)."""
@@ -198,24 +195,35 @@ class CompssEngine(Engine):
             with contextlib.suppress(OSError):
                 write_json_atomic(t.files.answer(seq), {"prune": bool(prune), "world": world})
 
-    def _restart(self, t: _Trial, usage: dict[str, float]) -> None:
-        """An elastic trial's task ended at an epoch boundary, checkpointed (with this system
-        ``usage``): submit its next segment with the size its book asked for, or the largest that fits
-        in what is free."""
+    def _restart(self, t: TaskRun, usage: dict[str, float], ran_s: float) -> bool:
+        """An elastic trial's task ended at an epoch boundary, checkpointed (with this system ``usage``,
+        after running ``ran_s``): submit its next segment with the size its book asked for, or the
+        largest that fits in what is free. ``resources.timeout`` bounds the whole trial, from its first
+        start over every size: the next segment gets what is left of it (False: nothing is left)."""
         book = self._book
         number = t.request.number
         now = time.monotonic()
         if t.segments is None or number not in book:
             raise EngineError(f"trial {number} resized but is not elastic")
+        if t.run_start is None:
+            t.run_start = now - max(0.0, ran_s)
+        timeout = t.timeout
+        left = None if not timeout else timeout - (now - t.run_start)
+        if left is not None and left <= 0:
+            return False
         free = self._free_slots(exclude=number) if self.options.slots is not None else t.cores()
         size = book.fit(number, free)
-        request = replace(t.request, processes=size)
+        grown = replace(t.request, processes=size)
         with contextlib.suppress(OSError):
             append_jsonl(Path(t.request.trial_dir) / "elastic.jsonl",
                          {"time": time.time(), "from": t.request.processes, "to": size})
         t.segments.restart(now, size, [usage])
-        self._launch(request, self.options.task_shape(request), prior=t)
+        # the task registers the trial's timeout (its COMPSs time_out backstop, one core element per size);
+        # the run gets what is left of it
+        self._launch(replace(grown, timeout=left), self.options.task_shape(replace(grown, timeout=timeout)),
+                     prior=t)
         book.on_restart(number, size, now)
+        return True
 
     def poll(self, timeout: float | None) -> list[Event]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -320,14 +328,14 @@ class CompssEngine(Engine):
                 "keep resources equal for all trials of a study")
         return self._task
 
-    def _cancel_group(self, t: _Trial) -> None:
+    def _cancel_group(self, t: TaskRun) -> None:
         if self.sequential or t.group_cancelled:
             return
         t.group_cancelled = True
         with contextlib.suppress(Exception):  # the runtime may already have finished the group
             api().compss_cancel_group(t.group)
 
-    def _read_reports(self, t: _Trial) -> None:
+    def _read_reports(self, t: TaskRun) -> None:
         for item in t.reader.read_new():
             if "step" not in item:
                 continue
@@ -340,20 +348,20 @@ class CompssEngine(Engine):
             self._book.on_report(t.request.number, metrics, time.monotonic())
             self._events.append(TrialReport(t.request.number, int(item["step"]), metrics, wants))
 
-    def _finished(self, t: _Trial) -> bool:
+    def _finished(self, t: TaskRun) -> bool:
         if self.sequential:
             return bool(t.future.done())
         if t.files.result.exists():
             return True
         now = time.monotonic()
-        hb = _mtime(t.files.heartbeat)
+        hb = mtime(t.files.heartbeat)
         if hb is not None and time.time() - hb > max(self.options.heartbeat_timeout_s, 3 * HEARTBEAT_S):
             t.extra["why"] = "its heartbeat stopped (the worker or its node died)"
             return True
         if t.cancel_time is not None and now - t.cancel_time > _CANCEL_WAIT_S + self.options.kill_grace_s:
             t.extra["why"] = "cancelled"
             return True
-        if hb is None and now - t.submitted > self.options.start_timeout_s and not self._any_alive():
+        if hb is None and now - t.task_at > self.options.start_timeout_s and not self._any_alive():
             t.extra["why"] = (f"it did not start within compss.start_timeout_s={self.options.start_timeout_s:g} s "
                               "while no other trial ran")
             return True
@@ -362,12 +370,12 @@ class CompssEngine(Engine):
     def _any_alive(self) -> bool:
         limit = max(self.options.heartbeat_timeout_s, 3 * HEARTBEAT_S)
         for t in self._trials.values():
-            hb = _mtime(t.files.heartbeat)
+            hb = mtime(t.files.heartbeat)
             if hb is not None and time.time() - hb <= limit and not t.files.result.exists():
                 return True
         return False
 
-    def _check(self, t: _Trial) -> None:
+    def _check(self, t: TaskRun) -> None:
         self._read_reports(t)
         paused = t.extra.get("paused_at")
         if paused is not None and t.cancel_reason is None and time.monotonic() - paused > PAUSE_GRACE_S:
@@ -379,22 +387,49 @@ class CompssEngine(Engine):
             return
         self._read_reports(t)  # every report before the result
         data = self._collect(t)
-        if isinstance(data, dict) and data.get("status") == "resized" and t.cancel_reason is None:
-            system = data.get("system")
-            self._restart(t, {str(k): float(v) for k, v in system.items() if isinstance(v, int | float)}
-                          if isinstance(system, dict) else {})
-            return
-        res = self._to_result(t, data)
+        if isinstance(data, dict) and t.cancel_reason is None:
+            if data.get(INFRASTRUCTURE) and self._place_again(t, data):
+                return
+            if data.get("status") == "resized":
+                ran_s = numbers(data.get("timings")).get("duration_s", 0.0)
+                if self._restart(t, numbers(data.get("system")), ran_s):
+                    return
+                data = {"status": "failed", "retryable": False,
+                        "error": f"timed out after {t.timeout:g} s (resources.timeout, over all its sizes)"}
+        res = task_result(t, data)
+        if t.placements:
+            res = replace(res, timings={**res.timings, "placement_retries": float(t.placements)})
         if t.segments is not None:  # every size's cores, resizes and usage
             res = replace(res, timings={**res.timings, **t.segments.timings(time.monotonic())})
             system = t.segments.system([res.system])
             if system is not None:
                 res = replace(res, system=system)
+            if t.segments.resizes and res.error and t.timeout:  # a segment's timeout is what was left of the trial's
+                res = replace(res, error=whole_trial_timeout(res.error, t.timeout))
         self._book.remove(t.request.number)
         self._events.append(res)
         del self._trials[t.request.number]
 
-    def _collect(self, t: _Trial) -> dict[str, Any] | None:
+    def _place_again(self, t: TaskRun, data: dict[str, Any]) -> bool:
+        """COMPSs put two nodes of this multi-node task on one host, and the task gave them back at once
+        (``placement``): submit the same attempt again, without counting it as a retry of the trial, at most
+        ``compss.placement_retries`` times in a row (False: no more; the result then fails the trial,
+        retryable, and ``resources.max_retries`` counts it)."""
+        number = t.request.number
+        if t.placements >= self.options.placement_retries:
+            limit = self.options.placement_retries
+            data["error"] = (f"{data.get('error') or 'COMPSs placed two nodes on one host'} (given back "
+                             f"{t.placements + 1} time(s) in a row; compss.placement_retries={limit})")
+            return False
+        t.placements += 1
+        log.warning("trial %d: COMPSs placed two of its nodes on one host (COMPSS_HOSTNAMES=%s); submitted again "
+                    "(%d of compss.placement_retries=%d). Fix: hpoflow launch --cpus-per-node (compss.cpus_per_node)",
+                    number, data.get("hosts", "?"), t.placements, self.options.placement_retries)
+        shape = t.shape if t.shape is not None else self.options.task_shape(t.request)
+        self._launch(t.request, shape, prior=t)
+        return True
+
+    def _collect(self, t: TaskRun) -> dict[str, Any] | None:
         file_data = read_json(t.files.result)
         if self.sequential:
             try:
@@ -413,26 +448,4 @@ class CompssEngine(Engine):
             return file_data
         if isinstance(value, dict) and not value.get("compss_default"):
             return value
-        return None
-
-    def _to_result(self, t: _Trial, data: dict[str, Any] | None) -> TrialResult:
-        n = t.request.number
-        timings = {"duration_s": time.monotonic() - t.submitted}
-        if data is None:
-            if t.cancel_reason is not None:
-                return TrialResult(n, "cancelled", error=t.cancel_reason, timings=timings)
-            why = t.extra.get("why", "compss_wait_on returned None")
-            return TrialResult(n, "failed", error=f"the COMPSs task of trial {n} crashed: {why}; see the "
-                               "COMPSs job logs", timings=timings, retryable=True)
-        res = TrialResult.from_dict({**data, "number": n})
-        merged = {**res.timings, "engine_duration_s": timings["duration_s"]}
-        if t.cancel_reason is not None and res.status == "failed":
-            return TrialResult(n, "cancelled", error=t.cancel_reason, stderr_tail=res.stderr_tail, timings=merged)
-        return replace(res, timings=merged)  # everything the task reported, system usage included
-
-
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
         return None

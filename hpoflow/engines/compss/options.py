@@ -43,6 +43,14 @@ class CompssOptions(Options):
     trials (``resources.processes: {min, max}``) grow onto what of it is idle and shrink back when
     submitted trials need it; unset, elastic trials keep their minimum size (COMPSs does not tell an
     application what is idle).
+    cpus_per_node / gpus_per_node: the computing units and GPUs of one COMPSs worker node (``enqueue_compss
+    --cpus_per_node/--gpus_per_node``; ``hpoflow launch`` passes them to the workflow for a batch job). A
+    node's share of a trial must fit them; every node of a multi-node trial then asks for all of a
+    worker's computing units, so COMPSs can never put two of its nodes on one host; and an elastic
+    trial never grows past what one worker holds per node.
+    placement_retries: how many times in a row a multi-node task that COMPSs placed twice on one host
+    (a name repeated in ``COMPSS_HOSTNAMES``: possible when ``cpus_per_node`` is unknown) is given back
+    and submitted again before the trial fails (retryable: then ``resources.max_retries`` counts it).
     env: extra environment for every rank (e.g. ``NCCL_SOCKET_IFNAME``).
     socket_ifname: ``auto`` sets ``GLOO_SOCKET_IFNAME`` to the interface that routes to the
     rendezvous in multi-node trials; ``none`` leaves it alone.
@@ -66,6 +74,9 @@ class CompssOptions(Options):
     memory_size_gb: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1)
     slots: int | None = Field(default=None, ge=1)
+    cpus_per_node: int | None = Field(default=None, ge=1)
+    gpus_per_node: int | None = Field(default=None, ge=0)
+    placement_retries: int = Field(default=3, ge=0)
 
     @field_validator("env", mode="before")
     @classmethod
@@ -109,10 +120,11 @@ class CompssOptions(Options):
 
     def task_shape(self, res: TrialResources) -> TaskShape:
         """The literal shape COMPSs registers for trials with these resources (``EngineError`` if the
-        processes do not split evenly over the nodes)."""
+        processes do not split evenly over the nodes, or a node's share does not fit one worker)."""
         try:
             return TaskShape.of(res.processes, res.cpus_per_process, res.gpus_per_process, res.nodes, res.timeout,
-                                time_out_grace_s=self.time_out_grace_s, memory_gb=self.memory_size_gb)
+                                time_out_grace_s=self.time_out_grace_s, memory_gb=self.memory_size_gb,
+                                node_cpus=self.cpus_per_node, node_gpus=self.gpus_per_node)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
 

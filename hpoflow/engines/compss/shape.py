@@ -11,6 +11,13 @@ Per node of a trial: ``computing_units = ranks per node x cpus_per_process``, GP
 x ``gpus_per_process``, ``memory_size`` (whole GB: the binding truncates any other number) when
 ``compss.memory_size_gb`` is set; a trial on
 ``nodes > 1`` is a ``@multinode(computing_nodes=nodes)`` task (implementation type MULTI_NODE).
+
+Distinct hosts: COMPSs schedules the ``nodes`` actions of a multi-node task one by one, each wherever
+its constraints fit (``ExecuteTasksRequest.submitMultiNodeTask``; ``MultiNodeGroup`` has no rule that
+they differ, and no constraint key names a host or asks for one exclusively), so a per-node shape that
+fits twice on one worker can get two "nodes" on one host. When the worker's computing units are known
+(``node_cpus``: ``compss.cpus_per_node``, which ``hpoflow launch`` fills in), every node of a multi-node
+trial asks for all of them: two actions of one task can then never share a worker.
 ``time_out`` is the trial's timeout plus ``compss.time_out_grace_s`` (0: none), a backstop only: the
 task body enforces the trial timeout itself and kills the ranks, which COMPSs's SIGALRM would not.
 Failures are always ``on_failure="IGNORE"`` (RETRY stops the application after two retries).
@@ -65,16 +72,31 @@ class TaskShape:
 
     @classmethod
     def of(cls, processes: int, cpus_per_process: int, gpus_per_process: int, nodes: int,
-           timeout: float | None, *, time_out_grace_s: float = 0.0, memory_gb: int | None = None) -> TaskShape:
-        """The shape of a trial with these resources (``ValueError`` if processes do not split)."""
+           timeout: float | None, *, time_out_grace_s: float = 0.0, memory_gb: int | None = None,
+           node_cpus: int | None = None, node_gpus: int | None = None) -> TaskShape:
+        """The shape of a trial with these resources. ``node_cpus``/``node_gpus``: one worker's computing
+        units and GPUs, when known: a node's share must fit them, and a multi-node trial asks for all of
+        a worker's computing units on each of its nodes (see the module docstring). ``ValueError`` if the
+        processes do not split over the nodes or a node's share does not fit a worker."""
         if nodes < 1 or processes % nodes:
             raise ValueError(
                 f"resources.processes must be a multiple of resources.nodes (each node runs the same "
                 f"number of ranks), but got processes={processes}, nodes={nodes}. Fix: set processes to "
                 f"{nodes * max(1, processes // max(1, nodes))} or change nodes")
         ppn = processes // nodes
+        units, gpus = ppn * cpus_per_process, ppn * gpus_per_process
+        for need, have, what, key, per_node in ((units, node_cpus, "computing units", "cpus_per_process", "cpus"),
+                                                (gpus, node_gpus, "GPUs", "gpus_per_process", "gpus")):
+            if have is not None and need > have:
+                raise ValueError(
+                    f"a trial needs {need} {what} per node ({ppn} rank(s) per node x resources.{key}), but a "
+                    f"COMPSs worker node has {have} (compss.{per_node}_per_node: hpoflow launch --{per_node}-per-node, "
+                    f"or the site config's default). Fix: raise --{per_node}-per-node if the nodes have more, lower "
+                    f"resources.{key} or resources.processes, or spread the trial over more resources.nodes")
+        if nodes > 1 and node_cpus is not None:
+            units = node_cpus  # the whole worker: two nodes of one trial never share a host
         time_out = math.ceil(timeout + time_out_grace_s) if timeout else 0
-        return cls(nodes, ppn * cpus_per_process, ppn * gpus_per_process, memory_gb, time_out)
+        return cls(nodes, units, gpus, memory_gb, time_out)
 
     @property
     def variant(self) -> str:

@@ -4,9 +4,10 @@
 function with the shape's *literal* values (``TaskShape.decorator_kwargs``) and binds it in this
 module under ``shape.variant`` (``trial_cpu``, ``trial_gpu``, ``trial_multinode_cpu``,
 ``trial_multinode_gpu``). The binding registers the core element at the first call, with those
-numbers. One COMPSs application registers one shape: a second, different shape raises
-``EngineError`` (a core element's constraints cannot change once registered), except for an elastic
-trial restarted on another number of ranks: each of its sizes is a task of its own, named
+numbers; its body is ``placement.run_task`` (a multi-node task COMPSs put twice on one host is given
+back at once, else one attempt of the trial). One COMPSs application registers one shape: a second,
+different shape raises ``EngineError`` (a core element's constraints cannot change once registered),
+except for an elastic trial restarted on another number of ranks: each of its sizes is a task of its own, named
 ``<variant>__<nodes>n<units>u<gpus>g`` (``elastic_name``), registered at its first call.
 
 Workers: the runtime imports this module and looks the function up by name. ``__getattr__`` builds
@@ -26,8 +27,8 @@ from pycompss.api.multinode import multinode
 from pycompss.api.on_failure import on_failure
 from pycompss.api.task import task
 
-from hpoflow.engines.cluster.attempt import run_trial
 from hpoflow.engines.compss._api import runtime_active
+from hpoflow.engines.compss.placement import run_task
 from hpoflow.engines.compss.shape import TaskShape
 from hpoflow.errors import EngineError
 
@@ -54,7 +55,7 @@ def built_shape() -> TaskShape | None:
 
 def _decorated(shape: TaskShape, name: str | None = None) -> Callable[..., Any]:
     def trial(request_json: str, options_json: str) -> dict[str, Any]:
-        return run_trial(request_json, options_json)
+        return run_task(request_json, options_json)  # a wrong placement given back, else the attempt
 
     # the runtime's signature: <module>.<name>
     trial.__name__ = trial.__qualname__ = name or shape.variant

@@ -197,6 +197,7 @@ class LocalEngine(Engine):
                 trial.segments = Segments(now, request.processes, request.cpus_per_process)
                 self._book.add_request(request, now)
         else:
+            # the deadline stays: resources.timeout bounds an elastic trial from its first start, over every size
             trial = replace(prior, request=request, placement=placement, workers=[], outcomes={}, store=store,
                             deferred=None, logs=[])
         torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)

@@ -11,6 +11,9 @@ slots are lent to running trials chosen by the policy (``hpoflow.engines.elastic
 one's next epoch boundary (plus ``resize_s``); a submitted trial that finds no free slot takes lent
 ones back at once (the lender pays ``resize_s``). The work left runs at ``speedup(slots)``.
 
+A trial still running ``resources.timeout`` virtual seconds after it started (over every resize of an
+elastic trial, as on the real engines) fails, not retryable.
+
 Results carry virtual timings: ``started_at`` (the engine's epoch plus virtual seconds), ``duration_s``
 and ``slot_seconds``; ``stats()`` gives the makespan and busy fraction (slot-seconds used / slots x
 makespan).
@@ -80,6 +83,7 @@ class SimulatedEngine(Engine):
         self.epoch_wall = time.time()  # virtual t=0 as a wall-clock time (for started_at)
         self._running: dict[int, _Sim] = {}
         self._heap: list[tuple[float, int, int, int]] = []
+        self._deadlines: list[tuple[float, int, _Sim]] = []  # resources.timeout, virtual: over every resize
         self._seq = 0
         self._ready: list[Event] = []
         self._busy_slot_s = 0.0  # of finished trials
@@ -130,6 +134,9 @@ class SimulatedEngine(Engine):
         self._running[request.number] = sim
         self._held_total += need
         self._schedule(sim)
+        if request.timeout:
+            self._seq += 1
+            heapq.heappush(self._deadlines, (self.clock + request.timeout, self._seq, sim))
 
     def poll(self, timeout: float | None) -> list[Event]:
         if self._ready:
@@ -137,6 +144,13 @@ class SimulatedEngine(Engine):
             return out
         self._lend_idle()
         while self._heap:
+            if self._deadlines and self._deadlines[0][0] < self._heap[0][0]:
+                d, _, late = heapq.heappop(self._deadlines)
+                if self._running.get(late.request.number) is late:
+                    self.clock = max(self.clock, d)
+                    return self._finish(late, "failed", error=f"timed out after {late.request.timeout:g} s "
+                                        "(resources.timeout)", now=True)
+                continue
             t, _, number, version = heapq.heappop(self._heap)
             sim = self._running.get(number)
             if sim is None or version != sim.version:

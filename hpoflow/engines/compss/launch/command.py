@@ -196,3 +196,40 @@ def describe(argv: Sequence[str]) -> str:
     import shlex
 
     return shlex.join(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """For job scripts that call ``enqueue_compss`` themselves (``runtime_config/slurm_job.sh``):
+
+    ``python -m hpoflow.engines.compss.launch.command encode VALUE...`` prints each value as the
+    application's arguments carry it (``encode_app_value``), one per line;
+    ``python -m hpoflow.engines.compss.launch.command check NAME=VALUE...`` exits 2 with the rule and the
+    fix for the first value COMPSs would split (values COMPSs or the batch system reads itself; an
+    empty value is not passed, so it passes).
+    """
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("encode", "check"):
+        print("usage: python -m hpoflow.engines.compss.launch.command encode VALUE... | check NAME=VALUE...",
+              file=sys.stderr)
+        return 2
+    if args[0] == "encode":
+        for value in args[1:]:
+            print(encode_app_value(value))
+        return 0
+    for item in args[1:]:
+        name, _, value = item.partition("=")
+        if not value:
+            continue
+        try:
+            check_safe(value, name, f"give {name} a value without spaces or shell characters (a path: move or "
+                       "link it to one that has none)")
+        except EngineError as exc:
+            print(f"hpoflow: error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ __all__ = [
     "NodeConfig",
     "detect_node",
     "project_xml",
+    "read_resources",
     "resources_xml",
     "to_text",
     "write_config",
@@ -97,6 +98,37 @@ def resources_xml(nodes: Sequence[NodeConfig]) -> ET.ElementTree:
         _sub(ports, "MaxPort", str(n.max_port))
         _shared_disks(cn, n.shared_disks)
     return ET.ElementTree(root)
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None and text.strip() else None
+    except ValueError:
+        return None
+
+
+def read_resources(path: Path) -> list[NodeConfig]:
+    """The compute nodes a ``resources.xml`` lists: name, CPU computing units (every non-GPU
+    ``Processor``), GPUs (``Processor`` with ``Type`` GPU) and memory. ``ValueError`` (naming the file)
+    when it is not readable COMPSs resources XML."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        raise ValueError(f"{path} is not a readable COMPSs resources.xml ({exc})") from None
+    if root.tag != "ResourcesList":
+        raise ValueError(f"{path} is not a COMPSs resources.xml: its root is <{root.tag}>, not <ResourcesList>")
+    nodes = []
+    for cn in root.findall("ComputeNode"):
+        cpus = gpus = 0
+        for proc in cn.findall("Processor"):
+            units = int(_number(proc.findtext("ComputingUnits")) or 0)
+            if (proc.findtext("Type") or "CPU").strip().upper() == "GPU":
+                gpus += units
+            else:
+                cpus += units
+        nodes.append(NodeConfig(name=cn.get("Name") or "?", cpus=max(1, cpus), gpus=gpus,
+                                memory_gb=_number(cn.findtext("Memory/Size"))))
+    return nodes
 
 
 def project_xml(nodes: Sequence[NodeConfig], master_shared_disks: Sequence[tuple[str, str]] = ()
