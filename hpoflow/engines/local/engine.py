@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -29,7 +30,7 @@ from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialReq
 from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.engines.local._pool import Worker, WorkerPool
 from hpoflow.engines.local.options import LocalOptions
-from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
+from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
@@ -42,7 +43,7 @@ PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then i
 
 __all__ = ["LocalEngine", "plan_placement"]
 
-def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[int]
+def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[GpuId]
                    ) -> list[Placement] | None:
     """Cores and GPUs for each rank of ``request`` from the free ones, or ``None`` if they don't fit."""
     need_c = request.processes * request.cpus_per_process
@@ -102,11 +103,11 @@ class LocalEngine(Engine):
         return cls(cores=options.cores, gpus=options.gpus, pg_timeout_s=options.pg_timeout_s,
                    max_trials_per_worker=options.max_trials_per_worker)
 
-    def __init__(self, cores: list[int] | None = None, gpus: list[int] | None = None,
+    def __init__(self, cores: list[int] | None = None, gpus: Sequence[GpuId] | None = None,
                  preload: list[str] | None = None, pg_timeout_s: float = 120.0,
                  max_trials_per_worker: int = 0, prestart: bool = True) -> None:
         self.cores = machine_cores() if cores is None else list(cores)
-        self.gpus = detect_gpus() if gpus is None else list(gpus)
+        self.gpus: list[GpuId] = detect_gpus() if gpus is None else list(gpus)
         self.free_cores = list(self.cores)
         self.free_gpus = list(self.gpus)
         self.pg_timeout_s = pg_timeout_s
