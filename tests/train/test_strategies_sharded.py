@@ -92,6 +92,12 @@ def _build(name: str, opts: dict[str, Any], model: nn.Module, rank: int, world: 
     return s, net, opt
 
 
+def _model(s: Strategy) -> nn.Module:
+    """The model the strategy wrapped (what the trainer checkpoints), not DDP's wrapper."""
+    assert s.model is not None
+    return s.model
+
+
 def _train(s: Strategy, net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
            steps: range, batch: int, rank: int, world: int, accum: int = 1) -> list[str]:
     """Steps ``steps`` (rank r takes its rows of each global batch, in ``accum`` micro-batches);
@@ -135,13 +141,13 @@ def _session_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         for key, (name, opts) in EQUIV.items():  # a checkpoint after 2 steps, restored into fresh ranks
             s, net, opt = _build(name, opts, _small_model(), rank, world)
             _train(s, net, opt, x, y, range(2), B, rank, world)
-            header, payload = encode(snapshot({**s.training_state(s.model, opt), "strategy": s.state_dict()}))
+            header, payload = encode(snapshot({**s.training_state(_model(s), opt), "strategy": s.state_dict()}))
             state = decode(bytes(header) + bytes(payload))  # as a checkpoint file holds it (weights_only)
             straight = _train(s, net, opt, x, y, range(2, STEPS), B, rank, world)
             torch.manual_seed(99)  # the fresh model starts elsewhere: everything must come from the state
             fresh = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
             s2, net2, opt2 = _build(name, opts, fresh, rank, world)
-            s2.load_training_state(state, s2.model, opt2)
+            s2.load_training_state(state, _model(s2), opt2)
             s2.load_state_dict(state["strategy"])
             resumed = _train(s2, net2, opt2, x, y, range(2, STEPS), B, rank, world)
             res["resume"][key] = (straight, resumed)
@@ -257,7 +263,7 @@ def test_one_rank_trains_without_a_group(name: str) -> None:
     _train(s, net, opt, x, y, range(4), B, 0, 1)
     assert not torch.equal(_whole(s.params), before)
     assert s.comm_stats()["theory_bytes_per_step"] == 0
-    assert s.training_state(s.model, opt)["optimizer"]["state"]  # plain state_dicts with one rank
+    assert s.training_state(_model(s), opt)["optimizer"]["state"]  # plain state_dicts with one rank
 
 
 # -- the spec and the oracle's interface --------------------------------------------------------------
@@ -350,7 +356,7 @@ def _run(engine: LocalEngine, req: TrialRequest, kill_after_first: bool = False)
     deadline = time.monotonic() + 300  # a bound for a hang: the trial takes seconds
     while time.monotonic() < deadline:
         if not killed and all(p.exists() for p in first):
-            pid = _rank_pid(Path(req.trial_dir), 1)  # type: ignore[arg-type]
+            pid = _rank_pid(Path(req.trial_dir), 1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
