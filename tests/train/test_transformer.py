@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from hpoflow.errors import SpecError
 from hpoflow.spec import BUILTIN_METRICS, TrainConfig, load_spec
+from hpoflow.spec._load import DATASET_TASKS
 from hpoflow.train.builtin import evaluate, task_loss, train_builtin
 from hpoflow.train.context import TrialContext
 from hpoflow.train.data import CHARS_LENGTH, DATASETS, chars_corpus, dataset_info, load_dataset
@@ -74,6 +75,7 @@ def test_next_token_loss_and_evaluation_are_per_position() -> None:
 
 def test_spec_checks_model_dataset_and_metric_tasks(tmp_path: Path) -> None:
     assert "val_perplexity" in BUILTIN_METRICS
+    assert DATASET_TASKS == {name: info.task for name, info in DATASETS.items()}  # the torch-free copy agrees
 
     def spec(metric: str, model: str, dataset: str) -> Path:
         p = tmp_path / "s.yaml"
