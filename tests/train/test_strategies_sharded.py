@@ -356,7 +356,7 @@ def _run(engine: LocalEngine, req: TrialRequest, kill_after_first: bool = False)
     deadline = time.monotonic() + 300  # a bound for a hang: the trial takes seconds
     while time.monotonic() < deadline:
         if not killed and all(p.exists() for p in first):
-            pid = _rank_pid(Path(req.trial_dir), 1)
+            pid = _rank_pid(engine, req.number, 1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
