@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
@@ -482,11 +483,16 @@ class LocalEngine(Engine):
         if t.store:
             with contextlib.suppress(OSError):
                 os.unlink(t.store)
+        cores, gpus = Counter(self.free_cores), Counter(self.free_gpus)
         for p in t.placement:
-            self.free_cores.extend(c for c in p.cores if c not in self.free_cores)
-            self.free_gpus.extend(g for g in p.gpus if g not in self.free_gpus)
-        self.free_cores.sort()
+            cores.update(p.cores)
+            gpus.update(p.gpus)
+        # never more of one id than the engine has: a core listed twice in ``cores`` is two slots (a
+        # bench oversubscribing the cores does that), and releasing twice frees nothing twice
+        cores &= Counter(self.cores)
+        gpus &= Counter(self.gpus)
+        self.free_cores = sorted(cores.elements())
         # the engine's own order: indices and UUIDs (GpuId) may mix in CUDA_VISIBLE_DEVICES and do not sort
-        self.free_gpus = [g for g in self.gpus if g in self.free_gpus]
+        self.free_gpus = [g for g in dict.fromkeys(self.gpus) for _ in range(gpus[g])]
         for w in t.workers:
             self._pool.release(w)
