@@ -6,7 +6,7 @@ fp32 (autocast's op lists); the weights, their gradients and the optimizer state
 adds a loss scaler (``torch.amp.GradScaler``, or the strategy's: ``fsdp`` all-reduces its inf check),
 which multiplies the loss before backward, unscales the gradients before the step, skips a step whose
 gradients hold an inf or NaN and adapts the scale. torch 2.13 supports both dtypes under CPU
-autocast and the scaler on the CPU (checked by tests/train/test_precision.py); ``hpoflow validate``
+autocast and the scaler on the CPU (checked by tests/train/test_transformer.py); ``hpoflow validate``
 refuses ``fp16`` with ``parameter_server``, whose workers never step and so would keep a scale their
 server no longer uses.
 """

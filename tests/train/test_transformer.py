@@ -113,7 +113,7 @@ def _steps(precision: str, steps: int = 6) -> tuple[list[float], Precision, torc
             loss = task_loss(out, d.y_train[8 * k : 8 * k + 8])
         amp.backward(loss)
         strategy.step(amp.optimizer(opt))
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, amp, model
 
 
