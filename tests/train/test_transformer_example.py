@@ -16,7 +16,9 @@ import yaml
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+# three 2-rank trials of the example model: about 4 minutes alone on 2 cores, 5+ at load 20 (pytest-timeout
+# counts the module fixture in the first test)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 STRATEGIES = ("allreduce", "zero1", "fsdp")
 
 
