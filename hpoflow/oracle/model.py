@@ -79,6 +79,9 @@ class Plan:
     micro_batches: int | None = None
     dataset_size: int = 1_281_167
     epochs: float = 90.0
+    reshard_after_forward: bool = True
+    param_dtype: str = "fp32"
+    cpu_offload: bool = False
 
     def validate(self, cluster: ClusterSpec) -> Plan:
         """This plan with ``devices`` filled in (None: every device of the cluster), or
