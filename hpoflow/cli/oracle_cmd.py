@@ -68,6 +68,8 @@ def _add_predict_args(p: argparse.ArgumentParser, keep_parent: bool = False) -> 
                    help="fsdp: keep each unit's gathered parameters from forward to backward")
     p.add_argument("--param-dtype", choices=GRAD_DTYPES, default="fp32",
                    help="fsdp: the mixed-precision policy's param_dtype (parameters gathered and computed in it)")
+    p.add_argument("--reduce-dtype", choices=GRAD_DTYPES,
+                   help="fsdp: the dtype gradients are reduce-scattered in (default: --param-dtype)")
     p.add_argument("--cpu-offload", action="store_true",
                    help="fsdp: sharded parameters, gradients and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", choices=CHECKPOINTING, default="none",
@@ -181,7 +183,8 @@ def _predict(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, momentum=args.momentum, precision=args.precision, grad_dtype=args.grad_dtype,
         bucket_mb=args.bucket_mb, channels_last=args.channels_last, overlap=args.overlap, servers=args.servers,
         period=args.period, stages=args.stages, micro_batches=args.micro_batches,
-        reshard_after_forward=args.reshard_after_forward, param_dtype=args.param_dtype, cpu_offload=args.cpu_offload,
+        reshard_after_forward=args.reshard_after_forward, param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype, cpu_offload=args.cpu_offload,
         activation_checkpointing=args.activation_checkpointing, checkpoint_interval=args.checkpoint_interval,
     ).validate(cluster)  # bad values fail here, before the model is measured
     baseline = read_baseline(args.baseline, args.baseline_devices) if args.baseline else None

@@ -9,17 +9,18 @@ Per device (``p`` data-parallel devices, ``k`` pipeline stages, ``P`` parameters
 * **zero1**: as replicated, but optimizer state ``S/p`` (``ZeroRedundancyOptimizer``);
 * **fsdp**: weights ``4P/p``, gradients ``4P/p``, optimizer state ``S/p`` (sharded; in host memory
   with ``cpu_offload``), plus the **gathered** parameters in ``param_dtype``: the root unit's for
-  the whole step (FSDP2 does not reshard the root after forward) and, with
+  the whole step (FSDP2 does not reshard the root after forward unless ``reshard_root``) and, with
   ``reshard_after_forward``, two units at a time (the one computing and the one prefetched);
   without it every unit stays gathered from its forward to its backward. Plus one unit's
   unsharded gradients before its reduce-scatter.
 
-**Activations** are the bytes autograd saves (the trace, per sample and fixed). Activation
-checkpointing changes them per unit (:attr:`hpoflow.oracle._trace.StepTrace.units`): ``full``
-keeps only the input of every ``checkpoint_interval``-th unit, plus, during backward, one such
-unit's saved tensors while it is recomputed; ``op`` keeps each unit's input and the outputs of
-every other matrix product and of attention (torchtitan's selective policy), plus one unit's
-other saved tensors while recomputed. Autocast's 16-bit copies of parameters are not made when
+**Activations** are the bytes autograd saves (the trace, per sample and fixed) plus the most bytes
+backward's own tensors (activation gradients) hold at once, on top of them. Activation
+checkpointing changes the saved part per unit (:attr:`hpoflow.oracle._trace.StepTrace.units`):
+``full`` keeps only the input of every ``checkpoint_interval``-th unit; ``op`` keeps each unit's
+input and the outputs of every other matrix product and of attention (torchtitan's selective
+policy); on top of that, the larger of backward's gradients and one unit's other saved tensors
+while it is recomputed. Autocast's 16-bit copies of parameters are not made when
 FSDP gathers parameters in a 16-bit ``param_dtype`` (the model is traced in that dtype).
 """
 
@@ -30,31 +31,54 @@ from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.facts import ModelFacts, optimizer_state_bytes
 from hpoflow.oracle.plan import Plan
 
-__all__ = ["activation_bytes", "max_batch", "memory_breakdown"]
+__all__ = ["activation_bytes", "max_batch", "memory_breakdown", "saved_bytes"]
 
 _REPLICATED_WITH_BUCKETS = ("allreduce", "ring", "tree", "pipeline", "zero1")
 
 
 def activation_bytes(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
-    """(bytes per sample, fixed bytes) autograd holds at the peak of backward, under the plan's
+    """(bytes per sample, fixed bytes) of activations at the peak of a step, under the plan's
     activation checkpointing policy (see the module docs)."""
+    trace = facts.trace
+    transient = (trace.transient_bytes, trace.transient_fixed_bytes) if trace is not None else (0.0, 0.0)
+    per, fixed = saved_bytes(facts, plan)
+    recompute = _recompute_peak(facts, plan)
+    return per + max(transient[0], recompute[0]), fixed + max(transient[1], recompute[1])
+
+
+def _recompute_peak(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
+    """The most one unit's recomputation holds again in backward (its saved tensors it did not
+    keep): (per sample, fixed); 0 without checkpointing."""
+    trace = facts.trace
+    policy = plan.activation_checkpointing
+    if policy == "none" or trace is None:
+        return 0.0, 0.0
+    peak_per = peak_fixed = 0.0
+    for i, u in enumerate(trace.units):
+        if policy == "full" and i % plan.checkpoint_interval:
+            continue
+        keep_per, keep_fixed = (u.kept + u.input, u.kept_fixed + u.input_fixed) if policy == "op" \
+            else (u.input, u.input_fixed)
+        peak_per, peak_fixed = max(peak_per, u.saved - keep_per), max(peak_fixed, u.saved_fixed - keep_fixed)
+    return peak_per, peak_fixed
+
+
+def saved_bytes(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
+    """(bytes per sample, fixed bytes) held from forward to backward: autograd's saved tensors, or
+    under checkpointing what each checkpointed unit keeps instead of them."""
     per, fixed = float(facts.activation_bytes), float(facts.activation_fixed_bytes)
     trace = facts.trace
     policy = plan.activation_checkpointing
     if policy == "none" or trace is None or not trace.units:
         return per, fixed
-    units = trace.units
-    peak_per = peak_fixed = 0.0
-    for i, u in enumerate(units):
+    for i, u in enumerate(trace.units):
         if policy == "full" and i % plan.checkpoint_interval:
             continue
         keep_per, keep_fixed = (u.kept + u.input, u.kept_fixed + u.input_fixed) if policy == "op" \
             else (u.input, u.input_fixed)
         per += keep_per - u.saved
         fixed += keep_fixed - u.saved_fixed
-        # recomputing one unit in backward holds its saved tensors again, one unit at a time
-        peak_per, peak_fixed = max(peak_per, u.saved - keep_per), max(peak_fixed, u.saved_fixed - keep_fixed)
-    return max(0.0, per + peak_per), max(0.0, fixed + peak_fixed)
+    return max(0.0, per), max(0.0, fixed)
 
 
 def _gathered(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
@@ -65,6 +89,8 @@ def _gathered(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
         return wire * facts.params, wire * facts.params
     sizes = sorted((u.params for u in trace.units), reverse=True)
     root = trace.root_params
+    if plan.reshard_after_forward and plan.reshard_root:  # the root is one more unit
+        sizes, root = sorted([*sizes, root], reverse=True), 0
     units = sum(sizes[:2]) if plan.reshard_after_forward else sum(sizes)
     return wire * (root + units), wire * max(sizes[0], root)
 

@@ -37,6 +37,7 @@ class Autocast(TorchFunctionMode):
         super().__init__()
         self.dtype = dtype
         self.weight_copies = weight_copies
+        self._alive: list[torch.Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -48,6 +49,7 @@ class Autocast(TorchFunctionMode):
                     copy = v.to(target)
                     if isinstance(v, nn.Parameter) and (key := storage_key(copy)) is not None:
                         self.weight_copies.add(key)
+                        self._alive.append(copy)  # its address must not be reused by another storage
                     return copy
                 return v
             args = tuple(cast(a) for a in args)

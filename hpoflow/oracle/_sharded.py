@@ -12,13 +12,15 @@ collective at a time on the network:
 * forward: the root's parameters are all-gathered first; each unit's all-gather must end before
   its first kernel; the next unit's all-gather is issued when a unit starts (FSDP2 prefetches one
   unit ahead);
-* backward (units in reverse): with ``reshard_after_forward`` every unit but the root is gathered
-  again, the next one issued when a unit's backward starts; a unit's gradients are reduce-scattered
+* backward (units in reverse): with ``reshard_after_forward`` every unit is gathered again (the
+  root too with ``reshard_root``: FSDP2 keeps the root gathered unless told), the next one issued
+  when a unit's backward starts; a unit's gradients are reduce-scattered
   when its last backward kernel ends, the root's at the end of backward;
 * the step ends when backward and the last reduce-scatter have; what the collectives add beyond
   the compute is exposed.
 
-Collectives move ``param_dtype`` bytes (gradients are reduced in it too). ``cpu_offload`` adds the
+All-gathers move ``param_dtype`` bytes, reduce-scatters ``reduce_dtype`` bytes (by default the
+same, as FSDP2's ``MixedPrecisionPolicy``). ``cpu_offload`` adds the
 shard's copy over PCIe (``PCIE_BANDWIDTH``) to every all-gather and reduce-scatter and runs the
 optimizer on the host (``HOST_BANDWIDTH`` per process): estimates, marked so in docs/oracle.md.
 
@@ -124,21 +126,22 @@ def fsdp_comm(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, net: _comm.Ne
     if net.p <= 1:
         return Comm(0.0, 0.0, 0.0, "", 0)
     wire = PRECISION_BYTES[plan.param_dtype]
+    reduce_wire = PRECISION_BYTES[plan.reduce_dtype or plan.param_dtype]
     fixed = cluster.overheads.collective_s
     if trace is None or not trace.units:  # one unit: gather everything, compute, reduce-scatter
-        m = wire * facts.params
-        ag, rs = _comm.allgather(net, m), _comm.reduce_scatter(net, m)
+        m, g = wire * facts.params, reduce_wire * facts.params
+        ag, rs = _comm.allgather(net, m), _comm.reduce_scatter(net, g)
         ag = (ag[0], ag[1] + fixed)
         rs = (rs[0], rs[1] + fixed)
-        sent = _comm.volume(net, "allgather", m)[0] + _comm.volume(net, "reduce_scatter", m)[0]
-        node = _comm.volume(net, "allgather", m)[1] + _comm.volume(net, "reduce_scatter", m)[1]
+        sent = _comm.volume(net, "allgather", m)[0] + _comm.volume(net, "reduce_scatter", g)[0]
+        node = _comm.volume(net, "allgather", m)[1] + _comm.volume(net, "reduce_scatter", g)[1]
         return Comm(ag[0] + rs[0], ag[1] + rs[1], sum(ag) + sum(rs), "ring", 2, {}, sent, node)
     params = {u: x.params for u, x in enumerate(trace.units)}
     params[-1] = trace.root_params
     offload = plan.cpu_offload
 
     def collective(kind: str, u: int) -> tuple[tuple[float, float], float, tuple[float, float]]:
-        m = wire * params[u]
+        m = (wire if kind == "allgather" else reduce_wire) * params[u]
         b, a = _comm.allgather(net, m) if kind == "allgather" else _comm.reduce_scatter(net, m)
         extra = 4.0 * params[u] / net.p / PCIE_BANDWIDTH if offload else 0.0
         return (b, a + fixed), extra, _comm.volume(net, kind, m)
@@ -180,6 +183,9 @@ def fsdp_comm(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, net: _comm.Ne
     if plan.reshard_after_forward:
         for u in border:
             gathered.pop(u, None)
+        if plan.reshard_root:
+            gathered.pop(-1, None)
+            gather(-1, forward_end)
         if border:
             gather(border[0], forward_end)
     started.clear()

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -102,8 +103,10 @@ class Kernel:
 @dataclass(frozen=True)
 class UnitFacts:
     """One sharding/checkpointing unit (a block): its parameters and, per sample and fixed, the
-    bytes autograd saves while it runs forward (``saved``), the part a selective per-operator
-    checkpointing policy keeps (``kept``) and the bytes of its input (what a checkpoint keeps)."""
+    bytes autograd saves while it runs forward (``saved``), the bytes of the outputs a selective
+    per-operator checkpointing policy stores instead of recomputing (``kept``: every other matrix
+    product and attention, whether autograd saves them or not) and the bytes of its input (what a
+    checkpoint keeps)."""
 
     name: str
     params: int
@@ -133,6 +136,10 @@ class StepTrace:
     param_unit: tuple[int, ...] = ()
     #: fixed saved bytes that are 16-bit copies of parameters made by (emulated) autocast
     saved_weight_copy_bytes: float = 0.0
+    #: the most bytes alive at once in tensors backward makes (activation gradients), per sample
+    #: and fixed: on top of the saved tensors at the start of backward
+    transient_bytes: float = 0.0
+    transient_fixed_bytes: float = 0.0
 
     @property
     def forward_kernels(self) -> int:
@@ -202,15 +209,56 @@ def _is_causal(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
 
 class _Recorder(TorchDispatchMode):
     """Records (layer, backward, op name, half, FLOPs, bytes, unit, kept) of every kernel-launching
-    operator, and which operator made each storage (``producers``: storage -> kept by a selective
-    checkpointing policy)."""
+    operator, the outputs a selective checkpointing policy keeps per unit (``kept``), and the most
+    bytes alive at once in storages backward makes (:meth:`peak`: the transient gradients; a
+    storage is alive until its last tensor goes, which a weak reference to the storage tells)."""
 
     def __init__(self, layer: Callable[[], int], backward: Callable[[], bool], unit: Callable[[], int]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
         self.layer, self.backward, self.unit = layer, backward, unit
         self.ops: list[tuple[int, bool, str, bool, float, float, int, bool]] = []
-        self.kept_storages: set[int] = set()
+        #: unit -> storage -> bytes of the outputs a selective checkpointing policy keeps
+        self.kept: dict[int, dict[int, int]] = {}
+        self._alive: list[torch.Tensor] = []
         self._mm_count: dict[int, int] = {}
+        #: the storages that are parameters' ``.grad`` (filled in as they are accumulated)
+        self.grad_storages: set[int] = set()
+        #: storages backward made, alive: (weak reference, address, bytes, first kernel)
+        self._live: list[tuple[StorageWeakRef, int, int, int]] = []
+        #: storages backward made, freed: (first kernel, kernel by which it was freed, bytes)
+        self._spans: list[tuple[int, int, int]] = []
+        self._clock = 0
+
+    def _track(self, outs: list[torch.Tensor]) -> None:
+        """Backward: note which storages backward made were freed since the last kernel, then this
+        kernel's new outputs (``outs``: storages it allocated, not views or in-place results of
+        its inputs)."""
+        self._clock += 1
+        alive = []
+        for entry in self._live:
+            if entry[0].expired():
+                self._spans.append((entry[3], self._clock, entry[2]))
+            else:
+                alive.append(entry)
+        self._live = alive
+        for t in outs:
+            storage = t.untyped_storage()
+            self._live.append((StorageWeakRef(storage), int(storage._cdata), storage.nbytes(), self._clock))
+
+    def peak(self) -> float:
+        """After backward: the most bytes alive at once in storages backward made, except those
+        that became parameters' ``.grad`` (model state, counted apart; a tied weight's first
+        gradient waits for the second as its ``.grad`` to be)."""
+        self._track([])
+        end = self._clock + 1
+        spans = self._spans + [(start, end, n) for ref, key, n, start in self._live
+                               if key not in self.grad_storages]
+        events = sorted([(start, n) for start, _, n in spans] + [(stop, -n) for _, stop, n in spans])
+        alive = best = 0
+        for _, delta in events:  # frees sort before allocations at one tick (negative deltas first)
+            alive += delta
+            best = max(best, alive)
+        return float(best)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -227,14 +275,28 @@ class _Recorder(TorchDispatchMode):
         moved += sum(_nbytes(t) for t in ins[:_TWO_PASS.get(name, 0)])
         half = any(t.dtype in (torch.float16, torch.bfloat16) for t in ins if t.is_floating_point())
         backward, unit = self.backward(), self.unit()
+        if backward:
+            # a storage is identified by its address only while it is alive: the inputs are, so an
+            # output sharing an input's address is that input's storage (in place), else it is new
+            taken = {k for k in map(storage_key, ins) if k is not None}
+            fresh: dict[int, torch.Tensor] = {}
+            for t in outs:
+                if (key := storage_key(t)) is not None and key not in taken:
+                    fresh.setdefault(key, t)
+            self._track(list(fresh.values()))
         kept = False
         if not backward:
             if name in _KEPT_MM:  # torchtitan's op policy: keep every other matrix product's output
                 self._mm_count[unit] = self._mm_count.get(unit, 0) + 1
                 kept = self._mm_count[unit] % 2 == 1
             kept = kept or name in ATTENTION_OPS
-            if kept:
-                self.kept_storages.update(k for k in map(storage_key, outs) if k is not None)
+            if kept and unit >= 0:
+                # kept whether or not autograd saves it: the policy stores it instead of recomputing
+                held = self.kept.setdefault(unit, {})
+                for t in outs:
+                    if (key := storage_key(t)) is not None:
+                        held[key] = t.untyped_storage().nbytes()
+                self._alive.extend(outs)  # a freed storage's address may be reused: keep these alive
         self.ops.append((self.layer(), backward, name, half, flops, moved, unit, kept))
         return out
 
@@ -322,6 +384,7 @@ class _Step:
     unit_names: list[str]
     param_unit: list[int]
     unit_params: list[int]
+    transient: float
 
 
 def step_loss(out: torch.Tensor, n_classes: int) -> torch.Tensor:
@@ -372,8 +435,12 @@ def _one_step(build: Callable[[], nn.Module], sample: Callable[[int], torch.Tens
                 saved[key] = (t.untyped_storage().nbytes(), unit())
             return t
 
-        hooks = [p.register_post_accumulate_grad_hook(
-            lambda p, i=i: ready.append((i, p.numel(), len(recorder.ops) - 1))) for i, p in enumerate(params)]
+        def accumulated(p: torch.Tensor, i: int) -> None:
+            ready.append((i, p.numel(), len(recorder.ops) - 1))
+            if p.grad is not None and (key := storage_key(p.grad)) is not None:
+                recorder.grad_storages.add(key)
+
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: accumulated(p, i)) for i, p in enumerate(params)]
         try:
             stack.enter_context(FusedAttention())
             if precision in DTYPES:
@@ -383,20 +450,23 @@ def _one_step(build: Callable[[], nn.Module], sample: Callable[[int], torch.Tens
                 loss = step_loss(model(x), n_classes)
             start_backward(loss)
             loss.backward()
+            transient = recorder.peak()
         finally:
             for h in hooks:
                 h.remove()
     n = len(unit_names)
-    unit_saved, unit_kept = [0.0] * n, [0.0] * n
-    for key, (nbytes, u) in saved.items():
+    unit_saved = [0.0] * n
+    for nbytes, u in saved.values():
         if u >= 0:
             unit_saved[u] += nbytes
-            if key in recorder.kept_storages:
-                unit_kept[u] += nbytes
-    unit_input = [float(sum(inputs[u].values())) for u in range(n)]
+    unit_kept = [float(sum(recorder.kept.get(u, {}).values())) for u in range(n)]
+    # a unit's input the root also saves (a parameterless activation between units) is held
+    # anyway: a checkpoint keeping it adds nothing
+    root_saved = {key for key, (_, u) in saved.items() if u < 0}
+    unit_input = [float(sum(b for key, b in inputs[u].items() if key not in root_saved)) for u in range(n)]
     copies = float(sum(b for key, (b, _) in saved.items() if key in weight_copies))
     return _Step(names, recorder.ops, ready, float(sum(b for b, _ in saved.values())), unit_saved, unit_kept,
-                 unit_input, copies, unit_names, param_unit, unit_params)
+                 unit_input, copies, unit_names, param_unit, unit_params, transient)
 
 
 def _split(v1: float, v2: float, b1: int, b2: int) -> tuple[float, float]:
@@ -424,6 +494,7 @@ def trace_step(build: Callable[[], nn.Module], sample: Callable[[int], torch.Ten
         kernels.append(Kernel(layer=layer, backward=bwd, kind=kind, half=half and kind != "mem",
                               flops=per_flop, bytes=per_byte, fixed_bytes=fixed_byte, unit=unit, kept=kept))
     per_saved, fixed_saved = _split(one.saved, two.saved, b1, b2)
+    per_transient, fixed_transient = _split(one.transient, two.transient, b1, b2)
     units = []
     for u, name in enumerate(one.unit_names):
         saved = _split(one.unit_saved[u], two.unit_saved[u], b1, b2)
@@ -433,4 +504,5 @@ def trace_step(build: Callable[[], nn.Module], sample: Callable[[int], torch.Ten
                                kept=keep[0], kept_fixed=keep[1], input=inp[0], input_fixed=inp[1]))
     return StepTrace(layers=tuple(one.names), kernels=tuple(kernels), grad_ready=tuple(one.ready),
                      saved_bytes=per_saved, saved_fixed_bytes=fixed_saved, units=tuple(units),
-                     param_unit=tuple(one.param_unit), saved_weight_copy_bytes=one.weight_copies)
+                     param_unit=tuple(one.param_unit), saved_weight_copy_bytes=one.weight_copies,
+                     transient_bytes=per_transient, transient_fixed_bytes=fixed_transient)

@@ -28,7 +28,8 @@ __all__ = ["Verdict", "check_trial", "strategy_plan"]
 _GIB = 2**30
 #: the oracle's own reading of the sharded strategies' options, for a trainer that has not
 #: registered them (their registry entry's ``oracle_plan()`` wins when it exists)
-_SHARDED_OPTIONS = {"zero1": (), "fsdp": ("reshard_after_forward", "param_dtype", "cpu_offload")}
+_SHARDED_OPTIONS = {"zero1": (), "fsdp": ("reshard_after_forward", "reshard_root", "param_dtype", "reduce_dtype",
+                                                "cpu_offload")}
 
 
 def _dataset(train: Mapping[str, Any]) -> tuple[tuple[int, ...], int, int, bool]:

@@ -38,9 +38,11 @@ class Plan:
     ``channels_last``: activations in NHWC (``memory_format=torch.channels_last``).
     ``precision`` is the training precision (autocast for ``fp16``/``bf16``). FSDP (``fsdp``):
     ``reshard_after_forward`` frees each unit's gathered parameters after its forward (and gathers
-    them again in backward), ``param_dtype`` is its mixed-precision policy's (parameters gathered
-    and computed in it; gradients reduced in it), ``cpu_offload`` keeps sharded parameters,
-    gradients and optimizer state in host memory. ``activation_checkpointing`` is one of
+    them again in backward); the root's too with ``reshard_root`` (FSDP2 keeps the root gathered
+    unless ``fully_shard(root, reshard_after_forward=True)`` says otherwise). ``param_dtype`` is
+    its mixed-precision policy's: parameters gathered and computed in it; gradients reduced in
+    ``reduce_dtype`` (by default the same). ``cpu_offload`` keeps sharded parameters, gradients
+    and optimizer state in host memory. ``activation_checkpointing`` is one of
     :data:`CHECKPOINTING` (``checkpoint_interval``: every k-th unit for ``full``).
     """
 
@@ -62,7 +64,9 @@ class Plan:
     dataset_size: int = 1_281_167
     epochs: float = 90.0
     reshard_after_forward: bool = True
+    reshard_root: bool = False
     param_dtype: str = "fp32"
+    reduce_dtype: str | None = None
     cpu_offload: bool = False
     activation_checkpointing: str = "none"
     checkpoint_interval: int = 1
@@ -88,6 +92,8 @@ class Plan:
             (self.precision in PRECISION_BYTES, "precision", self.precision, f"one of {', '.join(PRECISION_BYTES)}"),
             (self.grad_dtype in GRAD_DTYPES, "grad_dtype", self.grad_dtype, f"one of {', '.join(GRAD_DTYPES)}"),
             (self.param_dtype in GRAD_DTYPES, "param_dtype", self.param_dtype, f"one of {', '.join(GRAD_DTYPES)}"),
+            (self.reduce_dtype is None or self.reduce_dtype in GRAD_DTYPES, "reduce_dtype", self.reduce_dtype,
+             f"one of {', '.join(GRAD_DTYPES)}"),
             (self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1"),
             (1 <= devices <= cluster.total_devices, "devices", devices,
              f"between 1 and the {cluster.total_devices} devices of cluster {cluster.name!r}"),
