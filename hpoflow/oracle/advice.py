@@ -4,8 +4,9 @@ Each candidate is the same plan with one change, predicted the same way (step ti
 a change is advised when it makes a plan that does not fit fit, or when it raises samples/s by at
 least :data:`MIN_GAIN`:
 
-* does not fit: the largest batch that fits; activation checkpointing (``full``, then ``op``);
-  sharding (``fsdp``, ``zero1``); 16-bit mixed precision;
+* does not fit: the largest batch that fits; activation checkpointing (``op``, ``full``), sharding
+  (``fsdp``, ``zero1``) and the two together, each with the largest batch that fits when the
+  plan's batch does not; 16-bit mixed precision;
 * fits: a larger batch (twice, if it fits: the global batch changes, so the learning rate needs
   retuning); DDP's bucket size (the best of 1 to 200 MiB); channels-last activations (tensor-core
   convolutions skip their transposes); 16-bit mixed precision on a device whose 16-bit peak is
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from hpoflow.oracle._memory import max_batch
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import ModelFacts
@@ -93,14 +95,29 @@ def advise(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, pred: Prediction
         if 1 <= pred.max_batch_per_device < b:
             consider(f"--batch-size {pred.max_batch_per_device}", "the largest batch that fits",
                      replace(plan, batch_size=pred.max_batch_per_device))
-        if plan.activation_checkpointing == "none":
-            for policy in ("op", "full"):
-                consider(f"--activation-checkpointing {policy}", "recompute activations in backward instead of "
-                         "keeping them", replace(plan, activation_checkpointing=policy))
-        if not plan.sharded:
-            consider("--strategy fsdp", "shard parameters, gradients and optimizer state over the devices",
-                     replace(plan, strategy="fsdp"))
-            consider("--strategy zero1", "shard the optimizer state over the devices", replace(plan, strategy="zero1"))
+        policies = ("none", "op", "full") if plan.activation_checkpointing == "none" \
+            else (plan.activation_checkpointing,)
+        strategies = (plan.strategy,) if plan.sharded else (plan.strategy, "fsdp", "zero1")
+        why = {"op": "recompute what the selective policy does not keep", "full": "recompute every block in "
+               "backward, keeping only its input", "fsdp": "shard parameters, gradients and optimizer state over "
+               "the devices", "zero1": "shard the optimizer state over the devices"}
+        for strategy in strategies:
+            for policy in policies:
+                if (strategy, policy) == (plan.strategy, plan.activation_checkpointing):
+                    continue
+                flags = [f"--strategy {strategy}"] if strategy != plan.strategy else []
+                flags += [f"--activation-checkpointing {policy}"] if policy != plan.activation_checkpointing else []
+                variant = replace(plan, strategy=strategy, activation_checkpointing=policy)
+                reasons = "; ".join(why[x] for x in (strategy, policy) if x in why)
+                try:
+                    largest = max_batch(facts, cluster, variant.validate(cluster), plan.devices or 1)
+                except OracleError:
+                    continue
+                if largest >= b:
+                    consider(" ".join(flags), reasons, variant)
+                elif largest >= 1:  # fits only with a smaller batch too
+                    consider(" ".join([*flags, f"--batch-size {largest}"]), f"{reasons}; the largest batch that "
+                             "fits then", replace(variant, batch_size=largest))
     else:
         if 2 * b <= pred.max_batch_per_device:
             consider(f"--batch-size {2 * b}", f"a larger batch per device (global batch {2 * pred.global_batch}: "
