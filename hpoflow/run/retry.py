@@ -132,6 +132,8 @@ class RetryingStorage(BaseStorage, BaseHeartbeat):
         self._clock = clock
         self._lock = threading.Lock()
         self._gave_up_at: float | None = None  # when a call last gave up; for retry_s after, calls try once
+        self._outage_at: float | None = None  # when the outage being waited out was announced (one line per
+        # outage, however many threads wait it out: the driver's calls and its lease renewals)
 
     # -- the retry loop ---------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T], on_retry_error: Callable[[Exception], T] | None = None) -> T:
@@ -157,21 +159,26 @@ class RetryingStorage(BaseStorage, BaseHeartbeat):
                     t0 = now
                     with self._lock:
                         down = self._gave_up_at is not None and now - self._gave_up_at < self.retry_s
+                        announce = not down and self.retry_s > 0 and self._outage_at is None
+                        if announce:
+                            self._outage_at = now
                     if down or self.retry_s <= 0:
                         raise self._unavailable(cause, None if down else 0.0) from None
-                    log.warning("storage unreachable, retrying for up to %g s: %s", self.retry_s, cause)
+                    if announce:
+                        log.warning("storage unreachable, retrying for up to %g s: %s", self.retry_s, cause)
                 left = self.retry_s - (now - t0)
                 if left <= 0:
                     with self._lock:
-                        self._gave_up_at = now
+                        self._gave_up_at, self._outage_at = now, None
                     raise self._unavailable(cause, now - t0) from None
                 self._sleep(min(delay, left))
                 delay = min(2 * delay, _MAX_DELAY_S)
                 continue
             if t0 is not None:
-                log.warning("storage reachable again after %.1f s", self._clock() - t0)
                 with self._lock:
-                    self._gave_up_at = None
+                    since, self._outage_at, self._gave_up_at = self._outage_at, None, None
+                if since is not None:  # the first call through announces the end, once
+                    log.warning("storage reachable again after %.1f s", self._clock() - since)
             return result
 
     def _unavailable(self, cause: str, waited: float | None) -> StorageUnavailable:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal._storage import JournalOperation  # the record format the test cuts into
 from optuna.trial import TrialState
 
 from hpoflow.run.journal import JournalDamaged, check_journal
@@ -155,6 +156,19 @@ def _hpoflow(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300)
 
 
+def _last_finish_offset(journal: bytes) -> int:
+    """Byte offset of the last record that sets a trial COMPLETE (Optuna's journal op SET_TRIAL_STATE_VALUES)."""
+    offset, found = 0, -1
+    for line in journal.splitlines(keepends=True):
+        record = json.loads(line)
+        if record["op_code"] == JournalOperation.SET_TRIAL_STATE_VALUES and record["state"] == TrialState.COMPLETE:
+            found = offset
+        offset += len(line)
+    if found < 0:
+        raise AssertionError("no trial finished in the journal")
+    return found
+
+
 @pytest.mark.slow  # whole studies through the CLI
 def test_a_finished_run_with_40_bytes_cut_resumes_and_completes(tmp_path: Path) -> None:
     _spec(tmp_path / "spec.yaml", 4)
@@ -162,13 +176,16 @@ def test_a_finished_run_with_40_bytes_cut_resumes_and_completes(tmp_path: Path) 
     assert r.returncode == 0, r.stderr
     path = tmp_path / "run" / "study.journal"
     whole = path.read_bytes()
-    path.write_bytes(whole[:-40])  # a node crash or a full disk during the last append
-    cut_at = whole[:-40].rfind(b"\n") + 1
+    # a node crash or a full disk during the append that finishes the last trial (records after it, such
+    # as the driver's lease release, never made it): the file ends 40 bytes into that record
+    cut_at = _last_finish_offset(whole)
+    torn = whole[:cut_at + 40]
+    path.write_bytes(torn)
     status = _hpoflow(tmp_path, "status", "run", "--json")
     assert status.returncode == 0, status.stderr
     assert f"at byte offset {cut_at}, no newline" in status.stderr
     assert json.loads(status.stdout)["n_complete"] == 3  # the fourth's finish was in the torn record
-    assert path.read_bytes() == whole[:-40]  # a reader changes nothing
+    assert path.read_bytes() == torn  # a reader changes nothing
     assert len(_plain(path, "torn").trials) == 4  # plain Optuna reads what is whole
     r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--json")
     assert r.returncode == 0, r.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,34 @@ def test_an_outage_is_waited_out_with_one_line_and_backoff(tmp_path: Path, caplo
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["storage unreachable, retrying for up to 60 s: (builtins.Exception) connection to server "
                      "failed: Connection refused", "storage reachable again after 15.8 s"]
+
+
+def test_one_outage_waited_out_by_two_threads_is_announced_once(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The driver's calls and its lease renewals share one storage: both wait, one line each way."""
+    flaky = Flaky(open_storage(None, tmp_path))
+    both_failed = threading.Barrier(2, timeout=120)  # event order, not time: each waits for the other's failure
+    first_waits = []
+
+    def sleep(s: float) -> None:
+        first_waits.append(s)
+        if len(first_waits) <= 2:
+            both_failed.wait()
+
+    proxy = RetryingStorage(flaky, "the test storage", 60, sleep=sleep, clock=lambda: 0.0)  # type: ignore[arg-type]
+    study = optuna.create_study(storage=proxy, study_name="r")
+    flaky.fail["get_all_trials"] = 2
+    results: list[object] = []
+    with caplog.at_level(logging.WARNING, logger="hpoflow"):
+        threads = [threading.Thread(target=lambda: results.append(study.get_trials())) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert results == [[], []]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["storage unreachable, retrying for up to 60 s: (builtins.Exception) connection to server "
+                     "failed: Connection refused", "storage reachable again after 0.0 s"]
 
 
 def test_past_storage_retry_s_the_call_gives_up_and_later_calls_do_not_wait(tmp_path: Path) -> None:
@@ -228,6 +257,7 @@ def test_an_outage_before_the_first_trial_is_one_error_not_a_second(tmp_path: Pa
         raise StorageUnavailable("the study's storage X did not answer for 60 s (storage_retry_s: 60): cause")
 
     monkeypatch.setattr(Driver, "_reconcile", reconcile)
-    with pytest.raises(StorageUnavailable, match="did not answer for 60 s"):
-        optimize(SPEC, tmp_path / "run", engine=ThreadEngine(lambda p, rep: 0.0, 2))
+    result = optimize(SPEC, tmp_path / "run", engine=ThreadEngine(lambda p, rep: 0.0, 2))
+    s = result.summary  # a clean stop (exit 1, the one line), with nothing more asked of the storage
+    assert s.stopped_by == "storage" and s.exit_code == 1 and "did not answer for 60 s" in s.outcome_message()
     assert not (tmp_path / "run" / "trials.csv").exists()
