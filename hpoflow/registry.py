@@ -320,10 +320,11 @@ for _name, _cls, _opts in [("none", "NopPruner", "Nop"), ("median", "MedianPrune
                            ("asha", "SuccessiveHalvingPruner", "Asha"), ("hyperband", "HyperbandPruner", "Hyperband")]:
     PRUNERS.register(_name, f"optuna.pruners:{_cls}", f"hpoflow.search.options:{_opts}PrunerOptions")
 for _name, _cls in [("allreduce", "AllReduce"), ("parameter_server", "ParameterServer"), ("easgd", "EASGD"),
-                    ("local_sgd", "LocalSGD")]:
+                    ("local_sgd", "LocalSGD"), ("zero1", "ZeRO1"), ("fsdp", "FSDP")]:
     STRATEGIES.register(_name, f"hpoflow.train.strategies:{_cls}", f"hpoflow.train.options:{_cls}Options")
 for _name in ("srun", "mpirun", "ssh"):
     LAUNCHERS.register(_name, f"hpoflow.engines.cluster.layout:{_name}_argv")
 MODELS.register("mlp", "hpoflow.train.models:mlp", "hpoflow.train.options:MLPOptions")
 MODELS.register("cnn", "hpoflow.train.models:cnn", "hpoflow.train.options:CNNOptions")
+MODELS.register("gpt", "hpoflow.train.models:gpt", "hpoflow.train.options:GPTOptions")
 del _name, _cls, _opts

@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILT_IN = {
     "SAMPLERS": ["cmaes", "gp", "grid", "nsga2", "nsga3", "random", "tpe"],
     "PRUNERS": ["asha", "hyperband", "median", "none", "percentile"],
-    "STRATEGIES": ["allreduce", "easgd", "local_sgd", "parameter_server"],
-    "MODELS": ["cnn", "mlp"],
+    "STRATEGIES": ["allreduce", "easgd", "fsdp", "local_sgd", "parameter_server", "zero1"],
+    "MODELS": ["cnn", "gpt", "mlp"],
     "ENGINES": ["compss", "local", "simulated", "slurm"],
     "COST_MODELS": ["function", "lognormal", "oracle", "replay"],
     "ELASTIC": ["fifo", "longest_remaining", "most_promising"],
@@ -150,7 +150,11 @@ def test_every_strategy_trains_two_ranks(tmp_path: Path, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BUILT_IN["MODELS"])
 def test_every_model_trains(tmp_path: Path, name: str) -> None:
-    _validates_and_runs(tmp_path, _built_in(training={"model": name, "model_options": {"hidden": 8}}))
+    training: dict[str, Any] = {"model": name, "model_options": {"hidden": 8}}
+    if name == "gpt":  # a language model: its own options and data set (next-character prediction)
+        training = {"model": name, "dataset": "chars",
+                    "model_options": {"layers": 1, "heads": 2, "width": 16, "context": 16}}
+    _validates_and_runs(tmp_path, _built_in(training=training))
 
 
 def test_the_local_engine(tmp_path: Path) -> None:

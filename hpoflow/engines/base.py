@@ -34,9 +34,12 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, TrialStatus
+
+if TYPE_CHECKING:
+    from hpoflow.engines.machine import GpuId
 
 __all__ = [
     "Engine",
@@ -50,11 +53,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one rank of a trial runs on this machine: cores and GPU ids it may use."""
+    """Where one rank of a trial runs on this machine: cores and GPUs it may use (GPU indices or UUIDs, as
+    ``CUDA_VISIBLE_DEVICES`` names them: ``hpoflow.engines.machine.GpuId``)."""
 
     rank: int
     cores: tuple[int, ...]
-    gpus: tuple[int, ...] = ()
+    gpus: tuple[GpuId, ...] = ()
 
 
 class Engine(abc.ABC):

@@ -12,14 +12,40 @@ from pathlib import Path
 from hpoflow.errors import EngineError
 from hpoflow.trial import TrialRequest
 
-__all__ = ["check_fits", "detect_gpus", "machine_cores"]
+__all__ = ["GpuId", "check_fits", "detect_gpus", "machine_cores", "parse_visible_devices"]
+
+GpuId = int | str
+"""A GPU as ``CUDA_VISIBLE_DEVICES`` names it: an index (``0``), or a GPU or MIG instance UUID (``GPU-...``,
+``MIG-...``). A rank is given its GPUs by these names, so a UUID is passed on as the UUID."""
+
+_UUID_PREFIXES = ("GPU-", "MIG-")
 
 
-def detect_gpus() -> list[int]:
-    """GPU ids usable here, without importing torch: ``CUDA_VISIBLE_DEVICES`` or the NVIDIA driver."""
+def parse_visible_devices(text: str) -> list[GpuId]:
+    """The devices a ``CUDA_VISIBLE_DEVICES`` value makes visible, as CUDA reads it: comma-separated
+    indices (``0,2``) or UUIDs of GPUs and MIG instances (``GPU-8932f937-...``, ``MIG-1f5b8a2c-...``,
+    the older ``MIG-GPU-<uuid>/<gi>/<ci>``), as SLURM and MIG partitions set it; CUDA stops at the
+    first entry that is neither (``-1``, a typo), so this does too. An empty value: no GPU."""
+    out: list[GpuId] = []
+    for raw in text.split(","):
+        part = raw.strip()
+        if part.isascii() and part.isdigit():
+            device: GpuId = int(part)
+        elif part.startswith(_UUID_PREFIXES) and len(part) > 4 and part.isascii() and part.isprintable():
+            device = part
+        else:
+            break
+        if device not in out:
+            out.append(device)
+    return out
+
+
+def detect_gpus() -> list[GpuId]:
+    """GPUs usable here, without importing torch: those ``CUDA_VISIBLE_DEVICES`` names (indices or
+    UUIDs, ``parse_visible_devices``), else one index per GPU the NVIDIA driver lists."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return [int(v) for v in visible.split(",") if v.strip().isascii() and v.strip().isdigit()]
+        return parse_visible_devices(visible)
     proc = Path("/proc/driver/nvidia/gpus")
     return list(range(len(list(proc.iterdir())))) if proc.is_dir() else []
 

@@ -47,13 +47,43 @@ __all__ = [
     "spec_from_mapping",
 ]
 
-BUILTIN_METRICS = ("val_accuracy", "val_loss", "train_loss", "train_accuracy")
+BUILTIN_METRICS = ("val_accuracy", "val_loss", "train_loss", "train_accuracy", "val_perplexity")
+# the built-in data sets' tasks (hpoflow.train.data): what a model must predict
+DATASET_TASKS = {"digits": "classify", "synthetic": "classify", "chars": "next_token"}
 # what the built-in trainer measures at the end of a trial: objectives of a multi-objective study
 BUILTIN_MEASURES = ("samples_per_s", "step_time_s", "comm_time_s", "comm_fraction", "bytes_per_step")
 _MISSING_FIX = {
     ("study",): "add a study: section with name, metric and direction",
     ("search",): "add a search: section with algorithm and n_trials",
 }
+
+
+def _builtin_trainer_problems(spec: StudySpec, train: TrainConfig) -> list[tuple[tuple[Any, ...], str]]:
+    """What the built-in trainer cannot run: a model and a data set of different tasks, perplexity of a
+    classifier, FSDP's CPU offload in a trial without GPUs."""
+    out: list[tuple[tuple[Any, ...], str]] = []
+    task = DATASET_TASKS.get(train.dataset, "classify")
+    model_task = getattr(MODELS.options_model(train.model), "task", "classify")
+    if model_task != task:
+        fits = sorted(n for n, t in DATASET_TASKS.items() if t == model_task)
+        out.append((("training", "model"),
+                    f"model {train.model!r} learns a {model_task} task, but dataset {train.dataset!r} is a {task} "
+                    f"task. Fix: use dataset {' or '.join(fits) or '(none built in)'} with it, or another model"))
+    names = [spec.study.metric, *(n for n, _ in spec.study.objectives)]
+    if "val_perplexity" in names and task != "next_token":
+        out.append((("study", "metric"),
+                    f"val_perplexity is the perplexity of a next-token (language) model, but dataset "
+                    f"{train.dataset!r} is a {task} task. Fix: use val_loss or val_accuracy, or dataset chars"))
+    raw = spec.training.get("strategy_options") or {}
+    fsdp: Mapping[str, Any] = raw["fsdp"] if isinstance(raw.get("fsdp"), Mapping) else \
+        raw if spec.training.get("strategy") == "fsdp" else {}
+    if fsdp.get("cpu_offload") is True and spec.resources.gpus_per_process == 0:
+        at = ("training", "strategy_options", *(("fsdp",) if "fsdp" in raw else ()), "cpu_offload")
+        out.append((at, "cpu_offload: true keeps FSDP's shards in host memory and computes on an accelerator "
+                        "(torch 2.13's CPUOffloadPolicy refuses to run without one), but the trial has no GPU "
+                        "(resources.gpus_per_process: 0), so its shards are in host memory already. Fix: set "
+                        "cpu_offload: false, or give the trial GPUs"))
+    return out
 
 
 def _line_for(loc: tuple[Any, ...], lines: Mapping[Path, int]) -> tuple[str, int | None]:
@@ -261,6 +291,9 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
                                   f"{did_you_mean(odd, known)}")
     elif train.model not in MODELS:
         add(("training", "model"), f"{MODELS.unknown(train.model)}; or give training.function: 'module:function'")
+    else:
+        for loc, msg in _builtin_trainer_problems(spec, train):
+            add(loc, msg)
     # Grid: finite space.
     if spec.search.algorithm == "grid":
         for name, param in spec.space.items():

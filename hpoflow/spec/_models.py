@@ -403,7 +403,7 @@ class TrainConfig(_Strict):
     function: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     model: str = "cnn"
     model_options: dict[str, Any] = Field(default_factory=dict)
-    dataset: Literal["digits", "synthetic"] = "digits"
+    dataset: Literal["digits", "synthetic", "chars"] = "digits"
     epochs: int = Field(default=10, ge=1)
     batch_size: int = Field(default=64, ge=1, description="Per process (rank).")
     optimizer: Literal["sgd", "adam", "adamw"] = "adam"
@@ -429,6 +429,10 @@ class TrainConfig(_Strict):
     lars: bool = Field(default=False, description="Layer-wise adaptive rate scaling (LARS).")
     lars_trust_coefficient: float = Field(default=0.001, gt=0)
     grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+    # -- precision (hpoflow.train.precision) ------------------------------------------------------
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="fp32, or mixed precision: bf16 or fp16 autocast on the rank's device (fp16 "
+                                    "with a loss scaler); weights, gradients and optimizer state stay fp32.")
     # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec,
@@ -461,7 +465,25 @@ class TrainConfig(_Strict):
                 "optimizer: sgd or momentum: false", {"opt": self.optimizer})
         if chosen != self.strategy_options:
             object.__setattr__(self, "strategy_options", chosen)  # frozen: normalise once, here
+        self._check_precision(chosen)
         return self
+
+    def _check_precision(self, chosen: dict[str, Any]) -> None:
+        """Precision against the strategy: fp16's loss scaler must decide alike on every rank."""
+        if self.precision == "fp16" and self.strategy == "parameter_server":
+            raise PydanticCustomError(
+                "bad_precision", "precision: fp16 needs a loss scaler whose scale every rank keeps alike, but "
+                "parameter_server's workers never step (their scale would stay while their server's moves). "
+                "Fix: use precision: bf16 (no scaler), or another strategy")
+        if self.strategy == "fsdp" and chosen.get("mixed_precision") == "fp16" and self.precision != "fp16":
+            raise PydanticCustomError(
+                "bad_precision", "strategy_options.mixed_precision: fp16 computes and reduces gradients in fp16, "
+                "which needs a loss scaler, but precision is {p}. Fix: set precision: fp16 (it adds the scaler), "
+                "or mixed_precision: bf16", {"p": self.precision})
+        if self.strategy == "fsdp" and self.lars:
+            raise PydanticCustomError(
+                "bad_strategy_option", "lars: true rescales each gradient by its whole weight's norm, but fsdp "
+                "holds only a shard of each weight on a rank. Fix: set lars: false, or use allreduce or zero1")
 
 
 class ElasticRange(_Strict):

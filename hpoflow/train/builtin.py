@@ -4,11 +4,18 @@ ranks with the spec's strategy (``hpoflow.train.strategies``) and large-batch co
 
 Each rank trains on its shard of the training set (``DistributedSampler``, reshuffled per epoch
 with the trial's seed, padded so every rank takes the same number of steps). One optimizer step is
-``grad_accum_steps`` micro-batches. After each epoch the strategy makes the model to evaluate
-identical on every rank (``end_epoch``), every rank evaluates the whole validation set, rank 0
-reports ``val_accuracy``, ``val_loss``, ``train_loss``, ``train_accuracy`` and the measurements
-(``samples_per_s``, ``step_time_s``, ``comm_time_s``, ``comm_fraction``, ``bytes_per_step``, ...),
-and every rank asks ``should_stop()`` at the same point. At the end every rank writes the SHA-256
+``grad_accum_steps`` micro-batches. The loss follows the data set's task (``hpoflow.train.data``):
+cross-entropy of one label per sample (``classify``), or of the next token at every position,
+averaged over the positions (``next_token``: a language model's logits ``(batch, length, vocab)``).
+``training.precision`` (fp32 | bf16 | fp16) runs forward and loss under autocast, with a loss scaler
+for fp16 (``hpoflow.train.precision``). After each epoch the strategy makes the model to evaluate
+identical on every rank (``end_epoch``), every rank evaluates the whole validation set (in the
+training precision), rank 0 reports ``val_accuracy``, ``val_loss``, ``train_loss``,
+``train_accuracy`` (per token for ``next_token``, which also reports ``val_perplexity`` =
+exp(val_loss) and ``tokens_per_s``) and the measurements (``samples_per_s``, ``step_time_s``,
+``comm_time_s``, ``comm_fraction``, ``bytes_per_step``, ``peak_memory_mb`` (the largest over
+the ranks, ``hpoflow.train.memory``), ...), and every rank asks ``should_stop()`` at the same
+point. At the end every rank writes the SHA-256
 of its final evaluated weights to ``weights_rank<r>.sha256`` in the trial directory (and the
 ``state_dict`` to ``final_state_rank<r>.pt`` when ``HPOFLOW_SAVE_FINAL_STATE=1``); rank 0 reports
 ``ranks_identical`` (1.0 when every rank ended with the same weights).
@@ -49,7 +56,9 @@ from hpoflow.spec import TrainConfig
 from hpoflow.train.context import TrialContext
 from hpoflow.train.data import load_dataset
 from hpoflow.train.largebatch import LARS, LrSchedule
+from hpoflow.train.memory import PeakMemory
 from hpoflow.train.models import build_model
+from hpoflow.train.precision import Precision
 from hpoflow.train.strategies import OptimizerLike, Strategy, StrategyEnv, make_strategy
 
 log = logging.getLogger(__name__)
@@ -57,38 +66,71 @@ log = logging.getLogger(__name__)
 __all__ = ["NonFiniteLoss", "evaluate", "make_optimizer", "train_builtin", "weights_digest"]
 
 
+def optimizer_spec(name: str, lr: float, momentum: float, weight_decay: float
+                   ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """(optimizer class, its keyword arguments) of ``training.optimizer``."""
+    if name == "sgd":
+        return torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+    if name == "adam":
+        return torch.optim.Adam, {"lr": lr, "weight_decay": weight_decay}
+    if name == "adamw":
+        return torch.optim.AdamW, {"lr": lr, "weight_decay": weight_decay}
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
+
+
 def make_optimizer(name: str, params: object, lr: float, momentum: float, weight_decay: float
                    ) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)  # type: ignore[arg-type]
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)  # type: ignore[arg-type]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)  # type: ignore[arg-type]
-    raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
+    cls, kwargs = optimizer_spec(name, lr, momentum, weight_decay)
+    return cls(params, **kwargs)  # type: ignore[arg-type]
+
+
+def task_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``out`` against ``y``: one label per sample (``out`` (N, C)), or one per
+    position (``out`` (N, T, C), ``y`` (N, T): a next-token loss over every position)."""
+    if out.dim() > 2:
+        return nn.functional.cross_entropy(out.flatten(0, -2), y.flatten(), reduction=reduction)
+    return nn.functional.cross_entropy(out, y, reduction=reduction)
+
+
+def _correct(out: torch.Tensor, y: torch.Tensor) -> int:
+    """Right predictions in a batch: samples, or positions of a sequence."""
+    return int((out.argmax(-1) == y).sum())
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-             batch: int = 512) -> tuple[float, float]:
-    """(mean loss, accuracy) of ``model`` on ``(x, y)``."""
+             batch: int = 512, autocast: Any = None) -> tuple[float, float]:
+    """(mean loss, accuracy) of ``model`` on ``(x, y)``, per sample or (sequences) per position;
+    ``batch`` counts predictions (sequences of T positions go ``batch // T`` at a time, so evaluation
+    never holds more activations than a training step of that many); ``autocast``: a callable giving
+    the training precision's autocast context."""
     model.eval()
+    batch = max(1, batch // max(1, y[0].numel())) if len(y) else batch
     loss_sum, correct = 0.0, 0
     for i in range(0, len(x), batch):
         xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
-        out = model(xb)
-        loss_sum += float(nn.functional.cross_entropy(out, yb, reduction="sum"))
-        correct += int((out.argmax(1) == yb).sum())
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            out = model(xb)
+            loss_sum += float(task_loss(out, yb, reduction="sum"))
+        correct += _correct(out, yb)
     model.train()
-    return loss_sum / len(x), correct / len(x)
+    n = y.numel()
+    return loss_sum / n, correct / n
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's whole value (``DTensor.full_tensor()``: a collective), else ``t``."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
 
 
 def weights_digest(model: nn.Module) -> str:
-    """SHA-256 of the model's parameters and buffers, in ``state_dict`` order."""
+    """SHA-256 of the model's parameters and buffers, in ``state_dict`` order (whole tensors: with a
+    sharded model every rank must call it)."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(_full(t).detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -104,12 +146,16 @@ class EpochStats:
 
 def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: OptimizerLike,
                 loader: DataLoader[tuple[torch.Tensor, ...]], schedule: LrSchedule, first_step: int,
-                start_batch: int = 0, stats: EpochStats | None = None, on_resume: Any = None
-                ) -> tuple[EpochStats, int, int | None]:
+                start_batch: int = 0, stats: EpochStats | None = None, on_resume: Any = None,
+                amp: Precision | None = None) -> tuple[EpochStats, int, int | None]:
     """One pass over this rank's shard from micro-batch ``start_batch`` (a resume in the middle of the
     epoch: ``stats`` so far, and ``on_resume()`` called once the data is in place); returns the epoch's
     stats, the next step number, and the micro-batch it paused before (``None``: the epoch ended).
-    After each optimizer step every rank passes a pause point (``TrialContext.pause_point``)."""
+    After each optimizer step every rank passes a pause point (``TrialContext.pause_point``).
+    ``amp``: the precision (autocast and loss scaler; default fp32). ``stats.correct`` counts right
+    predictions: per sample, or per position of a sequence."""
+    amp = amp or Precision("fp32", ctx.device, strategy)
+    stepped = amp.optimizer(opt)
     accum = ctx.config.grad_accum_steps
     n = len(loader)
     stats = stats or EpochStats()
@@ -132,15 +178,16 @@ def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: Opti
         last = pos == group - 1
         xb, yb = xb.to(ctx.device), yb.to(ctx.device)
         with strategy.no_sync() if not last else contextlib.nullcontext():
-            out = net(xb)
-            loss = nn.functional.cross_entropy(out, yb)
-            (loss / group).backward()
+            with amp.autocast():
+                out = net(xb)
+                loss = task_loss(out, yb)
+            amp.backward(loss / group)
         stats.loss_sum += float(loss.detach()) * len(xb)
-        stats.correct += int((out.argmax(1) == yb).sum())
+        stats.correct += _correct(out, yb)
         stats.seen += len(xb)
         if last:
             strategy.after_backward()
-            strategy.step(opt)
+            strategy.step(stepped)
             strategy.meter.end_step()
             step += 1
             if i + 1 < n and ctx.pause_point():
@@ -149,6 +196,17 @@ def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: Opti
     ctx.pause_point(last=True)  # the epoch ends here anyway: should_stop() decides with the rest
     stats.seconds += time.perf_counter() - t0
     return stats, step, None
+
+
+def _peak_memory(ctx: TrialContext, memory: PeakMemory) -> dict[str, float]:
+    """``peak_memory_mb``: the largest over the ranks (a collective in a distributed trial)."""
+    mine = memory.mb()
+    value = -1.0 if mine is None else mine
+    if ctx.distributed:
+        t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        value = float(t.item())
+    return {} if value < 0 else {"peak_memory_mb": value}
 
 
 def _ranks_identical(ctx: TrialContext, digest: str) -> bool:
@@ -162,11 +220,13 @@ def _ranks_identical(ctx: TrialContext, digest: str) -> bool:
 def _finish(ctx: TrialContext, model: nn.Module) -> float:
     """Record this rank's final weights (digest file, optional state_dict); 1.0 if ranks agree."""
     digest = weights_digest(model)
+    final = ({k: _full(v) for k, v in model.state_dict().items()}
+             if os.environ.get("HPOFLOW_SAVE_FINAL_STATE") == "1" else None)  # whole tensors: on every rank
     try:
         ctx.trial_dir.mkdir(parents=True, exist_ok=True)
         (ctx.trial_dir / f"weights_rank{ctx.rank}.sha256").write_text(digest + "\n")
-        if os.environ.get("HPOFLOW_SAVE_FINAL_STATE") == "1":
-            torch.save(model.state_dict(), ctx.trial_dir / f"final_state_rank{ctx.rank}.pt")
+        if final is not None:
+            torch.save(final, ctx.trial_dir / f"final_state_rank{ctx.rank}.pt")
     except OSError as exc:  # the weights are a by-product: never fail a trial over them
         log.warning("rank %d could not write its final weights: %s", ctx.rank, exc)
     return 1.0 if _ranks_identical(ctx, digest) else 0.0
@@ -191,15 +251,18 @@ class Progress:
 
 def _checkpoint_state(progress: Progress, model: nn.Module, optimizer: torch.optim.Optimizer,
                       strategy: Strategy, metrics: dict[str, float], fingerprint: str, batch: int = 0,
-                      stats: EpochStats | None = None) -> dict[str, Any]:
+                      stats: EpochStats | None = None, amp: Precision | None = None) -> dict[str, Any]:
     """Everything to resume after ``progress.epoch`` epochs and ``batch`` micro-batches of the next
     (a pause in the middle of an epoch, with that epoch's ``stats`` so far); RNG states are added by
     the context. Data order is a function of the epoch (``DistributedSampler`` seeded by the trial's
-    seed and ``set_epoch``), so the position is the epoch and the micro-batch."""
+    seed and ``set_epoch``), so the position is the epoch and the micro-batch. The model and the
+    optimizer are the strategy's to save (``training_state``: this rank's shards for zero1 and fsdp);
+    ``amp`` the fp16 loss scaler's state."""
     partial = stats or EpochStats()
     return {
         "epoch": progress.epoch, "step": progress.step,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "strategy": strategy.state_dict(),
+        **strategy.training_state(model, optimizer), "strategy": strategy.state_dict(),
+        "amp": amp.state_dict() if amp is not None else {},
         "data": {"epoch": progress.epoch, "batch": batch},
         "epoch_stats": {"loss_sum": partial.loss_sum, "correct": partial.correct, "seen": partial.seen,
                         "seconds": partial.seconds},
@@ -215,8 +278,7 @@ def _restore(ctx: TrialContext, saved: dict[str, Any], model: nn.Module, optimiz
             f"checkpoint: the checkpoint in {ctx.checkpoints.directory} (step {ctx.resumed_step}) was written "
             "by a trial with a different training config (only epochs and checkpoint may change on a "
             "resume). Fix: delete that directory to start over, or resume with the same config")
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
+    strategy.load_training_state(saved, model, optimizer)
     strategy.load_state_dict(saved["strategy"])
     p = saved["progress"]
     progress = Progress(int(saved["epoch"]), int(saved["step"]), float(p["t_train"]), int(p["samples"]))
@@ -250,12 +312,13 @@ def _batch_for(ctx: TrialContext, world: int) -> tuple[int, int]:
 def train_builtin(ctx: TrialContext) -> dict[str, float]:
     cfg = ctx.config
     torch.manual_seed(cfg.seed)
-    data = load_dataset(cfg.dataset, cfg.val_fraction)
-    model = build_model(cfg.model, data.input_shape, data.n_classes, **cfg.model_options).to(ctx.device)
+    data = load_dataset(cfg.dataset, cfg.val_fraction, sequence_length=cfg.model_options.get("context"))
     world = ctx.world_size if ctx.distributed else 1
     env = StrategyEnv(rank=ctx.rank if ctx.distributed else 0, world_size=world, lr=cfg.lr,
                       device=ctx.device)
     strategy = make_strategy(cfg.strategy, cfg.strategy_options, env)
+    memory = PeakMemory(ctx.device)  # from here: what training adds (hpoflow.train.memory)
+    model = build_model(cfg.model, data.input_shape, data.n_classes, **cfg.model_options).to(ctx.device)
     try:
         net = strategy.wrap(model)
         train_set = TensorDataset(data.x_train, data.y_train)
@@ -266,10 +329,12 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
         loader = DataLoader(train_set, batch_size=local_batch, sampler=sampler)
         steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum_steps)
         schedule = LrSchedule.from_config(cfg, base, steps_per_epoch)
-        opt_base = make_optimizer(cfg.optimizer, model.parameters(), schedule.lr_at(0), cfg.momentum,
-                                  cfg.weight_decay)
+        opt_class, opt_kwargs = optimizer_spec(cfg.optimizer, schedule.lr_at(0), cfg.momentum, cfg.weight_decay)
+        opt_base = strategy.build_optimizer(model.parameters(), opt_class, **opt_kwargs)
         opt: OptimizerLike = LARS(opt_base, cfg.lars_trust_coefficient) if cfg.lars else opt_base
         strategy.prepare_optimizer(opt)
+        amp = Precision(cfg.precision, ctx.device, strategy)
+        per_sample = max(1, data.y_train[0].numel())  # predictions per sample: positions of a sequence
         metrics: dict[str, float] = {}
         every = cfg.checkpoint.every
         fingerprint = config_fingerprint(cfg)
@@ -279,18 +344,20 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
         saved = ctx.load_checkpoint(restore_rng=False)
         if saved is not None:
             progress, metrics = _restore(ctx, saved, model, opt_base, strategy, fingerprint)
+            amp.load_state_dict(saved.get("amp") or {})
         start_batch, partial = _partial_epoch(saved)
         if not start_batch:
             ctx.restore_checkpoint_rng()  # at an epoch boundary: before the next epoch's data iterator
         resumed = float(progress.epoch)
 
         def state(batch: int = 0, stats: EpochStats | None = None) -> dict[str, Any]:
-            return _checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint, batch, stats)
+            return _checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint, batch, stats, amp)
 
         for epoch in range(progress.epoch, cfg.epochs):
             sampler.set_epoch(epoch)
             stats, step, paused = train_epoch(ctx, net, strategy, opt, loader, schedule, progress.step,
-                                              start_batch, partial, ctx.restore_checkpoint_rng if start_batch else None)
+                                              start_batch, partial, ctx.restore_checkpoint_rng if start_batch else None,
+                                              amp)
             start_batch, partial = 0, None
             if paused is not None:  # stop at this step with a checkpoint; the trial resumes from it
                 progress.step = step  # (the epoch's time so far travels in its stats)
@@ -307,12 +374,13 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
             if not math.isfinite(train_loss):
                 raise NonFiniteLoss(f"training loss is {train_loss} at epoch {epoch + 1} "
                                     f"(lr={schedule.target_lr:g}, strategy={cfg.strategy})")
-            val_loss, val_acc = evaluate(strategy.eval_module(), data.x_val, data.y_val, ctx.device)
+            val_loss, val_acc = evaluate(strategy.eval_module(), data.x_val, data.y_val, ctx.device,
+                                         autocast=amp.autocast)
             metrics = {
                 "val_accuracy": val_acc,
                 "val_loss": val_loss,
                 "train_loss": train_loss,
-                "train_accuracy": stats.correct / max(stats.seen, 1),
+                "train_accuracy": stats.correct / max(stats.seen * per_sample, 1),
                 "epoch": float(epoch + 1),
                 "samples_per_s": samples / t_train if t_train > 0 else 0.0,
                 "lr": schedule.lr_at(max(step - 1, 0)),
@@ -320,7 +388,11 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                 "world_size": float(world),
                 "resumed_from_epoch": resumed,
                 **strategy.comm_stats(),
+                **_peak_memory(ctx, memory),
             }
+            if data.task == "next_token":
+                metrics["val_perplexity"] = math.exp(min(val_loss, 700.0))
+                metrics["tokens_per_s"] = metrics["samples_per_s"] * per_sample
             ctx.report(epoch + 1, **metrics)
             # Epoch boundary: every rank is consistent here. Checkpoints are keyed by epochs done.
             saved_here = every > 0 and (epoch + 1) % every == 0

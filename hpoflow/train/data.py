@@ -1,17 +1,38 @@
-"""Built-in data sets: scikit-learn's digits (real data, shipped with scikit-learn) and a synthetic one.
+"""Built-in data sets: scikit-learn's digits (real data, shipped with scikit-learn), a synthetic one,
+and ``chars``, a character-level text corpus generated here from a fixed grammar.
 
-The validation split is fixed (stratified, seed 0) whatever the trial's seed, so every trial is
-scored on the same held-out images. Each rank trains on its own shard (``DistributedSampler``).
+Each data set says its *task*: ``classify`` (one label per sample: digits, synthetic) or
+``next_token`` (a sequence of token ids per sample, the label of each position the next token:
+chars); the built-in trainer computes its loss and metrics from it (``hpoflow.train.builtin``).
+
+The validation split is fixed whatever the trial's seed, so every trial is scored on the same
+held-out data: digits and synthetic are split stratified with seed 0; chars keeps the first
+``1 - val_fraction`` of the text for training and the rest for validation. Each rank trains on its
+own shard (``DistributedSampler``).
+
+``chars`` (``CHARS_LENGTH`` characters, 56 distinct): English-like sentences drawn from a
+small grammar (names, places, adjectives, nouns, verbs, numbers, quoted speech, questions,
+paragraphs) by ``random.Random(0)``, so the text is the same on every machine and Python version
+and nothing is downloaded. A sample is a window of ``sequence_length`` characters (the ``gpt``
+model's ``context``, default 64) and its targets the same window shifted by one; windows do not
+overlap.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 import torch
 
-__all__ = ["DATASETS", "Dataset", "DatasetInfo", "dataset_info", "load_dataset"]
+__all__ = ["CHARS_LENGTH", "DATASETS", "Dataset", "DatasetInfo", "chars_corpus", "dataset_info", "load_dataset"]
+
+Task = Literal["classify", "next_token"]
+CHARS_LENGTH = 65_536
+DEFAULT_SEQUENCE_LENGTH = 64
 
 
 @dataclass(frozen=True)
@@ -21,7 +42,8 @@ class Dataset:
     x_val: torch.Tensor
     y_val: torch.Tensor
     input_shape: tuple[int, ...]
-    n_classes: int
+    n_classes: int  # classes, or the vocabulary of a next_token data set
+    task: Task = "classify"
 
 
 @dataclass(frozen=True)
@@ -30,21 +52,29 @@ class DatasetInfo:
 
     input_shape: tuple[int, ...]
     n_classes: int
-    n_samples: int  # before the validation split
+    n_samples: int  # before the validation split (chars: characters of text)
+    task: Task = "classify"
 
 
 DATASETS: dict[str, DatasetInfo] = {
     "digits": DatasetInfo((1, 8, 8), 10, 1797),  # scikit-learn's load_digits
     "synthetic": DatasetInfo((1, 8, 8), 10, 2000),
+    "chars": DatasetInfo((DEFAULT_SEQUENCE_LENGTH,), 56, CHARS_LENGTH, "next_token"),
 }
 
 
-def dataset_info(name: str, val_fraction: float = 0.2) -> tuple[tuple[int, ...], int, int]:
+def dataset_info(name: str, val_fraction: float = 0.2, sequence_length: int | None = None
+                 ) -> tuple[tuple[int, ...], int, int]:
     """(input shape, classes, training samples after the split) of a built-in data set: the same
-    split as ``load_dataset`` (scikit-learn's ``train_test_split`` rounds the test part up)."""
+    split as ``load_dataset`` (scikit-learn's ``train_test_split`` rounds the test part up; chars
+    counts the windows of ``sequence_length`` characters, default 64, in its training text)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; built-in data sets: {', '.join(DATASETS)}")
     info = DATASETS[name]
+    if info.task == "next_token":
+        t = sequence_length or DEFAULT_SEQUENCE_LENGTH
+        n_train, _ = _chars_split(val_fraction)
+        return (t,), info.n_classes, (n_train - 1) // t
     n_val = -(-info.n_samples * val_fraction // 1)  # ceil, as train_test_split does
     return info.input_shape, info.n_classes, info.n_samples - int(n_val)
 
@@ -62,8 +92,9 @@ def _split(x: np.ndarray, y: np.ndarray, val_fraction: float) -> Dataset:
     )
 
 
-def load_dataset(name: str, val_fraction: float = 0.2) -> Dataset:
-    """Load a built-in data set as float32 image tensors ``(N, C, H, W)`` and int64 labels."""
+def load_dataset(name: str, val_fraction: float = 0.2, sequence_length: int | None = None) -> Dataset:
+    """Load a built-in data set: float32 image tensors ``(N, C, H, W)`` and int64 labels, or (chars)
+    int64 windows ``(N, sequence_length)`` and their next-character targets of the same shape."""
     if name == "digits":
         from sklearn.datasets import load_digits
 
@@ -77,4 +108,85 @@ def load_dataset(name: str, val_fraction: float = 0.2) -> Dataset:
         y = rng.integers(0, 10, size=n).astype(np.int64)
         x = centers[y] + 0.8 * rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
         return _split(x, y, val_fraction)
-    raise ValueError(f"unknown dataset {name!r}; built-in data sets: digits, synthetic")
+    if name == "chars":
+        return _chars(val_fraction, sequence_length or DEFAULT_SEQUENCE_LENGTH)
+    raise ValueError(f"unknown dataset {name!r}; built-in data sets: {', '.join(DATASETS)}")
+
+
+# -- chars ----------------------------------------------------------------------------------------
+_NAMES = ("Ada", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Iris", "Jonas", "Kira",
+          "Lucas", "Mara", "Nils", "Olga", "Pavel")
+_PLACES = ("the river", "the old mill", "the market", "the harbour", "the forest", "the tower", "the garden",
+           "the station", "the library", "the bridge", "the valley", "the square")
+_ADJECTIVES = ("small", "quiet", "bright", "heavy", "narrow", "ancient", "green", "cold", "broken", "golden",
+               "patient", "crooked", "distant", "warm", "strange", "empty")
+_NOUNS = ("lamp", "letter", "horse", "window", "basket", "clock", "boat", "key", "map", "stone", "coat",
+          "bell", "door", "candle", "ladder", "wheel", "book", "kettle", "rope", "mirror")
+_VERBS = ("found", "carried", "painted", "lost", "mended", "opened", "sold", "watched", "counted", "hid",
+          "dropped", "cleaned", "followed", "borrowed", "measured", "kept")
+_MOTION = ("walked to", "ran past", "waited near", "sailed under", "climbed over", "returned from",
+           "slept beside", "looked at")
+_TIMES = ("in the morning", "at noon", "after dark", "before the rain", "on Sunday", "every evening",
+          "in winter", "at dawn")
+_SAID = ("said", "asked", "whispered", "shouted", "replied")
+_NUMBERS = ("two", "three", "four", "seven", "twelve", "19", "40", "365")
+
+
+def _sentence(r: random.Random) -> str:
+    name, other = r.sample(_NAMES, 2)
+    adj, noun = r.choice(_ADJECTIVES), r.choice(_NOUNS)
+    kind = r.randrange(7)
+    if kind == 0:
+        return f"{name} {r.choice(_VERBS)} the {adj} {noun} {r.choice(_TIMES)}."
+    if kind == 1:
+        return f"The {adj} {noun} was near {r.choice(_PLACES)}, and {name} {r.choice(_VERBS)} it."
+    if kind == 2:
+        return f"{name} {r.choice(_MOTION)} {r.choice(_PLACES)} with {other}."
+    if kind == 3:
+        return f"\"Where is the {noun}?\" {r.choice(_SAID)} {name}."
+    if kind == 4:
+        return f"{other} {r.choice(_VERBS)} {r.choice(_NUMBERS)} {noun}s at {r.choice(_PLACES)}."
+    if kind == 5:
+        return f"Did {name} see the {adj} {noun}? {other} did not."
+    return f"\"The {noun} is {adj},\" {r.choice(_SAID)} {other}, \"and {name} {r.choice(_VERBS)} it!\""
+
+
+@lru_cache(maxsize=1)
+def chars_corpus() -> str:
+    """The chars text: ``CHARS_LENGTH`` characters, the same on every machine."""
+    r = random.Random(0)  # Random's integer draws are stable across Python versions
+    parts: list[str] = []
+    size = 0
+    while size < CHARS_LENGTH:
+        paragraph = " ".join(_sentence(r) for _ in range(r.randint(2, 6))) + "\n"
+        parts.append(paragraph)
+        size += len(paragraph)
+    return "".join(parts)[:CHARS_LENGTH]
+
+
+def _chars_split(val_fraction: float) -> tuple[int, int]:
+    """(training characters, validation characters) of the chars text."""
+    n_val = max(2, round(CHARS_LENGTH * val_fraction))
+    return CHARS_LENGTH - n_val, n_val
+
+
+def _windows(ids: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = (len(ids) - 1) // t
+    if n < 1:
+        raise ValueError(f"chars: a text of {len(ids)} characters holds no window of {t + 1}; lower the "
+                         "model's context or val_fraction")
+    return ids[: n * t].view(n, t), ids[1 : n * t + 1].view(n, t)
+
+
+def _chars(val_fraction: float, t: int) -> Dataset:
+    text = chars_corpus()
+    vocab = sorted(set(text))
+    if len(vocab) != DATASETS["chars"].n_classes:  # the grammar and the table above must agree
+        raise RuntimeError(f"chars: the corpus has {len(vocab)} distinct characters, DATASETS says "
+                           f"{DATASETS['chars'].n_classes}")
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
+    n_train, _ = _chars_split(val_fraction)
+    x_tr, y_tr = _windows(ids[:n_train], t)
+    x_va, y_va = _windows(ids[n_train:], t)
+    return Dataset(x_tr, y_tr, x_va, y_va, (t,), len(vocab), "next_token")

@@ -4,12 +4,14 @@
 by the built-in model's; registry entries in ``hpoflow.registry`` (``STRATEGIES``, ``MODELS``) point
 here. docs/strategies.md explains each option. A strategy's ``oracle_plan()`` says how the
 parallelism oracle prices it (the fields of ``hpoflow.oracle.Plan``); a strategy without one is not
-judged by the oracle.
+judged by the oracle. A model's options model may say which data sets it trains on with a class
+attribute ``task`` (``classify``, the default, or ``next_token``): the spec checks it against the
+data set's task at validate time.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -19,9 +21,12 @@ __all__ = [
     "AllReduceOptions",
     "CNNOptions",
     "EASGDOptions",
+    "FSDPOptions",
+    "GPTOptions",
     "LocalSGDOptions",
     "MLPOptions",
     "ParameterServerOptions",
+    "ZeRO1Options",
 ]
 
 
@@ -82,6 +87,33 @@ class LocalSGDOptions(Options):
         return {"strategy": "easgd", "period": self.period}
 
 
+class ZeRO1Options(Options):
+    """ZeRO stage 1: gradients all-reduced by DDP, the optimizer state sharded over the ranks
+    (``torch.distributed.optim.ZeroRedundancyOptimizer``)."""
+
+    bucket_cap_mb: float = Field(default=25.0, gt=0)
+
+    def oracle_plan(self) -> dict[str, Any]:
+        """Priced as ZeRO-1: DDP's all-reduce of the gradients (its buckets), optimizer state / p per
+        rank, and each rank's updated shard broadcast after the step."""
+        return {"strategy": "zero1", "bucket_mb": self.bucket_cap_mb}
+
+
+class FSDPOptions(Options):
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``) per block: parameters, gradients and optimizer
+    state sharded; each block's parameters all-gathered for its forward (and again for its backward
+    when ``reshard_after_forward``), its gradients reduce-scattered."""
+
+    reshard_after_forward: bool = True
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    cpu_offload: bool = False
+
+    def oracle_plan(self) -> dict[str, Any]:
+        dtype = "fp32" if self.mixed_precision == "none" else self.mixed_precision
+        return {"strategy": "fsdp", "reshard_after_forward": self.reshard_after_forward, "param_dtype": dtype,
+                "cpu_offload": self.cpu_offload}
+
+
 class MLPOptions(Options):
     """The built-in MLP: ``depth`` hidden layers of ``hidden`` units."""
 
@@ -96,3 +128,24 @@ class CNNOptions(Options):
     channels: int = Field(default=32, ge=1)
     hidden: int = Field(default=128, ge=1)
     dropout: float = Field(default=0.0, ge=0, lt=1)
+
+
+class GPTOptions(Options):
+    """The built-in GPT-style decoder: ``layers`` blocks of ``heads`` attention heads over ``width``
+    channels, trained on windows of ``context`` tokens (dataset: chars)."""
+
+    task: ClassVar[str] = "next_token"
+
+    layers: int = Field(default=2, ge=1, le=96)
+    heads: int = Field(default=4, ge=1)
+    width: int = Field(default=128, ge=1)
+    context: int = Field(default=64, ge=2, le=4096)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTOptions:
+        if self.width % self.heads:
+            fit = self.heads * max(1, round(self.width / self.heads))
+            raise ValueError(f"width must be a multiple of heads (each head takes width / heads channels), but "
+                             f"got width={self.width}, heads={self.heads}. Fix: e.g. width={fit}")
+        return self

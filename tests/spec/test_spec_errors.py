@@ -66,7 +66,7 @@ CASES = [
      "space.width", 9, "type"),
     ("placeholder wrong type", "  epochs: 2", "  epochs: ${opt}", "training.epochs", 16, "${opt} can be 'adam'"),
     ("unknown built-in model", "model: mlp", "model: resnet9000", "training.model", 15,
-     "unknown model 'resnet9000'; valid models: cnn, mlp"),
+     "unknown model 'resnet9000'; valid models: cnn, gpt, mlp"),
     ("duplicate key", "  epochs: 2\n", "  epochs: 2\n  epochs: 3\n", "training.epochs", 17, "duplicate key"),
     ("grid needs step", "algorithm: tpe", "algorithm: grid", "space.lr", 6, "needs step"),
     ("unknown metric", "metric: val_accuracy", "metric: accuracy", "study.metric", 3, "did you mean"),

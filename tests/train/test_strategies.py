@@ -251,8 +251,8 @@ def test_parameter_server_two_servers_split_the_traffic(session: list[dict[str, 
 
 # -- registry and units ---------------------------------------------------------------------------
 def test_registry_lists_valid_names_on_unknown() -> None:
-    assert strategy_names() == ["allreduce", "easgd", "local_sgd", "parameter_server"]
-    with pytest.raises(ValueError, match="valid strategies: allreduce, easgd, local_sgd"):
+    assert strategy_names() == ["allreduce", "easgd", "fsdp", "local_sgd", "parameter_server", "zero1"]
+    with pytest.raises(ValueError, match="valid strategies: allreduce, easgd, fsdp, local_sgd"):
         make_strategy("hogwild", {}, StrategyEnv())
 
 

@@ -77,7 +77,7 @@ def test_unknown_strategy_lists_the_valid_ones(tmp_path: Path) -> None:
     p.write_text(SPEC.format(options="    {}").replace('"${strategy}"', "hogwild")
                  .replace("  strategy: {type: categorical, choices: [allreduce, easgd, local_sgd]}",
                           "  lr: {type: categorical, choices: [0.1]}"))
-    with pytest.raises(SpecError, match="valid strategies: allreduce, easgd, local_sgd, parameter_server"):
+    with pytest.raises(SpecError, match="valid strategies: allreduce, easgd, fsdp, local_sgd, parameter_server, zero1"):
         load_spec(p)
 
 

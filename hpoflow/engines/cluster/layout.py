@@ -15,8 +15,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from hpoflow.engines.base import TrialRequest
+from hpoflow.engines.machine import GpuId, parse_visible_devices
 from hpoflow.registry import LAUNCHERS
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "srun_argv",
     "ssh_argv",
 ]
+
+T = TypeVar("T")
 
 RANK_CLI = "hpoflow.engines.cluster.node"
 
@@ -67,15 +71,17 @@ def bound_cpus(env: Mapping[str, str]) -> list[int] | None:
     return cpus or None
 
 
-def bound_gpus(env: Mapping[str, str]) -> list[int]:
-    """The GPUs bound to this task: ``COMPSS_BINDED_GPUS``, else ``CUDA_VISIBLE_DEVICES``, else none."""
-    for name in ("COMPSS_BINDED_GPUS", "CUDA_VISIBLE_DEVICES"):
-        if env.get(name, "").strip():
-            return parse_id_list(env[name])
+def bound_gpus(env: Mapping[str, str]) -> list[GpuId]:
+    """The GPUs bound to this task: ``COMPSS_BINDED_GPUS``, else ``CUDA_VISIBLE_DEVICES`` (indices, or
+    GPU and MIG UUIDs as SLURM sets them: ``hpoflow.engines.machine.parse_visible_devices``), else none."""
+    if env.get("COMPSS_BINDED_GPUS", "").strip():
+        return list(parse_id_list(env["COMPSS_BINDED_GPUS"]))
+    if env.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return parse_visible_devices(env["CUDA_VISIBLE_DEVICES"])
     return []
 
 
-def split_for_ranks(items: Sequence[int], n_ranks: int, per_rank: int) -> list[tuple[int, ...]]:
+def split_for_ranks(items: Sequence[T], n_ranks: int, per_rank: int) -> list[tuple[T, ...]]:
     """Give each of ``n_ranks`` its ``per_rank`` items in order; if there are too few, share them
     round-robin (never an empty share while any item exists)."""
     if per_rank <= 0 or not items:

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpoflow.credentials import scrub
 from hpoflow.engines.cluster.layout import (
@@ -48,6 +48,9 @@ from hpoflow.engines.cluster.layout import (
 from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
 from hpoflow.fileio import read_json, write_json_atomic
 from hpoflow.train.transport import TrialFiles
+
+if TYPE_CHECKING:
+    from hpoflow.engines.machine import GpuId
 
 __all__ = ["main"]
 
@@ -131,7 +134,7 @@ def _node_index(args: argparse.Namespace) -> int:
 
 
 def _rank_env(job: dict[str, Any], rank: int, local_rank: int, ppn: int, cores: tuple[int, ...],
-              gpus: tuple[int, ...], use_gpu_env: bool) -> dict[str, str]:
+              gpus: tuple[GpuId, ...], use_gpu_env: bool) -> dict[str, str]:
     env = dict(os.environ)
     scrub(env, any_database_url=True)  # a storage URL with a password in the job's environment: not for ranks
     for name in ("COMPSS_BINDED_CPUS", "COMPSS_BINDED_GPUS"):

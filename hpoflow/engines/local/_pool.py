@@ -29,6 +29,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from hpoflow.credentials import scrub_environ
+from hpoflow.engines.machine import GpuId
 from hpoflow.engines.proc import kill_tree, start_without_main
 from hpoflow.errors import EngineError
 
@@ -52,7 +53,7 @@ class Worker:
     wid: int
     proc: BaseProcess
     conn: Connection
-    gpus: tuple[int, ...] | None = None
+    gpus: tuple[GpuId, ...] | None = None
     trial: int | None = None
     rank: int = -1
     trials_run: int = 0
@@ -197,7 +198,7 @@ class WorkerPool:
         child.close()
         return proc, parent
 
-    def acquire(self, gpus: tuple[int, ...], needs_torch: bool) -> Worker:
+    def acquire(self, gpus: tuple[GpuId, ...], needs_torch: bool) -> Worker:
         """An idle worker that may use ``gpus`` (same binding, or never bound): a warm one if any; a
         light one for a rank that ``needs_torch`` not, also started anew while no warm worker exists
         yet; else a new warm one. Call with ``lock`` held."""

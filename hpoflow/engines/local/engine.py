@@ -21,6 +21,8 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
 from multiprocessing.reduction import send_handle
@@ -32,7 +34,7 @@ from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.engines.local._pool import Worker, WorkerPool
 from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
-from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
+from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
@@ -47,7 +49,7 @@ __all__ = ["LocalEngine", "plan_placement"]
 
 _LOG_DRAIN_S = 5.0  # how long a result waits for its rank logs' pipes to drain (normally milliseconds)
 
-def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[int]
+def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[GpuId]
                    ) -> list[Placement] | None:
     """Cores and GPUs for each rank of ``request`` from the free ones, or ``None`` if they don't fit."""
     need_c = request.processes * request.cpus_per_process
@@ -108,11 +110,11 @@ class LocalEngine(Engine):
         return cls(cores=options.cores, gpus=options.gpus, pg_timeout_s=options.pg_timeout_s,
                    max_trials_per_worker=options.max_trials_per_worker)
 
-    def __init__(self, cores: list[int] | None = None, gpus: list[int] | None = None,
+    def __init__(self, cores: list[int] | None = None, gpus: Sequence[GpuId] | None = None,
                  preload: list[str] | None = None, pg_timeout_s: float = 120.0,
                  max_trials_per_worker: int = 0, prestart: bool = True) -> None:
         self.cores = machine_cores() if cores is None else list(cores)
-        self.gpus = detect_gpus() if gpus is None else list(gpus)
+        self.gpus: list[GpuId] = detect_gpus() if gpus is None else list(gpus)
         self.free_cores = list(self.cores)
         self.free_gpus = list(self.gpus)
         self.pg_timeout_s = pg_timeout_s
@@ -481,10 +483,16 @@ class LocalEngine(Engine):
         if t.store:
             with contextlib.suppress(OSError):
                 os.unlink(t.store)
+        cores, gpus = Counter(self.free_cores), Counter(self.free_gpus)
         for p in t.placement:
-            self.free_cores.extend(c for c in p.cores if c not in self.free_cores)
-            self.free_gpus.extend(g for g in p.gpus if g not in self.free_gpus)
-        self.free_cores.sort()
-        self.free_gpus.sort()
+            cores.update(p.cores)
+            gpus.update(p.gpus)
+        # never more of one id than the engine has: a core listed twice in ``cores`` is two slots (a
+        # bench oversubscribing the cores does that), and releasing twice frees nothing twice
+        cores &= Counter(self.cores)
+        gpus &= Counter(self.gpus)
+        self.free_cores = sorted(cores.elements())
+        # the engine's own order: indices and UUIDs (GpuId) may mix in CUDA_VISIBLE_DEVICES and do not sort
+        self.free_gpus = [g for g in dict.fromkeys(self.gpus) for _ in range(gpus[g])]
         for w in t.workers:
             self._pool.release(w)

@@ -5,12 +5,15 @@
 contract of ``_base.Strategy``); unknown names give an error listing the valid ones. The spec's
 ``TrainConfig`` validates the options through the registry's options model (torch-free, built-ins in
 ``hpoflow.train.options``) before a trial starts.
+
+``ZeRO1`` and ``FSDP`` are imported on first use (``torch.distributed.optim``, ``.fsdp`` and
+``.checkpoint`` take about a second to import), so a trial of another strategy never pays for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpoflow.registry import STRATEGIES, NoOptions, Options
 from hpoflow.train.strategies._allreduce import AllReduce
@@ -19,8 +22,13 @@ from hpoflow.train.strategies._easgd import EASGD
 from hpoflow.train.strategies._local_sgd import LocalSGD
 from hpoflow.train.strategies._parameter_server import ParameterServer
 
+if TYPE_CHECKING:
+    from hpoflow.train.strategies._fsdp import FSDP
+    from hpoflow.train.strategies._zero1 import ZeRO1
+
 __all__ = [
     "EASGD",
+    "FSDP",
     "AllReduce",
     "CommMeter",
     "LocalSGD",
@@ -28,10 +36,22 @@ __all__ = [
     "ParameterServer",
     "Strategy",
     "StrategyEnv",
+    "ZeRO1",
     "make_strategy",
     "register_strategy",
     "strategy_names",
 ]
+
+_LAZY = {"ZeRO1": "hpoflow.train.strategies._zero1", "FSDP": "hpoflow.train.strategies._fsdp"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def register_strategy(cls: type[Strategy], options: type[Options] = NoOptions) -> type[Strategy]:
     """Register ``cls`` under ``cls.name`` in ``hpoflow.registry.STRATEGIES`` with its options model;

@@ -6,7 +6,9 @@ every rank makes the same calls in the same order (each call may be a collective
 1. ``wrap(model) -> nn.Module`` once, before the optimizer exists. It makes the ranks' models
    identical (broadcast from rank 0 or DDP's own) and returns the module to run forward/backward on
    (a ``DistributedDataParallel`` for ``allreduce``, the model itself otherwise).
-2. ``prepare_optimizer(optimizer)`` once, after the optimizer is built on ``model.parameters()``.
+2. ``build_optimizer(params, optimizer_class, **defaults)`` once, after ``wrap``: the optimizer
+   over ``model.parameters()`` (``optimizer_class(params, **defaults)``; ``zero1`` shards its state
+   in a ``ZeroRedundancyOptimizer``); then ``prepare_optimizer(optimizer)`` once.
 3. For every optimizer step: ``before_step()``; then one or more micro-batches whose
    forward/backward run inside ``no_sync()`` except the last (gradient accumulation); then
    ``after_backward()`` (gradient exchange) and ``step(optimizer)``, which applies the update and
@@ -20,7 +22,11 @@ every rank makes the same calls in the same order (each call may be a collective
    totals) as plain tensors and numbers, for checkpoints (``hpoflow.train.checkpoint``). The state
    may differ between ranks (each rank checkpoints its own). ``load_state_dict`` runs after
    ``wrap`` and ``prepare_optimizer`` and is local (no collective); it rejects another strategy's
-   state or a different configuration with ``ValueError``.
+   state or a different configuration with ``ValueError``. The model's and the optimizer's state
+   go through ``training_state(model, optimizer)`` / ``load_training_state(state, model,
+   optimizer)``: ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` for a
+   replicated model; this rank's shards for ``zero1`` and ``fsdp`` (``_sharded_state``). These two
+   may be collectives (every rank calls them at the same point).
 6. ``close()`` in ``finally``: releases what the strategy owns. Strategies create no process
    groups of their own (they use the trial's default group, which ``runner.run_rank`` destroys).
 
@@ -44,7 +50,7 @@ import abc
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -248,6 +254,12 @@ class Strategy(abc.ABC):
     def wrap(self, model: nn.Module) -> nn.Module:
         """Attach to ``model``, make the ranks identical, return the module to train through."""
 
+    def build_optimizer(self, params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
+                        **defaults: Any) -> torch.optim.Optimizer:
+        """The trial's optimizer over ``params`` (the wrapped model's): ``optimizer_class(params,
+        **defaults)`` unless the strategy shards it."""
+        return optimizer_class(params, **defaults)
+
     def prepare_optimizer(self, optimizer: OptimizerLike) -> None:  # noqa: B027 - optional hook
         """Adjust the optimizer once (e.g. MEASGD's Nesterov momentum)."""
 
@@ -295,6 +307,22 @@ class Strategy(abc.ABC):
                 f"{self.name!r}. Fix: resume with the same training.strategy, or delete the checkpoint "
                 "directory to start over")
         self.meter.load_state_dict(state.get("meter", {}))
+
+    def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The model's and the optimizer's state for a checkpoint: ``{"model": ..., "optimizer": ...}``
+        (a replicated model: their ``state_dict()``s; a sharded strategy: this rank's shards)."""
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_training_state(self, state: Mapping[str, Any], model: nn.Module,
+                            optimizer: torch.optim.Optimizer) -> None:
+        """Restore ``training_state``'s output (after ``wrap`` and ``build_optimizer``)."""
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def make_grad_scaler(self) -> torch.amp.GradScaler:
+        """The loss scaler of an fp16 trial: its decision to skip a step (an inf or NaN gradient) must
+        be the same on every rank that holds the same model (a sharded strategy all-reduces it)."""
+        return torch.amp.GradScaler(self.env.device.type)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the strategy holds (called in ``finally``)."""

@@ -1,0 +1,429 @@
+"""The sharded strategies, zero1 and fsdp, with real gloo processes on loopback.
+
+One 2-rank session (``session`` fixture) runs every scenario once and each test checks its part:
+2 ranks x batch b against one process with batch 2b, identical (whole) weights on every rank after
+every step, measured bytes per step against the all-gather / reduce-scatter volumes, gradient
+accumulation, and a checkpoint's training state (this rank's shards) restored into fresh ranks that
+then continue bitwise like the uninterrupted run. Then real trials through the local engine: a
+killed rank resumes from the per-rank sharded checkpoints to bitwise the same weights, and (slow) a
+pause in the middle of an epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpoflow.engines import TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.local import LocalEngine
+from hpoflow.errors import SpecError
+from hpoflow.spec import TrainConfig, load_spec
+from hpoflow.train.checkpoint import checkpoint_name, decode, encode, read_checkpoint, snapshot
+from hpoflow.train.rendezvous import free_port
+from hpoflow.train.strategies import Strategy, StrategyEnv, make_strategy
+from tests.train.test_checkpoint import _rank_pid
+
+WORLD = 2
+B = 8
+STEPS = 5
+LR = 0.1
+EQUIV = {"zero1": ("zero1", {}), "fsdp": ("fsdp", {}), "fsdp_keep": ("fsdp", {"reshard_after_forward": False})}
+VOLUME: dict[str, tuple[str, dict[str, Any]]] = {
+    "zero1": ("zero1", {}),
+    "fsdp": ("fsdp", {}),
+    "fsdp_keep": ("fsdp", {"reshard_after_forward": False}),
+    "fsdp_bf16": ("fsdp", {"mixed_precision": "bf16"}),
+}
+
+
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _volume_model() -> nn.Module:  # ~400 kB of parameters in 3 units: protocol overhead is small
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _data(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return torch.randn(steps * batch, 64, generator=g), torch.randint(0, 10, (steps * batch,), generator=g)
+
+
+def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    return TrainConfig(strategy=name, strategy_options=options, optimizer="sgd").strategy_options
+
+
+def _whole(params: list[nn.Parameter]) -> torch.Tensor:
+    """Every parameter's whole value (a sharded one gathered: a collective), flattened."""
+    out = []
+    for p in params:
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(t.detach().reshape(-1).float())
+    return torch.cat(out)
+
+
+def _digest(params: list[nn.Parameter]) -> str:
+    return hashlib.sha256(_whole(params).numpy().tobytes()).hexdigest()
+
+
+def _build(name: str, opts: dict[str, Any], model: nn.Module, rank: int, world: int
+           ) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
+    s = make_strategy(name, _options(name, opts), StrategyEnv(rank, world, LR))
+    net = s.wrap(model)
+    opt = s.build_optimizer(model.parameters(), torch.optim.SGD, lr=LR, momentum=0.9, weight_decay=1e-4)
+    s.prepare_optimizer(opt)
+    return s, net, opt
+
+
+def _model(s: Strategy) -> nn.Module:
+    """The model the strategy wrapped (what the trainer checkpoints), not DDP's wrapper."""
+    assert s.model is not None
+    return s.model
+
+
+def _train(s: Strategy, net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+           steps: range, batch: int, rank: int, world: int, accum: int = 1) -> list[str]:
+    """Steps ``steps`` (rank r takes its rows of each global batch, in ``accum`` micro-batches);
+    the digest of the whole parameters after every step."""
+    digests = []
+    for k in steps:
+        lo = k * world * batch + rank * batch
+        xb, yb = x[lo : lo + batch], y[lo : lo + batch]
+        s.meter.begin_step()
+        opt.zero_grad(set_to_none=True)
+        s.before_step()
+        micro = batch // accum
+        for m in range(accum):
+            last = m == accum - 1
+            with s.no_sync() if not last else contextlib.nullcontext():
+                part = slice(m * micro, (m + 1) * micro)
+                (nn.functional.cross_entropy(net(xb[part]), yb[part]) / accum).backward()
+        s.after_backward()
+        s.step(opt)
+        s.meter.end_step()
+        digests.append(_digest(s.params))
+    return digests
+
+
+def _session_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        res: dict[str, Any] = {"equiv": {}, "digests": {}, "volume": {}, "resume": {}, "accum": {}}
+        x, y = _data(STEPS, WORLD * B)
+        for key, (name, opts) in EQUIV.items():
+            s, net, opt = _build(name, opts, _small_model(), rank, world)
+            res["digests"][key] = _train(s, net, opt, x, y, range(STEPS), B, rank, world)
+            res["equiv"][key] = _whole(s.params)
+            # gradient accumulation: 2 micro-batches of B/2 give the same step as one of B
+            s, net, opt = _build(name, opts, _small_model(), rank, world)
+            _train(s, net, opt, x, y, range(STEPS), B, rank, world, accum=2)
+            res["accum"][key] = _whole(s.params)
+        for key, (name, opts) in EQUIV.items():  # a checkpoint after 2 steps, restored into fresh ranks
+            s, net, opt = _build(name, opts, _small_model(), rank, world)
+            _train(s, net, opt, x, y, range(2), B, rank, world)
+            header, payload = encode(snapshot({**s.training_state(_model(s), opt), "strategy": s.state_dict()}))
+            state = decode(bytes(header) + bytes(payload))  # as a checkpoint file holds it (weights_only)
+            straight = _train(s, net, opt, x, y, range(2, STEPS), B, rank, world)
+            torch.manual_seed(99)  # the fresh model starts elsewhere: everything must come from the state
+            fresh = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+            s2, net2, opt2 = _build(name, opts, fresh, rank, world)
+            s2.load_training_state(state, _model(s2), opt2)
+            s2.load_state_dict(state["strategy"])
+            resumed = _train(s2, net2, opt2, x, y, range(2, STEPS), B, rank, world)
+            res["resume"][key] = (straight, resumed)
+        xv, yv = _data(6, WORLD * 32)
+        for key, (name, opts) in VOLUME.items():
+            s, net, opt = _build(name, opts, _volume_model(), rank, world)
+            _train(s, net, opt, xv, yv, range(4), 32, rank, world)
+            res["volume"][key] = s.comm_stats()
+        torch.save(res, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def session() -> list[dict[str, Any]]:
+    ctx = mp.get_context("forkserver")
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        procs = [ctx.Process(target=_session_rank, args=(r, WORLD, port, tmp)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 240  # a bound for a hang: the session takes seconds
+        try:
+            for p in procs:
+                p.join(max(0.1, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        errors = [f.read_text() for f in sorted(Path(tmp).glob("*.error"))]
+        assert not errors, "\n".join(errors)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _reference() -> torch.Tensor:
+    """One process, batch 2B, the same global batches in the same order."""
+    model = _small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-4)
+    x, y = _data(STEPS, WORLD * B)
+    for k in range(STEPS):
+        xb, yb = x[k * WORLD * B : (k + 1) * WORLD * B], y[k * WORLD * B : (k + 1) * WORLD * B]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    return _whole(list(model.parameters()))
+
+
+@pytest.mark.parametrize("key", list(EQUIV))
+def test_ranks_hold_the_same_whole_weights_after_every_step(session: list[dict[str, Any]], key: str) -> None:
+    d0, d1 = session[0]["digests"][key], session[1]["digests"][key]
+    assert len(d0) == STEPS and d0 == d1
+
+
+@pytest.mark.parametrize("key", list(EQUIV))
+def test_two_sharded_ranks_match_one_process_with_double_batch(session: list[dict[str, Any]], key: str) -> None:
+    ref = _reference()
+    assert not torch.equal(ref, _whole(list(_small_model().parameters()))), "the reference did not train"
+    torch.testing.assert_close(session[0]["equiv"][key], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("key", list(EQUIV))
+def test_gradient_accumulation_matches_one_micro_batch(session: list[dict[str, Any]], key: str) -> None:
+    torch.testing.assert_close(session[0]["accum"][key], session[0]["equiv"][key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("key", list(EQUIV))
+def test_a_restored_training_state_continues_bitwise(session: list[dict[str, Any]], key: str) -> None:
+    for rank in range(WORLD):
+        straight, resumed = session[rank]["resume"][key]
+        assert len(straight) == STEPS - 2
+        assert resumed == straight, (key, rank)
+
+
+def _theory(key: str, st: dict[str, float]) -> float:
+    """The volumes written out independently of the strategies' code (gloo: a reduce-scatter is an
+    all-reduce's volume, 2(p-1)/p; FSDP pads dim 0 to a multiple of p, nothing to pad here)."""
+    m, p = st["model_bytes"], WORLD
+    ring, gather = 2 * (p - 1) / p * m, (p - 1) / p * m
+    return {
+        "fsdp": 2 * gather + ring,  # no root parameters: every unit resharded after forward
+        "fsdp_keep": gather + ring,
+        "fsdp_bf16": (2 * gather + ring) / 2,
+    }[key]
+
+
+@pytest.mark.parametrize("key", list(VOLUME))
+def test_measured_bytes_per_step_match_the_all_gather_reduce_scatter_theory(
+        session: list[dict[str, Any]], key: str) -> None:
+    for rank in range(WORLD):
+        st = session[rank]["volume"][key]
+        if st["bytes_measured"] != 1.0:
+            pytest.skip("no kernel byte counter (/proc/self/io) here: bytes are estimates")
+        theory = st["theory_bytes_per_step"]
+        if key != "zero1":  # zero1's shares are whole tensors: rank r broadcasts (p-1) x its own (below)
+            assert theory == pytest.approx(_theory(key, st), rel=1e-9)
+        assert st["bytes_per_step"] == pytest.approx(theory, rel=0.05), (key, rank, st)
+        assert 0 < st["comm_fraction"] < 1 and st["comm_time_s"] > 0
+    both = [session[r]["volume"]["zero1"]["theory_bytes_per_step"] for r in range(WORLD)]
+    m = session[0]["volume"]["zero1"]["model_bytes"]
+    assert sum(both) == pytest.approx(2 * (2 * (WORLD - 1) / WORLD * m) + (WORLD - 1) * m, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["zero1", "fsdp"])
+def test_one_rank_trains_without_a_group(name: str) -> None:
+    s, net, opt = _build(name, {}, _small_model(), 0, 1)
+    x, y = _data(4, B)
+    before = _whole(list(_small_model().parameters()))
+    _train(s, net, opt, x, y, range(4), B, 0, 1)
+    assert not torch.equal(_whole(s.params), before)
+    assert s.comm_stats()["theory_bytes_per_step"] == 0
+    assert s.training_state(_model(s), opt)["optimizer"]["state"]  # plain state_dicts with one rank
+
+
+# -- the spec and the oracle's interface --------------------------------------------------------------
+
+def test_oracle_plans_of_the_sharded_strategies() -> None:
+    from hpoflow.oracle.feasibility import strategy_plan
+
+    assert strategy_plan("zero1", {}) == {"strategy": "zero1", "bucket_mb": 25.0}
+    assert strategy_plan("fsdp", {}) == {"strategy": "fsdp", "reshard_after_forward": True, "param_dtype": "fp32",
+                                          "cpu_offload": False}
+    assert strategy_plan("fsdp", {"mixed_precision": "bf16", "reshard_after_forward": False}) == {
+        "strategy": "fsdp", "reshard_after_forward": False, "param_dtype": "bf16", "cpu_offload": False}
+
+
+SPEC = """\
+study: {{name: s, metric: val_loss, direction: minimize}}
+space:
+  lr: {{type: categorical, choices: [0.1]}}
+search: {{algorithm: grid}}
+training:
+  model: gpt
+  dataset: chars
+  lr: "${{lr}}"
+{training}
+resources: {{processes: 2, gpus_per_process: {gpus}}}
+"""
+
+
+def _load(tmp_path: Path, training: str, gpus: int = 0) -> Any:
+    p = tmp_path / "spec.yaml"
+    p.write_text(SPEC.format(training=training, gpus=gpus))
+    return load_spec(p)
+
+
+@pytest.mark.parametrize(("training", "words"), [
+    ("  strategy: fsdp\n  strategy_options: {cpu_offload: true}",
+     "training.strategy_options.cpu_offload: cpu_offload: true keeps FSDP's shards in host memory"),
+    ("  strategy: fsdp\n  strategy_options: {mixed_precision: fp16}",
+     "mixed_precision: fp16 computes and reduces gradients in fp16, which needs a loss scaler, but precision is "
+     "fp32"),
+    ("  strategy: fsdp\n  lars: true", "fsdp holds only a shard of each weight"),
+    ("  strategy: parameter_server\n  precision: fp16", "precision: fp16 needs a loss scaler"),
+    ("  strategy: fsdp\n  strategy_options: {reshard: false}",
+     "unknown option of strategy 'fsdp'; valid options of fsdp: reshard_after_forward, mixed_precision, cpu_offload"),
+    ("  precision: fp8", "training.precision: 'fp8' is not allowed; choose one of: fp32, bf16, fp16"),
+])
+def test_spec_refuses_what_the_sharded_strategies_and_precision_cannot_run(
+        tmp_path: Path, training: str, words: str) -> None:
+    with pytest.raises(SpecError) as exc:
+        _load(tmp_path, training)
+    assert words in str(exc.value), str(exc.value)
+
+
+def test_cpu_offload_validates_with_gpus_and_fp16_fsdp_with_fp16_precision(tmp_path: Path) -> None:
+    spec, _ = _load(tmp_path, "  strategy: fsdp\n  strategy_options: {cpu_offload: true}", gpus=1)
+    assert spec.training["strategy_options"] == {"cpu_offload": True}
+    _load(tmp_path, "  strategy: fsdp\n  precision: fp16\n  strategy_options: {mixed_precision: fp16}")
+    searched = ('  strategy: "${s}"\n  strategy_options: {fsdp: {cpu_offload: true}}')
+    p = tmp_path / "spec.yaml"
+    p.write_text(SPEC.format(training=searched, gpus=0).replace(
+        "  lr: {type: categorical, choices: [0.1]}", "  lr: {type: categorical, choices: [0.1]}\n"
+                                                     "  s: {type: categorical, choices: [allreduce, fsdp]}"))
+    with pytest.raises(SpecError, match=r"training\.strategy_options\.fsdp\.cpu_offload"):
+        load_spec(p)
+
+
+# -- real trials through the local engine: a killed rank, a pause ------------------------------------
+
+EPOCHS = 3
+COMPARED = ("val_loss", "val_perplexity", "val_accuracy", "train_loss", "train_accuracy", "epoch", "lr", "steps")
+
+
+def _request(trial_dir: Path, strategy: str, options: dict[str, Any] | None = None, *, batch: int = 32,
+             epochs: int = EPOCHS, every: int = 1, precision: str = "fp32") -> TrialRequest:
+    train = TrainConfig(model="gpt", model_options={"layers": 2, "heads": 2, "width": 32, "context": 32},
+                        dataset="chars", epochs=epochs, batch_size=batch, optimizer="adam", lr=3e-3, seed=5,
+                        strategy=strategy, strategy_options=options or {}, precision=precision,
+                        checkpoint={"every": every, "keep": 2, "async": True}).model_dump(mode="json")
+    return TrialRequest(0, {}, train, "val_loss", "minimize", str(trial_dir), processes=2, seed=5, timeout=900)
+
+
+def _weights(trial_dir: Path) -> list[str]:
+    return [(trial_dir / f"weights_rank{r}.sha256").read_text() for r in range(2)]
+
+
+def _run(engine: LocalEngine, req: TrialRequest, kill_after_first: bool = False) -> TrialResult:
+    engine.submit(req)
+    first = [Path(req.checkpoints) / checkpoint_name(1, r) for r in range(req.processes)]
+    killed = not kill_after_first
+    deadline = time.monotonic() + 900  # a bound for a hang: the trial takes seconds (minutes at load 20)
+    while time.monotonic() < deadline:
+        if not killed and all(p.exists() for p in first):
+            pid = _rank_pid(engine, req.number, 1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        for ev in engine.poll(0.01):
+            if isinstance(ev, TrialResult):
+                return ev
+    raise TimeoutError(f"trial {req.number} did not finish")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    eng = LocalEngine()
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize(("strategy", "options", "precision"), [
+    ("zero1", {}, "fp32"),
+    ("fsdp", {}, "fp32"),
+    ("fsdp", {"mixed_precision": "bf16"}, "bf16"),
+])
+def test_a_killed_rank_resumes_from_its_shards_to_bitwise_the_same_weights(
+        engine: LocalEngine, tmp_path: Path, strategy: str, options: dict[str, Any], precision: str) -> None:
+    reference = _run(engine, _request(tmp_path / "ref", strategy, options, precision=precision))
+    assert reference.status == "complete", (reference.error, reference.stderr_tail)
+    req = _request(tmp_path / "crash", strategy, options, precision=precision)
+    crashed = _run(engine, req, kill_after_first=True)
+    assert crashed.status == "failed" and crashed.retryable, crashed
+    state = read_checkpoint(Path(req.checkpoints) / checkpoint_name(1, 0))["state"]["user"]
+    if strategy == "fsdp":  # this rank's shards: half the rows of each weight (dim 0, padded to 2)
+        w = state["model"]["blocks.0.qkv.weight"]
+        assert tuple(w.shape) == (48, 32), w.shape
+    else:  # zero1: the whole model, and only this rank's share of the optimizer state
+        assert len(state["optimizer"]["state"]) < len(state["model"])
+    resumed = _run(engine, dataclasses.replace(req, attempt=1))
+    assert resumed.status == "complete", (resumed.error, resumed.stderr_tail)
+    assert 1 <= resumed.metrics["resumed_from_epoch"] < EPOCHS
+    assert _weights(tmp_path / "crash") == _weights(tmp_path / "ref")  # bitwise, on both ranks
+    assert {k: resumed.metrics[k] for k in COMPARED} == {k: reference.metrics[k] for k in COMPARED}
+    assert resumed.metrics["ranks_identical"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # three trials of ~400 steps each: 4-5 minutes alone, more at load 20 on 2 cores
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_a_paused_sharded_trial_stops_mid_epoch_and_resumes_bitwise(
+        engine: LocalEngine, tmp_path: Path, strategy: str) -> None:
+    # batch 2: an epoch of ~200 steps, so a pause a moment after epoch 1's report lands inside epoch 2
+    reference = _run(engine, _request(tmp_path / "ref", strategy, batch=2, epochs=2, every=0))
+    assert reference.status == "complete", (reference.error, reference.stderr_tail)
+    req = _request(tmp_path / "paused", strategy, batch=2, epochs=2, every=0)
+    engine.submit(req)
+    paused = None
+    deadline = time.monotonic() + 900  # a bound for a hang
+    while paused is None and time.monotonic() < deadline:
+        for ev in engine.poll(0.05):
+            if isinstance(ev, TrialReport) and ev.step == 1:
+                time.sleep(0.2)
+                engine.pause(req.number, "walltime")
+            elif isinstance(ev, TrialResult):
+                paused = ev
+    assert paused is not None and paused.status == "cancelled" and "paused" in (paused.error or ""), paused
+    newest = max(Path(req.checkpoints).glob("ckpt-*-r0.pt"), key=lambda p: int(p.name.split("-")[1]))
+    data = read_checkpoint(newest)["state"]["user"]["data"]
+    assert data["epoch"] == 1 and data["batch"] > 0, data  # in the middle of epoch 2
+    resumed = _run(engine, dataclasses.replace(req, attempt=1))
+    assert resumed.status == "complete", (resumed.error, resumed.stderr_tail)
+    assert resumed.metrics["resumed_from_epoch"] == 1.0
+    assert {k: resumed.metrics[k] for k in COMPARED} == {k: reference.metrics[k] for k in COMPARED}
+    assert _weights(tmp_path / "paused") == _weights(tmp_path / "ref")
