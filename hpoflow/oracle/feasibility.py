@@ -26,10 +26,6 @@ from hpoflow.trial import Verdict
 __all__ = ["Verdict", "check_trial", "strategy_plan"]
 
 _GIB = 2**30
-#: the oracle's own reading of the sharded strategies' options, for a trainer that has not
-#: registered them (their registry entry's ``oracle_plan()`` wins when it exists)
-_SHARDED_OPTIONS = {"zero1": (), "fsdp": ("reshard_after_forward", "reshard_root", "param_dtype", "reduce_dtype",
-                                                "cpu_offload")}
 
 
 def _dataset(train: Mapping[str, Any]) -> tuple[tuple[int, ...], int, int, bool]:
@@ -121,14 +117,9 @@ def _replicated(facts: ModelFacts, cluster: ClusterSpec, plan: Plan) -> Predicti
 
 def strategy_plan(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """The oracle's ``Plan`` fields for a training strategy, from its registry entry's options
-    model (``oracle_plan()``); ``ValueError`` when the strategy has no oracle model. ``zero1`` and
-    ``fsdp`` are read from their options directly when no trainer has registered them."""
-    if name in _SHARDED_OPTIONS and name not in STRATEGIES:
-        known = _SHARDED_OPTIONS[name]
-        bad = sorted(set(options) - set(known))
-        if bad:
-            raise ValueError(f"strategy {name!r} options must be among {', '.join(known) or '(none)'}, but got {bad}")
-        return {"strategy": name, **{k: options[k] for k in known if k in options}}
+    model (``oracle_plan()``; ``zero1``: ``{"strategy": "zero1", "bucket_mb": ...}``, ``fsdp``:
+    ``reshard_after_forward``, ``param_dtype``, ``cpu_offload``); ``ValueError`` when the strategy
+    has no oracle model."""
     model = STRATEGIES.options(name, options)
     plan = getattr(model, "oracle_plan", None)
     if plan is None:

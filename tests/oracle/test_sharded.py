@@ -100,7 +100,8 @@ def test_precheck_admits_a_trial_that_fits_only_when_sharded() -> None:
              "model_options": {"channels": 64, "hidden": 1024}}
     replicated = check_trial({**train, "strategy": "allreduce"}, 4, 0, c)
     assert not replicated.feasible and "largest batch" in replicated.reason
-    sharded = check_trial({**train, "strategy": "fsdp", "strategy_options": {"param_dtype": "bf16"}}, 4, 0, c)
+    # the trainer's fsdp options (hpoflow.train.options.FSDPOptions), read through its oracle_plan()
+    sharded = check_trial({**train, "strategy": "fsdp", "strategy_options": {"mixed_precision": "bf16"}}, 4, 0, c)
     assert sharded.feasible, sharded.reason
     assert sharded.reason.startswith("fits only when sharded: fsdp needs")
     assert "replicated (allreduce)" in sharded.reason
@@ -108,7 +109,7 @@ def test_precheck_admits_a_trial_that_fits_only_when_sharded() -> None:
     assert predicted["strategy"] == "fsdp" and predicted["bytes_per_step"] > 0
     assert predicted["memory_per_device_bytes"] <= 12e6 < replicated.predicted["memory_per_device_bytes"]
     bad = check_trial({**train, "strategy": "fsdp", "strategy_options": {"shard": 2}}, 4, 0, c)
-    assert bad.feasible and bad.reason.startswith("not checked") and "'shard'" in bad.reason
+    assert bad.feasible and bad.reason.startswith("not checked") and "shard" in bad.reason
 
 
 def _cpu() -> dict[str, Any]:
