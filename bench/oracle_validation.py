@@ -7,7 +7,11 @@
 3. For each built-in model (mlp, cnn on digits-shaped input; ``--big`` adds resnet18 on 3x32x32)
    and world size 1 and 2: run real training steps (world 2: DDP over gloo on 127.0.0.1, one
    thread per rank), take the median step time, and compare it with the oracle's prediction.
-4. Print a table and, last, one JSON line with each case's ratio predicted / measured.
+4. Print a table and, last, one JSON line with each case's ratio predicted / measured: the median
+   over the rounds, the interquartile range (IQR: the middle half of the rounds) and the spread
+   (lowest and highest round), and the machine's load (1-minute load average before and after,
+   hypervisor steal): on a shared machine one round can land far from the rest, so the median and
+   IQR are the figures to read, not a single round.
 
 Nothing here is fitted to these measurements: the calibration measures only generic workloads.
 Run: ``python bench/oracle_validation.py [--calibration FILE] [--batch-size 32] [--big]``
@@ -104,6 +108,24 @@ def _steal_fraction(a: list[int], b: list[int]) -> float | None:
     return round(delta[7] / sum(delta), 4) if sum(delta) else None
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles (IQR) and extremes of one case's per-round ratios."""
+    ordered = sorted(values)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {"median": round(statistics.median(ordered), 3), "q1": round(q1, 3), "q3": round(q3, 3),
+            "iqr": round(q3 - q1, 3), "min": round(ordered[0], 3), "max": round(ordered[-1], 3)}
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _measure_all(cases: list[Case], args: argparse.Namespace, console: Console,
                  reverse: bool = False) -> dict[str, float]:
     """Measure every (case, world size); ``reverse`` runs them in the opposite order, so a drift
@@ -138,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster_name = ""
     cases = CASES + (BIG if args.big else [])
     steal0 = _cpu_ticks()
+    load0 = _load()
 
     def calibration(r: int) -> ClusterSpec:
         if args.calibration:
@@ -166,26 +189,31 @@ def main(argv: list[str] | None = None) -> int:
                                                                    p1.bottleneck))
         before = after
     steal = _steal_fraction(steal0, _cpu_ticks())
-    table = Table(title=f"oracle validation on {cluster_name} (median of {rounds} round(s))")
-    for col in ("case", "batch/rank", "predicted ms", "measured ms", "ratio", "ratios per round", "bottleneck"):
+    load1 = _load()
+    table = Table(title=f"oracle validation on {cluster_name} ({rounds} round(s); load {load0} -> {load1})")
+    for col in ("case", "batch/rank", "predicted ms", "measured ms", "median ratio", "IQR", "spread",
+                "ratios per round", "bottleneck"):
         table.add_column(col, justify="left" if col in ("case", "bottleneck", "ratios per round") else "right")
     ratios: dict[str, float] = {}
+    spread: dict[str, dict[str, float]] = {}
     per_round: dict[str, list[float]] = {}
     for case, rows in per_case.items():
         each = [p / m for p, m, _ in rows]
-        ratio = statistics.median(each)
-        ratios[case] = round(ratio, 3)
+        spread[case] = _spread(each)
+        ratios[case] = spread[case]["median"]
         per_round[case] = [round(x, 3) for x in each]
+        s = spread[case]
         table.add_row(case, str(args.batch_size), f"{statistics.median(p for p, _, _ in rows) * 1e3:.3f}",
-                      f"{statistics.median(m for _, m, _ in rows) * 1e3:.3f}", f"{ratio:.2f}",
+                      f"{statistics.median(m for _, m, _ in rows) * 1e3:.3f}", f"{s['median']:.2f}",
+                      f"{s['q1']:.2f}-{s['q3']:.2f}", f"{s['min']:.2f}-{s['max']:.2f}",
                       " ".join(f"{x:.2f}" for x in each), rows[-1][2])
     console.print(table)
     ok = all(0.75 <= r <= 1.25 for r in ratios.values())
-    print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "cluster": cluster_name, "rounds": rounds,
-                      "per_round": per_round,
+    print(json.dumps({"ratios": ratios, "within_0.75_1.25": ok, "spread": spread, "cluster": cluster_name,
+                      "rounds": rounds, "per_round": per_round,
                       "per_round_ms": {case: [[round(p * 1e3, 3), round(m * 1e3, 3)] for p, m, _ in rows]
                                        for case, rows in per_case.items()},
-                      "cpu_steal_fraction": steal}))
+                      "load_average_1min": [load0, load1], "cpu_steal_fraction": steal}))
     return 0
 
 

@@ -27,6 +27,18 @@ seconds)`` for one all-reduce of ``M`` bytes per device:
 :func:`best_allreduce` picks the fastest applicable algorithm for a message size, as NCCL picks by
 its own time model (it would pick among ring and tree; the hierarchical schemes are what Horovod,
 Gloo and Caffe2 ran). Parameter servers and pipeline transfers use the same links.
+
+Sharded strategies add two collectives, both NCCL's ring over the ``p`` devices (``M`` = the
+gathered, full size): **all-gather** ``(p-1)/p M / min(B_i, B_n)`` and ``(p-1) - (n-1)`` intra-node
+plus ``n-1`` network latencies; **reduce-scatter** the same with NCCL, and as much as a ring
+all-reduce with gloo (which runs it as one: measured, 2(p-1)/p M sent per rank).
+
+**Congestion.** A job spread over more nodes than one switch of a network level holds shares that
+level's uplinks: ``B_n`` is divided by the product of the oversubscription of every level it spans
+(``ClusterSpec.congestion``).
+
+**Volumes.** :func:`volume` gives what one step's collective moves on each level: bytes each
+device sends (what hpoflow's meter counts per rank) and bytes each node sends across the network.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ __all__ = [
     "ALGORITHMS",
     "Cost",
     "Network",
+    "allgather",
     "allreduce",
     "allreduce_costs",
     "best_allreduce",
@@ -50,8 +63,10 @@ __all__ = [
     "network",
     "parameter_server",
     "pipeline_p2p",
+    "reduce_scatter",
     "ring_allreduce",
     "tree_allreduce",
+    "volume",
 ]
 
 Cost = tuple[float, float]
@@ -70,6 +85,10 @@ class Network:
     node_bw: float
     inter_lat: float
     torus: tuple[int, int] | None = None
+    #: gloo's collectives (reduce-scatter as an all-reduce) instead of NCCL's
+    gloo: bool = False
+    #: the factor ``node_bw`` was divided by for the job's spread over the network levels
+    congestion: float = 1.0
 
     @property
     def bottleneck_bw(self) -> float:
@@ -82,10 +101,12 @@ def network(cluster: ClusterSpec, p: int) -> Network:
     g = cluster.devices_per_node
     nodes = max(1, math.ceil(p / g))
     torus = cluster.torus if cluster.torus and nodes == cluster.torus[0] * cluster.torus[1] else None
+    congestion = cluster.congestion(nodes)
     return Network(p=p, nodes=nodes, per_node=min(p, g), intra_bw=cluster.intra_node.bandwidth,
                    intra_lat=cluster.intra_node.latency,
-                   node_bw=cluster.inter_node.bandwidth * cluster.rails,
-                   inter_lat=cluster.inter_node.latency, torus=torus)
+                   node_bw=cluster.inter_node.bandwidth * cluster.rails / congestion,
+                   inter_lat=cluster.inter_node.latency, torus=torus, gloo=cluster.backend == "gloo",
+                   congestion=congestion)
 
 
 def ring_allreduce(p: int, m: float, bandwidth: float, alpha: float, messages: int = 1) -> Cost:
@@ -159,6 +180,54 @@ def allreduce(net: Network, m: float, algorithm: str = "auto") -> tuple[str, Cos
     costs = allreduce_costs(net, m)
     name = algorithm if algorithm in costs else "ring"
     return name, costs[name]
+
+
+def allgather(net: Network, m: float) -> Cost:
+    """NCCL's ring all-gather of ``m`` bytes (the gathered size) over the job's ``p`` devices."""
+    p, n = net.p, net.nodes
+    if p <= 1 or m <= 0:
+        return 0.0, 0.0
+    lat = ((p - 1) - (n - 1)) * net.intra_lat + (n - 1) * net.inter_lat
+    return (p - 1) / p * m / net.bottleneck_bw, lat
+
+
+def reduce_scatter(net: Network, m: float) -> Cost:
+    """A ring reduce-scatter of ``m`` bytes (the full size, before scattering): as an all-gather
+    with NCCL; gloo runs it as an all-reduce (twice the bytes and the latency steps)."""
+    if net.gloo:
+        return allreduce_costs(net, m)["ring"]
+    return allgather(net, m)
+
+
+def volume(net: Network, kind: str, m: float, algorithm: str = "ring") -> tuple[float, float]:
+    """(bytes each device sends, bytes each node sends across the network) of one collective of
+    ``m`` bytes: ``kind`` ``allreduce`` (with ``algorithm``), ``allgather``, ``reduce_scatter``, or
+    ``broadcast_shards`` (every rank broadcasts its 1/p share: ZeroRedundancyOptimizer's update)."""
+    p, n, g = net.p, net.nodes, net.per_node
+    if p <= 1 or m <= 0:
+        return 0.0, 0.0
+    if kind == "reduce_scatter" and net.gloo:
+        kind, algorithm = "allreduce", "ring"
+    if kind in ("allgather", "reduce_scatter", "broadcast_shards"):
+        sent = (p - 1) / p * m
+        return sent, sent if n > 1 else 0.0  # a ring crosses each node boundary once per step
+    sent = ring_allreduce_bytes(m, p)
+    if n <= 1:
+        return sent, 0.0
+    inter = {"ring": sent, "tree": 2 * m, "hier-ring": 2 * (n - 1) / n * m}
+    if algorithm == "hier-hd":
+        core = 1 << (n.bit_length() - 1)
+        inter["hier-hd"] = 2 * (core - 1) / core * m + (0.0 if core == n else 2 * m)
+        sent = 2 * (g - 1) / g * m + inter["hier-hd"] / g
+    elif algorithm == "hier-ring":
+        sent = 2 * (g - 1) / g * m + inter["hier-ring"] / g
+    elif algorithm == "tree":
+        sent = 2 * m
+    elif algorithm == "torus" and net.torus is not None:
+        x, y = net.torus
+        inter["torus"] = (2 * (x - 1) / x + 2 * (y - 1) / (x * y)) * m
+        sent = 2 * (g - 1) / g * m + inter["torus"] / g
+    return sent, inter.get(algorithm, sent)
 
 
 def parameter_server(net: Network, servers: int, m: float) -> Cost:

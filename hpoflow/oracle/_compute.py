@@ -86,12 +86,15 @@ def _kernel_times(facts: ModelFacts, dev: DeviceSpec, precision: str, call_batch
     if trace is None:
         return []
     mem_rate = dev.memory_bandwidth * dev.memory_efficiency
+    # 16-bit matrix kernels: autocast's dtype, else the dtype the parameters compute in (FSDP)
+    half = precision if precision in ("fp16", "bf16") else facts.param_dtype if facts.param_dtype != "fp32" \
+        else "fp16"
     out = []
     for k in trace.kernels:
         t_mem = (k.bytes * call_batch + k.fixed_bytes) / mem_rate
         t_flop = extra = 0.0
         if k.kind != "mem" and k.flops > 0:
-            at = matrix_precision(k.half, precision, k.kind, dev)
+            at = matrix_precision(k.half, half if k.half else precision, k.kind, dev)
             t_flop = k.flops * call_batch / dev.matrix_rate(at)
             if k.kind == "conv" and at != "fp32" and at in dev.peak_flops and not channels_last:
                 # tensor cores convolve channels-last data: NCHW tensors are transposed in and out

@@ -28,8 +28,10 @@ _GIB = 2**30
 PRECISION_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 #: how the oracle prices training: data parallel with an all-reduce (``allreduce``: the fastest
 #: algorithm; ``ring``/``tree``: NCCL's flat ring or tree forced), a parameter server, periodic
-#: averaging (``easgd``) and a GPipe pipeline; training strategies map onto these
-STRATEGIES = ("allreduce", "ring", "tree", "ps", "easgd", "pipeline")
+#: averaging (``easgd``), a GPipe pipeline, and sharded data parallel (``zero1``: optimizer state
+#: sharded, ``fsdp``: parameters, gradients and optimizer state sharded); training strategies map
+#: onto these
+STRATEGIES = ("allreduce", "ring", "tree", "ps", "easgd", "pipeline", "zero1", "fsdp")
 #: all-reduce algorithms (hpoflow.oracle._comm), in the order ties are broken
 ALGORITHMS = ("ring", "tree", "hier-ring", "hier-hd", "torus")
 _T = 1e12
@@ -132,7 +134,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "laptop": {"name": "laptop", "nodes": 1, "devices_per_node": 4, "device": "cpu",
                "intra_node": {"name": "shared memory (loopback)", "bandwidth": 2e9,
                               "latency": 50e-6, "source": "estimate for gloo over loopback"},
-               "inter_node": "10gbe", "overlap": 0.0},
+               "inter_node": "10gbe", "overlap": 0.0, "backend": "gloo",
+               "overheads": {"collective_s": 0.0, "step_jitter": 0.0}},
     "p100-cluster": {"name": "p100-cluster", "nodes": 16, "devices_per_node": 4,
                      "device": "p100", "intra_node": "nvlink1", "inter_node": "ib-edr",
                      "overheads": _GPU_OVERHEADS},

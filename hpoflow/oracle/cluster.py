@@ -16,6 +16,14 @@ Example::
     rails: 1                     # network adapters per node (each one inter_node link)
     torus: null                  # or [x, y]: the nodes form an x-by-y torus (x y = nodes)
     overlap: 1.0                 # 1: DDP overlaps each bucket's all-reduce with the rest of backward
+    backend: nccl                # nccl | gloo: which library's collectives (gloo's reduce-scatter
+                                 # moves as much as an all-reduce)
+    network_levels:              # switch levels between the nodes, bottom up (default: none, a
+      - {nodes: 32, oversubscription: 1.0}   # non-blocking fabric); a job on more nodes than one
+      - {nodes: 512, oversubscription: 2.0}  # switch of a level holds shares its uplinks: the
+                                 # inter-node bandwidth is divided by that level's oversubscription
+    overheads: {...}             # omitted keys get DEFAULT_OVERHEADS (NCCL's 8.4 us per
+                                 # collective, step_jitter 0.022): the GPU presets' values
 """
 
 from __future__ import annotations
@@ -32,9 +40,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
 from hpoflow.oracle.errors import OracleError
 
-__all__ = ["ClusterSpec", "DeviceSpec", "LinkSpec", "Overheads", "load_cluster"]
+__all__ = ["DEFAULT_OVERHEADS", "ClusterSpec", "DeviceSpec", "LinkSpec", "NetworkLevel", "Overheads", "load_cluster"]
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+#: what a cluster spec gets for overheads it does not give: NCCL's base latency per collective
+#: (its tuning model, ring/Simple: 8.4 us) and the coefficient of variation of a GPU's step time
+#: read from NVIDIA's 8-GPU ResNet-50 figures (hpoflow.oracle.catalog); a CPU cluster (the laptop
+#: preset, a calibrated machine) sets both itself
+DEFAULT_OVERHEADS = {"collective_s": 8.4e-6, "step_jitter": 0.022}
 OPTIMIZER_KEYS = ("sgd", "momentum", "adam")
 
 
@@ -206,7 +219,8 @@ class Overheads(_Frozen):
     """Time not explained by FLOPs or bytes: per training step, per dispatched operator, per
     parameter tensor and element of the optimizer step, and the wait for the slowest device.
 
-    ``optimizer_per_param_s`` maps ``sgd`` (no momentum), ``momentum`` (SGD with momentum) and
+    Keys not given get :data:`DEFAULT_OVERHEADS` (``collective_s`` 8.4 us, ``step_jitter`` 0.022),
+    the rest 0. ``optimizer_per_param_s`` maps ``sgd`` (no momentum), ``momentum`` (SGD with momentum) and
     ``adam`` (Adam/AdamW) to seconds per parameter of ``optimizer.step``. ``sync_wait`` is a table
     of (compute seconds of a step, seconds a synchronous step on 2 devices adds beyond the
     communication model), sorted by compute and interpolated linearly (clamped at the ends): the
@@ -218,11 +232,11 @@ class Overheads(_Frozen):
     """
 
     step_s: float = Field(default=0.0, ge=0)
-    step_jitter: float = Field(default=0.0, ge=0, lt=1)
+    step_jitter: float = Field(default=DEFAULT_OVERHEADS["step_jitter"], ge=0, lt=1)
     per_op_s: float = Field(default=0.0, ge=0)
     per_param_tensor_s: float = Field(default=0.0, ge=0)
     per_conv_s: float = Field(default=0.0, ge=0)
-    collective_s: float = Field(default=0.0, ge=0)
+    collective_s: float = Field(default=DEFAULT_OVERHEADS["collective_s"], ge=0)
     optimizer_per_param_s: dict[str, float] = Field(default_factory=dict)
     sync_wait: list[tuple[float, float]] = Field(default_factory=list)
 
@@ -253,6 +267,17 @@ class Overheads(_Frozen):
 
 
 
+class NetworkLevel(_Frozen):
+    """One switch level between the nodes: a switch of this level connects ``nodes`` nodes
+    (directly or through the levels below) and its uplinks carry ``1 / oversubscription`` of what
+    they connect (1: non-blocking). A job spread over more nodes than one such switch holds sends
+    its inter-node traffic through those uplinks, shared by all its nodes at once."""
+
+    nodes: int = Field(ge=1)
+    oversubscription: float = Field(default=1.0, ge=1.0)
+    name: str = ""
+
+
 class ClusterSpec(_Frozen):
     """Nodes x devices per node, the device, the two link levels and the overheads.
 
@@ -260,7 +285,12 @@ class ClusterSpec(_Frozen):
     ``torus: [x, y]`` arranges the nodes in a 2D torus (enables the torus all-reduce); ``overlap``
     is the fraction of communication that can run during the backward pass (1: DDP's buckets
     overlap it; 0: it all comes after, as with gloo on CPU cores); ``loader_samples_per_s`` is how
-    many samples per second the input pipeline feeds one device (None: never the bottleneck).
+    many samples per second the input pipeline feeds one device (None: never the bottleneck);
+    ``backend`` is the collectives' library (``nccl`` on GPUs; ``gloo``: its reduce-scatter moves
+    as many bytes as an all-reduce); ``network_levels`` are the switch levels above the nodes,
+    bottom up (:class:`NetworkLevel`): a job on more nodes than one switch of a level holds gets
+    the inter-node bandwidth divided by that level's oversubscription (the product over the levels
+    it spans).
     """
 
     name: str = "cluster"
@@ -274,7 +304,27 @@ class ClusterSpec(_Frozen):
     overlap: float = Field(default=1.0, ge=0, le=1)
     loader_samples_per_s: float | None = Field(default=None, gt=0)
     overheads: Overheads = Field(default_factory=Overheads)
+    backend: str = Field(default="nccl", pattern="^(nccl|gloo)$")
+    network_levels: list[NetworkLevel] = Field(default_factory=list)
     source: str = ""
+
+    @field_validator("network_levels")
+    @classmethod
+    def _levels(cls, v: list[NetworkLevel]) -> list[NetworkLevel]:
+        sizes = [level.nodes for level in v]
+        if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
+            raise ValueError(f"network_levels go bottom up: each level's nodes larger than the one below, "
+                             f"but got nodes {sizes}; sort them")
+        return v
+
+    def congestion(self, nodes: int) -> float:
+        """The factor the inter-node bandwidth is divided by for a job on ``nodes`` nodes: the
+        product of the oversubscription of every level it spans beyond one switch."""
+        factor = 1.0
+        for level in self.network_levels:
+            if nodes > level.nodes:
+                factor *= level.oversubscription
+        return factor
 
     @field_validator("torus")
     @classmethod

@@ -43,7 +43,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from hpoflow.oracle._trace import StepTrace, trace_step
+from hpoflow.oracle._modes import FusedAttention
+from hpoflow.oracle._trace import StepTrace, step_loss, trace_step
 from hpoflow.oracle._zoo import ZOO
 from hpoflow.oracle.catalog import PRECISION_BYTES
 from hpoflow.oracle.errors import OracleError
@@ -97,6 +98,10 @@ class ModelFacts:
     leaf_output_bytes: int = 0
     #: the traced training step (kernels, gradient order); None for facts made by hand
     trace: StepTrace | None = None
+    #: the dtype parameters compute in (FSDP's ``param_dtype``; fp32 otherwise)
+    param_dtype: str = "fp32"
+    #: predictions per sample: the tokens of a language model's sequence, else 1
+    tokens_per_sample: int = 1
 
     @property
     def param_bytes(self) -> int:
@@ -162,9 +167,7 @@ def count_step_ops(model: nn.Module, sample: torch.Tensor, n_classes: int) -> in
     """ATen operators dispatched by forward + cross-entropy + backward of ``model``."""
     counter = OpCounter()
     with counter:
-        out = model(sample)
-        target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
-        nn.functional.cross_entropy(out, target % n_classes).backward()
+        step_loss(model(sample), n_classes).backward()
     return counter.count
 
 
@@ -184,19 +187,26 @@ def _import_builder(spec: str) -> Callable[..., nn.Module]:
 
 def resolve_model(
     name: str, input_shape: tuple[int, ...] | None, n_classes: int | None,
-    options: Mapping[str, Any],
+    options: Mapping[str, Any], token_input: bool | None = None,
 ) -> tuple[Callable[[], nn.Module], tuple[int, ...], int, bool]:
-    """Turn a model name into (builder without arguments, input shape, classes, token input)."""
-    if name in PROJECT_MODELS:
-        from hpoflow.train.models import build_model
+    """Turn a model name into (builder without arguments, input shape, classes, token input).
 
-        shape, classes = PROJECT_MODELS[name]
-        shape, classes = input_shape or shape, n_classes or classes
-        return (lambda: build_model(name, shape, classes, **options)), shape, classes, False
+    Built-in names are the oracle's zoo and the models registered for training
+    (``hpoflow.registry.MODELS``: ``mlp``, ``cnn`` and any plug-in's; their input shape and classes
+    come from the data set, and ``token_input`` says the data set holds token ids)."""
+    from hpoflow.registry import MODELS
+
     if name in ZOO:
         entry = ZOO[name]
         shape, classes = input_shape or entry.input_shape, n_classes or entry.n_classes
-        return (lambda: entry.builder(shape, classes, **options)), shape, classes, entry.token_input
+        tokens = entry.token_input if token_input is None else token_input
+        return (lambda: entry.builder(shape, classes, **options)), shape, classes, tokens
+    if name in PROJECT_MODELS or name in MODELS.names():
+        from hpoflow.train.models import build_model
+
+        shape, classes = PROJECT_MODELS.get(name, (input_shape or (1, 8, 8), n_classes or 10))
+        shape, classes = input_shape or shape, n_classes or classes
+        return (lambda: build_model(name, shape, classes, **options)), shape, classes, bool(token_input)
     if ":" in name:
         if input_shape is None:
             raise OracleError(
@@ -218,27 +228,34 @@ def resolve_model(
 
 def model_facts(
     name: str, input_shape: tuple[int, ...] | None = None, n_classes: int | None = None,
-    precision: str = "fp32", options: Mapping[str, Any] | None = None,
+    precision: str = "fp32", options: Mapping[str, Any] | None = None, *,
+    param_dtype: str = "fp32", token_input: bool | None = None,
 ) -> ModelFacts:
-    """Facts of a built-in model (``mlp``, ``cnn``, ``resnet18``, ``resnet50``, ``vgg16``,
-    ``bert-base``) or a user ``module:function``, measured on the meta device."""
+    """Facts of a built-in model (:data:`BUILTIN_MODELS`, a registered training model) or a user
+    ``module:function``, measured on the meta device. ``precision`` is autocast's (``fp16``/``bf16``:
+    mixed precision); ``param_dtype`` the dtype the parameters compute in (FSDP's mixed precision
+    policy: ``bf16``/``fp16`` cast the whole model, the loss stays fp32); ``token_input`` says the
+    input holds token ids (default: the zoo entry's, else images)."""
     if precision not in PRECISION_BYTES:
         raise OracleError(
             f"precision must be one of {', '.join(PRECISION_BYTES)}, but got {precision!r}"
         )
+    if param_dtype not in ("fp32", "fp16", "bf16"):
+        raise OracleError(f"param_dtype must be one of fp32, fp16, bf16, but got {param_dtype!r}")
     opts = tuple(sorted((options or {}).items()))
     try:
-        return _facts_cached(name, input_shape, n_classes, precision, opts)
+        return _facts_cached(name, input_shape, n_classes, precision, opts, param_dtype, token_input)
     except TypeError as exc:  # unhashable option values: measure without the cache
         if "unhashable" not in str(exc):
             raise
-        return _measure(name, input_shape, n_classes, precision, dict(options or {}))
+        return _measure(name, input_shape, n_classes, precision, dict(options or {}), param_dtype, token_input)
 
 
 @lru_cache(maxsize=64)
 def _facts_cached(name: str, input_shape: tuple[int, ...] | None, n_classes: int | None,
-                  precision: str, opts: tuple[tuple[str, Any], ...]) -> ModelFacts:
-    return _measure(name, input_shape, n_classes, precision, dict(opts))
+                  precision: str, opts: tuple[tuple[str, Any], ...], param_dtype: str,
+                  token_input: bool | None) -> ModelFacts:
+    return _measure(name, input_shape, n_classes, precision, dict(opts), param_dtype, token_input)
 
 
 def _traced_layer_flops(trace: StepTrace) -> dict[str, float]:
@@ -251,8 +268,9 @@ def _traced_layer_flops(trace: StepTrace) -> dict[str, float]:
 
 
 def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | None,
-             precision: str, options: dict[str, Any]) -> ModelFacts:
-    builder, shape, classes, tokens = resolve_model(name, input_shape, n_classes, options)
+             precision: str, options: dict[str, Any], param_dtype: str = "fp32",
+             token_input: bool | None = None) -> ModelFacts:
+    builder, shape, classes, tokens = resolve_model(name, input_shape, n_classes, options, token_input)
     try:
         with torch.device("meta"):
             model = builder()
@@ -285,8 +303,8 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
     handles = [m.register_forward_hook(hook) for m in leaves]
     flops = FlopCounterMode(display=False)
     try:
-        with flops:
-            model(sample)
+        with FusedAttention(), flops:
+            out = model(sample)
     except RuntimeError as exc:
         raise OracleError(
             f"model {name!r} cannot run on input shape {shape} (per sample): {exc}; "
@@ -300,7 +318,7 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
     root = type(model).__name__
     try:
         trace = trace_step(builder, lambda n: torch.zeros((n, *shape), dtype=dtype, device="meta"), classes,
-                           "fp32" if precision == "tf32" else precision)
+                           "fp32" if precision == "tf32" else precision, param_dtype)
     except (RuntimeError, ValueError) as exc:
         raise OracleError(
             f"model {name!r} cannot be traced through one training step on the meta device: {exc}; "
@@ -331,6 +349,8 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
         input_shape=tuple(shape),
         n_classes=classes,
         precision=precision,
+        param_dtype=param_dtype,
+        tokens_per_sample=int(out.shape[1]) if isinstance(out, torch.Tensor) and out.dim() == 3 else 1,
         params=sum(p.numel() for p in params),
         param_tensors=len(params),
         forward_flops=total / _PROBE_BATCH,

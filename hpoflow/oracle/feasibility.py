@@ -1,17 +1,26 @@
-"""Feasibility check of one trial before it takes a slot: the driver's hook into the oracle."""
+"""Feasibility check of one trial before it takes a slot: the driver's hook into the oracle.
+
+:func:`check_trial` is also the stable way for a trainer's tests to ask the oracle what a trial
+should cost: ``Verdict.predicted`` holds the whole prediction (``Prediction.to_dict()``), among
+it ``memory_per_device_bytes`` (and its breakdown under ``memory``), ``bytes_per_step`` (bytes each
+rank sends per step: what the strategies' meter counts), ``step_s`` and ``throughput``.
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from hpoflow.oracle.catalog import PRESETS
 from hpoflow.oracle.cluster import ClusterSpec, load_cluster
 from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.facts import model_facts
-from hpoflow.oracle.model import Plan, predict
+from hpoflow.oracle.facts import ModelFacts, model_facts
+from hpoflow.oracle.model import Plan, Prediction, predict
+from hpoflow.oracle.plan import CHECKPOINTING
 from hpoflow.registry import STRATEGIES, PluginError
-from hpoflow.train.data import dataset_info
+from hpoflow.train import data
 from hpoflow.trial import Verdict
 
 __all__ = ["Verdict", "check_trial", "strategy_plan"]
@@ -19,35 +28,63 @@ __all__ = ["Verdict", "check_trial", "strategy_plan"]
 _GIB = 2**30
 
 
+def _dataset(train: Mapping[str, Any]) -> tuple[tuple[int, ...], int, int, bool]:
+    """(input shape, classes, training samples, token input) of the trial's built-in data set."""
+    name = str(train.get("dataset", "digits"))
+    val = float(train.get("val_fraction", 0.2))
+    options = train.get("model_options") or {}
+    seq = options.get("context") or options.get("sequence_length")
+    if seq is not None and "sequence_length" in inspect.signature(data.dataset_info).parameters:
+        shape, classes, samples = data.dataset_info(name, val, sequence_length=int(seq))  # type: ignore[call-arg,unused-ignore]
+    else:
+        shape, classes, samples = data.dataset_info(name, val)
+    info = data.DATASETS.get(name)
+    return shape, classes, samples, getattr(info, "task", "classify") == "next_token"
+
+
+def _checkpointing(train: Mapping[str, Any]) -> str:
+    value = train.get("activation_checkpointing", "none")
+    if value is True:
+        return "full"
+    if value in (False, None):
+        return "none"
+    return str(value) if str(value) in CHECKPOINTING else "none"
+
+
 def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
                 cluster: ClusterSpec | None) -> Verdict:
     """Judge a trial of the built-in trainer (keys ``model``, ``model_options``, ``dataset``,
     ``val_fraction``, ``batch_size`` per rank, ``optimizer``, ``momentum``, ``epochs``, ``strategy``,
-    ``strategy_options``) on ``processes`` ranks.
+    ``strategy_options``, ``precision``, ``activation_checkpointing``) on ``processes`` ranks.
 
     With no cluster, the ``laptop`` preset is used. Infeasible when the memory per device exceeds
-    the device's memory. A trial the oracle cannot model (user model without shape, unknown
-    dataset) is reported feasible with the reason, so the oracle never blocks what it can't judge.
+    the device's memory. A sharded trial (``zero1``, ``fsdp``) that fits only because it is sharded
+    is feasible and the reason says so, with what a replicated copy would need. A trial the oracle
+    cannot model (user model without shape, unknown dataset) is reported feasible with the reason,
+    so the oracle never blocks what it can't judge.
     """
     spec = cluster or load_cluster(PRESETS["laptop"])
     model = str(train.get("model", "mlp"))
-    dataset = str(train.get("dataset", "digits"))
     try:
-        shape, classes, samples = dataset_info(dataset, float(train.get("val_fraction", 0.2)))
+        shape, classes, samples, tokens = _dataset(train)
         strategy = strategy_plan(str(train.get("strategy", "allreduce")), train.get("strategy_options") or {})
-    except (ValueError, PluginError) as exc:
+    except (ValueError, TypeError, PluginError) as exc:
         return Verdict(True, f"not checked: {exc}")
     ranks = max(1, processes) * max(1, gpus_per_process)
     try:
-        facts = model_facts(model, shape, classes, options=dict(train.get("model_options") or {}))
         plan = Plan(batch_size=int(train.get("batch_size", 32)),
                     devices=min(ranks, spec.total_devices),
                     optimizer=str(train.get("optimizer", "sgd")),
                     momentum=float(train.get("momentum", 0.0)),
+                    precision=str(train.get("precision", "fp32")),
+                    activation_checkpointing=_checkpointing(train),
                     dataset_size=samples, epochs=float(train.get("epochs", 1)), **strategy)
+        facts = model_facts(model, shape, classes, plan.precision, dict(train.get("model_options") or {}),
+                            param_dtype=plan.compute_dtype, token_input=tokens)
         pred = predict(facts, spec, plan)
     except OracleError as exc:
         return Verdict(True, f"not checked: {exc}")
+    per_device = f"{pred.memory_per_device_bytes / _GIB:.3f} GiB of {pred.memory_available_bytes / _GIB:.2f} GiB"
     if not pred.fits:
         return Verdict(
             False,
@@ -58,14 +95,31 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
             f"{pred.max_batch_per_device}",
             pred.to_dict(),
         )
-    return Verdict(True, f"fits: {pred.memory_per_device_bytes / _GIB:.3f} GiB of "
-                         f"{pred.memory_available_bytes / _GIB:.2f} GiB per device",
-                   pred.to_dict())
+    replicated = None
+    if plan.sharded:
+        full = facts if plan.compute_dtype == "fp32" else model_facts(
+            model, shape, classes, plan.precision, dict(train.get("model_options") or {}), token_input=tokens)
+        replicated = _replicated(full, spec, plan)
+    if replicated is not None and not replicated.fits:
+        return Verdict(True, f"fits only when sharded: {plan.strategy} needs {per_device} per device; replicated "
+                             f"(allreduce) it would need {replicated.memory_per_device_bytes / _GIB:.2f} GiB",
+                       pred.to_dict())
+    return Verdict(True, f"fits: {per_device} per device", pred.to_dict())
+
+
+def _replicated(facts: ModelFacts, cluster: ClusterSpec, plan: Plan) -> Prediction | None:
+    """The same trial with a full replica per rank (DDP), or None when it cannot be priced so."""
+    try:
+        return predict(facts, cluster, replace(plan, strategy="allreduce", param_dtype="fp32"))
+    except OracleError:
+        return None
 
 
 def strategy_plan(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """The oracle's ``Plan`` fields for a training strategy, from its registry entry's options
-    model (``oracle_plan()``); ``ValueError`` when the strategy has no oracle model."""
+    model (``oracle_plan()``; ``zero1``: ``{"strategy": "zero1", "bucket_mb": ...}``, ``fsdp``:
+    ``reshard_after_forward``, ``param_dtype``, ``cpu_offload``); ``ValueError`` when the strategy
+    has no oracle model."""
     model = STRATEGIES.options(name, options)
     plan = getattr(model, "oracle_plan", None)
     if plan is None:

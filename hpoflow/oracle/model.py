@@ -30,88 +30,26 @@ the shortest step, which exists because compute shrinks as 1/q while communicati
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
 from hpoflow.oracle import _comm
-from hpoflow.oracle._compute import ACTIVATION_TRAFFIC, VIEW_KINDS, Compute, compute
+from hpoflow.oracle._compute import ACTIVATION_TRAFFIC, OPTIMIZER_BYTES, VIEW_KINDS, Compute, compute, optimizer_key
+from hpoflow.oracle._ddp import NO_COMM, Comm, allreduce_overlap, ddp_buckets
+from hpoflow.oracle._memory import max_batch, memory_breakdown
+from hpoflow.oracle._sharded import HOST_BANDWIDTH, fsdp_comm, recompute_seconds, zero1_comm
 from hpoflow.oracle.catalog import ALGORITHMS, PRECISION_BYTES, STRATEGIES
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
-from hpoflow.oracle.facts import ModelFacts, optimizer_state_bytes
+from hpoflow.oracle.facts import ModelFacts
+from hpoflow.oracle.plan import GRAD_DTYPES, Plan
 
-__all__ = ["ACTIVATION_TRAFFIC", "ALGORITHMS", "STRATEGIES", "VIEW_KINDS", "Plan", "Prediction", "StepCost",
-           "ddp_buckets", "memory_breakdown", "predict", "step_cost"]
+__all__ = ["ACTIVATION_TRAFFIC", "ALGORITHMS", "GRAD_DTYPES", "STRATEGIES", "VIEW_KINDS", "Plan", "Prediction",
+           "StepCost", "ddp_buckets", "memory_breakdown", "predict", "step_cost"]
 
-MIB = 2**20
-DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 _DATA_PARALLEL = ("allreduce", "ring", "tree")
 _SEARCH_LIMIT = 1 << 17
-GRAD_DTYPES = ("fp32", "fp16", "bf16")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What to predict: strategy, sizes and training length (typed once by the CLI/API).
-
-    ``algorithm`` forces the all-reduce algorithm of ``allreduce`` (``auto``: the fastest);
-    ``grad_dtype`` is the all-reduce's dtype (``fp16``/``bf16``: DDP's compression hooks);
-    ``bucket_mb`` is DDP's ``bucket_cap_mb`` (0: one all-reduce per parameter tensor);
-    ``channels_last``: activations in NHWC (``memory_format=torch.channels_last``).
-    """
-
-    batch_size: int
-    devices: int | None = None
-    strategy: str = "allreduce"
-    algorithm: str = "auto"
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    precision: str = "fp32"
-    grad_dtype: str = "fp32"
-    bucket_mb: float = 25.0
-    channels_last: bool = False
-    overlap: float | None = None
-    servers: int = 1
-    period: int = 4
-    stages: int = 2
-    micro_batches: int | None = None
-    dataset_size: int = 1_281_167
-    epochs: float = 90.0
-    reshard_after_forward: bool = True
-    param_dtype: str = "fp32"
-    cpu_offload: bool = False
-
-    def validate(self, cluster: ClusterSpec) -> Plan:
-        """This plan with ``devices`` filled in (None: every device of the cluster), or
-        :class:`OracleError` naming the bad field, its value and the fix."""
-        devices = cluster.total_devices if self.devices is None else self.devices
-        checks: list[tuple[bool, str, object, str]] = [
-            (self.strategy in STRATEGIES, "strategy", self.strategy, f"one of {', '.join(STRATEGIES)}"),
-            (self.algorithm == "auto" or self.algorithm in ALGORITHMS, "algorithm", self.algorithm,
-             f"auto or one of {', '.join(ALGORITHMS)}"),
-            (self.precision in PRECISION_BYTES, "precision", self.precision, f"one of {', '.join(PRECISION_BYTES)}"),
-            (self.grad_dtype in GRAD_DTYPES, "grad_dtype", self.grad_dtype, f"one of {', '.join(GRAD_DTYPES)}"),
-            (self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1"),
-            (1 <= devices <= cluster.total_devices, "devices", devices,
-             f"between 1 and the {cluster.total_devices} devices of cluster {cluster.name!r}"),
-            (self.servers >= 1, "servers", self.servers, "an integer >= 1"),
-            (self.period >= 1, "period", self.period, "an integer >= 1"),
-            (self.stages >= 1, "stages", self.stages, "an integer >= 1"),
-            (self.micro_batches is None or self.micro_batches >= 1, "micro_batches", self.micro_batches,
-             "an integer >= 1"),
-            (self.strategy != "pipeline" or devices % self.stages == 0, "devices", devices,
-             f"a multiple of the pipeline stages ({self.stages})"),
-            (self.overlap is None or 0 <= self.overlap <= 1, "overlap", self.overlap, "in [0, 1]"),
-            (self.bucket_mb >= 0, "bucket_mb", self.bucket_mb, ">= 0 (0: one all-reduce per parameter tensor)"),
-            (self.dataset_size >= 1, "dataset_size", self.dataset_size, "an integer >= 1"),
-            (self.epochs > 0, "epochs", self.epochs, "> 0"),
-        ]
-        for ok, name, value, rule in checks:
-            if not ok:
-                raise OracleError(f"{name} must be {rule}, but got {value!r}; change {name}")
-        return replace(self, devices=devices)
 
 
 @dataclass(frozen=True)
@@ -136,6 +74,14 @@ class StepCost:
     collectives: int = 0
     #: communication seconds of this step had every collective used each applicable algorithm
     algorithm_costs: dict[str, float] = field(default_factory=dict)
+    #: forward recomputed in backward (activation checkpointing), inside ``compute_s``
+    recompute_s: float = 0.0
+    #: bytes each device sends per step (what hpoflow's meter counts per rank), and bytes each
+    #: node sends across the network
+    bytes_per_step: float = 0.0
+    network_bytes_per_node: float = 0.0
+    #: the factor the inter-node bandwidth was divided by (network_levels' oversubscription)
+    congestion: float = 1.0
 
     @property
     def comm_s(self) -> float:
@@ -181,75 +127,30 @@ class Prediction:
         return d
 
 
-def ddp_buckets(facts: ModelFacts, plan: Plan) -> list[tuple[int, ...]]:
-    """DDP's buckets in the order backward fills them, each as the indices (into the trace's
-    ``grad_ready``) of its gradients: DDP rebuilds its buckets after the first step in the order
-    gradients became ready, closing the first at 1 MiB of fp32 gradients and the others at
-    ``bucket_mb`` MiB (a bucket closes once it reaches its limit). One bucket without a trace."""
-    trace = facts.trace
-    if trace is None or not trace.grad_ready:
-        return []
-    cap = plan.bucket_mb * MIB
-    limit = min(DDP_FIRST_BUCKET_BYTES, cap) if cap > 0 else 0.0
-    out: list[tuple[int, ...]] = []
-    current: list[int] = []
-    nbytes = 0.0
-    for i, (_, numel, _) in enumerate(trace.grad_ready):
-        current.append(i)
-        nbytes += 4 * numel
-        if nbytes >= limit:
-            out.append(tuple(current))
-            current, nbytes, limit = [], 0.0, cap
-    if current:
-        out.append(tuple(current))
-    return out
+def _scaled(comp: Compute, factor: float) -> Compute:
+    """``comp`` with every time multiplied by ``factor`` (a measured baseline's calibration)."""
+    if factor == 1.0:
+        return comp
+    return Compute(flops_s=comp.flops_s * factor, traffic_s=comp.traffic_s * factor,
+                   overhead_s=comp.overhead_s * factor, optimizer_s=comp.optimizer_s * factor,
+                   forward_s=comp.forward_s * factor, backward_s=comp.backward_s * factor,
+                   grad_ready_s=tuple(t * factor for t in comp.grad_ready_s))
 
 
-def _bucket_list(facts: ModelFacts, plan: Plan) -> list[tuple[int, float]]:
-    """(index in ``grad_ready`` of the gradient that completes the bucket, elements) per bucket."""
-    trace = facts.trace
-    buckets = ddp_buckets(facts, plan)
-    if trace is None or not buckets:
-        return [(-1, float(facts.params))]
-    return [(b[-1], float(sum(trace.grad_ready[i][1] for i in b))) for b in buckets]
+def _with_recompute(comp: Compute, extra_s: float) -> Compute:
+    """``comp`` with ``extra_s`` of recomputed forward at the start of backward (the gradients
+    become ready that much later)."""
+    if extra_s <= 0:
+        return comp
+    return Compute(flops_s=comp.flops_s, traffic_s=comp.traffic_s, overhead_s=comp.overhead_s,
+                   optimizer_s=comp.optimizer_s, forward_s=comp.forward_s, backward_s=comp.backward_s + extra_s,
+                   grad_ready_s=tuple(t + extra_s for t in comp.grad_ready_s))
 
 
-@dataclass(frozen=True)
-class _Comm:
-    bandwidth_s: float
-    latency_s: float
-    exposed_s: float
-    algorithm: str
-    collectives: int
-    per_algorithm: dict[str, float]
-
-
-def _allreduce_overlap(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, net: _comm.Network, comp: Compute,
-                       slow: float, elements_scale: float = 1.0) -> _Comm:
-    """The bucket timeline of a data-parallel step (see the module docs)."""
-    wire = PRECISION_BYTES[plan.grad_dtype]
-    fixed = cluster.overheads.collective_s
-    bw = lat = 0.0
-    end = 0.0
-    moved: dict[str, float] = defaultdict(float)
-    per_algorithm: dict[str, float] = defaultdict(float)
-    buckets = _bucket_list(facts, plan)
-    backward = comp.backward_s * slow
-    for last, elements in buckets:
-        nbytes = elements * elements_scale * wire
-        name, (b, a) = _comm.allreduce(net, nbytes, plan.algorithm)
-        for alg, (ab, aa) in _comm.allreduce_costs(net, nbytes).items():
-            per_algorithm[alg] += ab + aa + fixed
-        ready = comp.grad_ready_s[last] * slow if 0 <= last < len(comp.grad_ready_s) else backward
-        end = max(end, ready) + b + a + fixed
-        bw, lat = bw + b, lat + a + fixed
-        moved[name] += nbytes
-    total = bw + lat
-    timeline = max(0.0, end - backward)
-    overlap = cluster.overlap if plan.overlap is None else plan.overlap
-    exposed = overlap * min(timeline, total) + (1 - overlap) * total
-    algorithm = max(moved, key=lambda a: moved[a]) if moved else ""
-    return _Comm(bw, lat, exposed, algorithm, len(buckets), dict(per_algorithm))
+def _offloaded_optimizer_s(facts: ModelFacts, plan: Plan, p: int) -> float:
+    """FSDP with ``cpu_offload``: the optimizer steps the shard on the host."""
+    key = optimizer_key(plan.optimizer, plan.momentum)
+    return OPTIMIZER_BYTES[key] * facts.params / p / HOST_BANDWIDTH
 
 
 def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int, batch: float) -> StepCost:
@@ -259,42 +160,59 @@ def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int, batch
     k = plan.stages if plan.strategy == "pipeline" else 1
     m = plan.micro_batches or 4 * k
     call_batch = batch / m if plan.strategy == "pipeline" else batch
-    comp = compute(facts, cluster, plan.precision, plan.optimizer, plan.momentum, batch, call_batch, k,
-                   plan.channels_last)
+    shards = p if plan.sharded else k  # the optimizer steps this fraction of the parameters
+    comp = _scaled(compute(facts, cluster, plan.precision, plan.optimizer, plan.momentum, batch, call_batch,
+                           shards, plan.channels_last), plan.compute_scale)
+    if plan.strategy == "fsdp" and plan.cpu_offload:
+        comp = replace(comp, optimizer_s=_offloaded_optimizer_s(facts, plan, p) * plan.compute_scale)
+    recompute = {u: t * plan.compute_scale for u, t in
+                 recompute_seconds(facts, cluster, plan, _scaled(comp, 1 / plan.compute_scale), call_batch).items()}
+    redo = sum(recompute.values())
     flops_s, traffic_s, overhead = comp.flops_s, comp.traffic_s, comp.overhead_s + comp.optimizer_s
     slow = 1.0
     busy = min(p, cluster.devices_per_node)
     if busy > 1 and dev.contention > 1:  # devices of one node slow each other down
         slow = 1 + (dev.contention - 1) * (busy - 1) / (cluster.devices_per_node - 1)
         flops_s, traffic_s, overhead = flops_s * slow, traffic_s * slow, overhead * slow
+    redo *= slow
     replicas = p // k
     net = _comm.network(cluster, replicas)
     pipe_bw = pipe_lat = 0.0
+    timed = _with_recompute(comp, redo / slow)
     if plan.strategy == "pipeline":
         bubble = (m + k - 1) / m
-        flops_s, traffic_s = flops_s / k * bubble, traffic_s / k * bubble
+        flops_s, traffic_s, redo = flops_s / k * bubble, traffic_s / k * bubble, redo / k * bubble
         pipe_bw, pipe_lat = _comm.pipeline_p2p(k, batch / m, facts.boundary_bytes, _comm.network(cluster, k))
         if replicas > 1:
             name, (b, a) = _comm.allreduce(net, 4.0 * facts.params / k, plan.algorithm)
             a += ov.collective_s
-            hideable = (cluster.overlap if plan.overlap is None else plan.overlap) * comp.backward_s * slow / k
-            comm = _Comm(b, a, max(0.0, b + a - hideable), name, 1, {})
+            hideable = (cluster.overlap if plan.overlap is None else plan.overlap) * timed.backward_s * slow / k
+            sent, node = _comm.volume(net, "allreduce", 4.0 * facts.params / k, name)
+            comm = Comm(b, a, max(0.0, b + a - hideable), name, 1, {}, sent, node)
         else:
-            comm = _Comm(0.0, 0.0, 0.0, "", 0, {})
+            comm = NO_COMM
+    elif p <= 1 and plan.strategy != "ps":
+        comm = NO_COMM
     elif plan.strategy in _DATA_PARALLEL:
         forced = replace(plan, algorithm="ring") if plan.strategy == "ring" else \
             replace(plan, algorithm="tree") if plan.strategy == "tree" else plan
-        comm = _allreduce_overlap(facts, cluster, forced, net, comp, slow) if p > 1 else \
-            _Comm(0.0, 0.0, 0.0, "", 0, {})
+        comm = allreduce_overlap(facts, cluster, forced, net, timed, slow)
+    elif plan.strategy == "zero1":
+        comm = zero1_comm(facts, cluster, plan, net, timed, slow)
+    elif plan.strategy == "fsdp":
+        comm = fsdp_comm(facts, cluster, plan, net, comp, slow, call_batch, {u: t * slow for u, t in recompute.items()})
     elif plan.strategy == "ps":
-        b, a = _comm.parameter_server(net, plan.servers, float(PRECISION_BYTES[plan.grad_dtype] * facts.params))
+        m_ps = float(PRECISION_BYTES[plan.grad_dtype] * facts.params)
+        b, a = _comm.parameter_server(net, plan.servers, m_ps)
         a += ov.collective_s if p > 1 else 0.0
-        comm = _Comm(b, a, b + a, "", 1 if p > 1 else 0, {})
+        comm = Comm(b, a, b + a, "", 1 if p > 1 else 0, {}, 2 * m_ps if p > 1 else 0.0,
+                    2 * m_ps * net.per_node if p > 1 and net.nodes > 1 else 0.0)
     else:  # easgd: every period steps one all-reduce of the fp32 parameters, after the step
         name, (b, a) = _comm.allreduce(net, 4.0 * facts.params, plan.algorithm)
         b, a = b / plan.period, (a + (ov.collective_s if p > 1 else 0.0)) / plan.period
-        comm = _Comm(b, a, b + a, name, 1 if p > 1 else 0, {})
-    compute_s = flops_s + traffic_s + overhead
+        sent, node = _comm.volume(net, "allreduce", 4.0 * facts.params, name)
+        comm = Comm(b, a, b + a, name, 1 if p > 1 else 0, {}, sent / plan.period, node / plan.period)
+    compute_s = flops_s + traffic_s + overhead + redo
     wait = 0.0
     if p > 1 and ov.sync_wait:
         wait = ov.sync_wait_at(compute_s) * expected_max_normal(p) / expected_max_normal(2)
@@ -313,7 +231,8 @@ def step_cost(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int, batch
         exposed_comm_s=exposed, step_s=step + loader, sync_wait_s=wait,
         forward_s=comp.forward_s * slow, backward_s=comp.backward_s * slow, optimizer_s=comp.optimizer_s * slow,
         loader_wait_s=loader, algorithm=comm.algorithm, collectives=comm.collectives,
-        algorithm_costs=comm.per_algorithm,
+        algorithm_costs=comm.per_algorithm, recompute_s=redo, bytes_per_step=comm.sent_bytes,
+        network_bytes_per_node=comm.network_bytes, congestion=net.congestion,
     )
 
 
@@ -329,33 +248,6 @@ def expected_max_normal(n: int) -> float:
         phi = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
         total += x * n * phi * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1)
     return total * step
-
-
-def memory_breakdown(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, batch: float, p: int) -> dict[str, float]:
-    """Bytes per device by kind (see the module docs); ``total`` is their sum."""
-    k = plan.stages if plan.strategy == "pipeline" else 1
-    dev = cluster.device
-    data_parallel = plan.strategy in (*_DATA_PARALLEL, "pipeline") and p // k > 1
-    activations = facts.activation_bytes * batch + facts.activation_fixed_bytes
-    parts = {
-        "weights": facts.param_bytes / k,
-        "gradients": facts.grad_bytes / k,
-        # DDP keeps its own flat buckets beside .grad (gradient_as_bucket_view=False, the default)
-        "ddp_buckets": facts.grad_bytes / k if data_parallel else 0.0,
-        "optimizer_state": optimizer_state_bytes(facts.params, plan.optimizer, plan.momentum) / k,
-        "activations": activations / k,
-        "allocator": activations * dev.memory_overhead / k,
-        "reserved": dev.reserved_bytes,
-    }
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-def _max_batch(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int) -> int:
-    k = plan.stages if plan.strategy == "pipeline" else 1
-    free = cluster.device.memory_bytes - memory_breakdown(facts, cluster, plan, 0, p)["total"]
-    per_sample = facts.activation_bytes * (1 + cluster.device.memory_overhead) / k
-    return max(0, int(free // per_sample)) if per_sample > 0 else 1 << 30
 
 
 def _candidates(limit: int, per_node: int, multiple: int) -> list[int]:
@@ -381,6 +273,12 @@ def _check_precision(facts: ModelFacts, plan: Plan) -> None:
             f"the model facts were measured at precision {facts.precision!r} but the plan asks for "
             f"{plan.precision!r}; measure the facts at the plan's precision "
             f"(model_facts(..., precision={plan.precision!r}))"
+        )
+    if facts.param_dtype != plan.compute_dtype:
+        raise OracleError(
+            f"the model facts were measured with parameters in {facts.param_dtype!r} but the plan computes in "
+            f"{plan.compute_dtype!r} (FSDP's param_dtype); measure the facts with "
+            f"model_facts(..., param_dtype={plan.compute_dtype!r})"
         )
 
 
@@ -412,7 +310,7 @@ def predict(facts: ModelFacts, cluster: ClusterSpec, plan: Plan) -> Prediction:
         global_batch=global_batch, cost=cost, throughput=throughput, epoch_s=epoch_s,
         time_to_train_s=plan.epochs * epoch_s, memory_per_device_bytes=memory["total"],
         memory_available_bytes=cluster.device.memory_bytes, fits=fits,
-        max_batch_per_device=_max_batch(facts, cluster, plan, p),
+        max_batch_per_device=max_batch(facts, cluster, plan, p),
         speedup=throughput / base, scaling_efficiency=throughput / base / p,
         bottleneck=_bottleneck(cost, fits), max_speedup=best, max_speedup_devices=best_q,
         useful_devices=useful, memory=memory,

@@ -33,7 +33,7 @@ def _serve(conn: Connection, cluster: str | None, plugins: tuple[str, ...], pyth
 
 
 _JUDGED = ("model", "model_options", "dataset", "val_fraction", "batch_size", "optimizer", "momentum", "epochs",
-           "strategy", "strategy_options")
+           "strategy", "strategy_options", "precision", "activation_checkpointing")
 
 
 def judged(request: TrialRequest) -> tuple[dict[str, Any], str]:

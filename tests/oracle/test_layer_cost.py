@@ -148,6 +148,6 @@ def test_sync_wait_scales_with_devices_and_easgd_period() -> None:
     gpu = load_cluster(PRESETS["p100-cluster"])
     two_gpu = _cost(gpu, f, p=2)
     assert two_gpu.sync_wait_s == pytest.approx(gpu.overheads.step_jitter * two_gpu.compute_s / math.sqrt(math.pi))
-    no_jitter = load_cluster({**PRESETS["p100-cluster"], "overheads": {}})
+    no_jitter = load_cluster({**PRESETS["p100-cluster"], "overheads": {"step_jitter": 0.0}})
     assert _cost(no_jitter, f, p=2).sync_wait_s == 0.0
     assert replace(two, sync_wait_s=0.0).to_dict()["sync_wait_s"] == 0.0

@@ -39,6 +39,7 @@ def _toy(numels: tuple[int, int] = (1_000_000, 1_000_000)) -> ModelFacts:
 def _toy_cluster(bandwidth: float, overlap: float = 1.0) -> Any:
     return load_cluster({
         "name": "toy", "nodes": 1, "devices_per_node": 2, "overlap": overlap,
+        "overheads": {"collective_s": 0.0, "step_jitter": 0.0},
         "device": {"name": "toy", "peak_flops": {"fp32": 1e12}, "memory_bytes": 1e12, "memory_bandwidth": 1e12,
                    "efficiency": 1.0},
         "intra_node": {"name": "link", "bandwidth": bandwidth, "latency": 0.0},
