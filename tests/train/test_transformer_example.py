@@ -1,7 +1,7 @@
 """examples/transformer.yaml through the CLI, one trial per strategy on 2 CPU ranks (slow tier): the
 trials complete, the sharded strategies show lower peak memory per rank in trials.csv, bytes per step
 are within 10 % of the all-gather/reduce-scatter theory, and the measured peak memory is within
-+-25 % of the parallelism oracle's prediction (skipped until the oracle prices zero1 and fsdp)."""
++-25 % of the parallelism oracle's prediction."""
 
 from __future__ import annotations
 
@@ -73,27 +73,8 @@ def test_bytes_per_step_are_within_10_percent_of_the_all_gather_reduce_scatter_t
     assert _m(rows["fsdp"], "theory_bytes_per_step") == pytest.approx(2 * m, rel=0.02)  # AG fwd + bwd + gloo's RS
 
 
-def _oracle_prices_sharding() -> str | None:
-    """None when the oracle prices zero1 and fsdp, else why not."""
-    from hpoflow.oracle import OracleError
-    from hpoflow.oracle.catalog import PRESETS
-    from hpoflow.oracle.cluster import load_cluster
-    from hpoflow.oracle.model import Plan
-
-    cluster = load_cluster(PRESETS["laptop"])
-    for name in ("zero1", "fsdp"):
-        try:
-            Plan(batch_size=1, strategy=name).validate(cluster)
-        except OracleError as exc:
-            return f"the oracle does not price {name} yet (Plan(strategy={name!r}) is refused: {exc})"
-    return None
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_peak_memory_is_within_25_percent_of_the_oracle(rows: dict[str, dict[str, str]], strategy: str) -> None:
-    why = _oracle_prices_sharding()
-    if why:
-        pytest.skip(why)
     from hpoflow.oracle.feasibility import check_trial
 
     spec = yaml.safe_load((ROOT / "examples" / "transformer.yaml").read_text())
