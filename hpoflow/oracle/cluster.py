@@ -16,6 +16,8 @@ Example::
     rails: 1                     # network adapters per node (each one inter_node link)
     torus: null                  # or [x, y]: the nodes form an x-by-y torus (x y = nodes)
     overlap: 1.0                 # 1: DDP overlaps each bucket's all-reduce with the rest of backward
+    filesystem: parallel-fs      # where checkpoints go (a catalogue name or a mapping; default:
+                                 # local-ssd on one node, parallel-fs on several); see _filesystem.py
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from hpoflow.oracle._filesystem import FILESYSTEMS, FileSystemSpec
 from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
 from hpoflow.oracle.errors import OracleError
 
@@ -274,6 +277,8 @@ class ClusterSpec(_Frozen):
     overlap: float = Field(default=1.0, ge=0, le=1)
     loader_samples_per_s: float | None = Field(default=None, gt=0)
     overheads: Overheads = Field(default_factory=Overheads)
+    #: where checkpoints are written (``hpoflow.oracle._checkpoint``); None: the default by node count
+    filesystem: FileSystemSpec | None = None
     source: str = ""
 
     @field_validator("torus")
@@ -293,6 +298,11 @@ class ClusterSpec(_Frozen):
     @classmethod
     def _link(cls, v: Any) -> Any:
         return _lookup(v, LINKS, "link")
+
+    @field_validator("filesystem", mode="before")
+    @classmethod
+    def _filesystem(cls, v: Any) -> Any:
+        return _lookup(v, FILESYSTEMS, "file system")
 
     @property
     def total_devices(self) -> int:
