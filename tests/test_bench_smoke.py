@@ -26,6 +26,7 @@ CASES = {
     "simulate.py": (["--quick"], {"scale", "sampler_ms_per_trial", "replay"}),
     "elastic.py": (["--quick"], {"speedup_2", "64_slots", "real"}),
     "ask_ahead.py": (["--trials", "6", "--trial-s", "0.05", "--repeats", "1"], {"off", "on", "makespan_ratio"}),
+    "checkpoint_study.py": (["--quick"], {"rows", "machine", "filesystem", "cluster"}),
 }
 
 pytestmark = pytest.mark.slow  # runs the benchmark scripts

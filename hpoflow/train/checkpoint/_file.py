@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import re
 import struct
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
 
-from hpoflow.fileio import write_atomic
+from hpoflow.fileio import fsync_dir, umask
 from hpoflow.train.checkpoint._base import CorruptCheckpoint, UnsafeCheckpoint
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "checkpoint_name", "decode", "encode", "parse_name", "read_checkpoint",
@@ -82,11 +84,51 @@ def decode(data: bytes | memoryview, source: str = "<bytes>") -> Any:
                                f"code): {why[:300]}") from exc
 
 
+class _Hashing:
+    """A file's ``write`` that also counts and hashes what goes through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.length = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.length += view.nbytes
+        self.f.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def write_checkpoint(path: Path, obj: Any) -> int:
-    """Encode ``obj`` and write it atomically to ``path``; returns the file's size in bytes."""
-    header, payload = encode(obj)
-    write_atomic(path, header, payload)
-    return len(header) + len(payload)
+    """Encode ``obj`` and write it atomically to ``path``; returns the file's size in bytes.
+
+    The payload is streamed to a temporary file beside ``path`` (hashed on the way: no copy of the
+    serialised state is held in memory), its header written over the placeholder at the start, the file
+    ``fsync``ed and renamed over ``path``, the directory ``fsync``ed (``hpoflow.fileio.write_atomic``'s
+    steps and temporary names)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * _HEADER.size)
+            stream = _Hashing(f)
+            torch.save(obj, cast(IO[bytes], stream))  # it only writes
+            f.seek(0)
+            f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, stream.length, stream.sha.digest()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return _HEADER.size + stream.length
 
 
 def read_checkpoint(path: Path) -> Any:
