@@ -381,8 +381,6 @@ def main() -> None:
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="hpoflow-ckpt-study-"))
     fs = measure_filesystem(base / "fs-probe", size=(16 if args.quick else 256) << 20, repeats=1 if args.quick else 3)
     cores = machine_cores()
-    slots = [cores[i % len(cores)] for i in range(max(worlds))]  # more ranks than cores: two per core
-    engine = LocalEngine(cores=slots)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     t_start = time.time()
@@ -394,6 +392,9 @@ def main() -> None:
                 if not fits:
                     skipped.append(f"{name} on {world} ranks: needs ~{need / 1e9:.0f} GB of memory")
                     continue
+                # a fresh engine per trial (fresh worker processes: no memory left over from a bigger
+                # model); more ranks than cores share them (core ids repeated: two ranks per core)
+                engine = LocalEngine(cores=[cores[i % len(cores)] for i in range(world)])
                 trial_dir = base / f"{name}-w{world}"
                 options = {"model": name, "formats": formats, "warmup": warmup, "plain": plain, "every": every,
                            "directory": str(trial_dir / "ck")}
@@ -403,10 +404,13 @@ def main() -> None:
                                    python_path=(str(BENCH),))
                 number += 1
                 t0 = time.time()
-                engine.submit(req)
-                res = None
-                while res is None:
-                    res = next((e for e in engine.poll(None) if isinstance(e, TrialResult)), None)
+                try:
+                    engine.submit(req)
+                    res = None
+                    while res is None:
+                        res = next((e for e in engine.poll(None) if isinstance(e, TrialResult)), None)
+                finally:
+                    engine.close()
                 if res.status != "complete":
                     raise RuntimeError(f"{name} on {world} ranks: {res.status}: {res.error}\n{res.stderr_tail}")
                 for fmt in formats:
@@ -414,7 +418,6 @@ def main() -> None:
                 print(f"# {name} on {world} rank(s): {time.time() - t0:.0f} s", flush=True)
                 shutil.rmtree(trial_dir, ignore_errors=True)
     finally:
-        engine.close()
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
     cluster = _modelled(rows, fs, args.cluster, args.cluster_devices, args.mtbf_hours)
