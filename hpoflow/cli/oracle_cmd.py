@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hpoflow.oracle._filesystem import CHECKPOINT_FORMATS
+from hpoflow.oracle import CHECKPOINT_FORMATS
 from hpoflow.oracle.catalog import ALGORITHMS, PRECISION_BYTES, PRESETS, STRATEGIES
 from hpoflow.oracle.errors import OracleError
 
@@ -185,7 +185,7 @@ def _checkpoint(args: argparse.Namespace, facts: Any, cluster: Any, plan: Any, s
     """The checkpoint cost and the Young/Daly advice (``--mtbf-hours``), or {} without it."""
     if getattr(args, "mtbf_hours", None) is None:
         return {}
-    from hpoflow.oracle._checkpoint import advise, checkpoint_cost
+    from hpoflow.oracle import advise, checkpoint_cost
 
     cost = checkpoint_cost(facts, cluster, plan.devices, plan.optimizer, plan.momentum,
                            getattr(args, "checkpoint_format", "replica"), not getattr(args, "checkpoint_sync", False))
