@@ -27,16 +27,30 @@ CASES = {
     "elastic.py": (["--quick"], {"speedup_2", "64_slots", "real"}),
     "ask_ahead.py": (["--trials", "6", "--trial-s", "0.05", "--repeats", "1"], {"off", "on", "makespan_ratio"}),
     "checkpoint_study.py": (["--quick"], {"rows", "machine", "filesystem", "cluster"}),
+    "worker_overheads.py": (["--calls", "10", "--lines", "1000", "--repeats", "1"],
+                            {"reap_proc_children_us", "reap_psutil_us", "log_pump_overhead"}),
+    "slurm_steps.py": (["--trials", "4", "--repeats", "1"],
+                       {"submit_to_first_step_s", "steps_overhead_ms_per_trial_slot",
+                        "local_overhead_ms_per_trial_slot"}),
 }
+# A bound for a hang, not a speed: each script takes seconds on a quiet machine and a few minutes with
+# other work on both cores.
+SCRIPT_TIMEOUT_S = 900
 
 pytestmark = pytest.mark.slow  # runs the benchmark scripts
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> None:
+    if script == "slurm_steps.py":  # it starts a real SLURM cluster of its own (tests/infra/slurm.py)
+        from tests.infra.slurm import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            pytest.skip(f"no SLURM cluster: {reason}")
     args, keys = CASES[script]
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=SCRIPT_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert keys <= set(figures), f"{script} JSON line lacks {sorted(keys - set(figures))}: {figures}"
@@ -45,7 +59,8 @@ def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> No
 def test_oracle_validation_with_a_given_calibration(tmp_path: Path, calibration_2: tuple[Any, Path]) -> None:
     cal = calibration_2[1]
     proc = subprocess.run([sys.executable, str(BENCH / "oracle_validation.py"), "--calibration", str(cal),
-                           "--steps", "10"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+                           "--steps", "10"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=SCRIPT_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(figures["ratios"]) == {"mlp@1", "mlp@2", "cnn@1", "cnn@2"}

@@ -177,15 +177,16 @@ def allreduce_volume(ctx: TrialContext) -> dict[str, float]:
 
 def elastic_epochs(ctx: TrialContext) -> dict[str, float]:
     """An elastic user function: ``epochs`` epochs of ``work_s`` seconds, split over the ranks (more
-    ranks are faster; with ``split: false`` not split, so more ranks are slower), a real all-reduce per
-    epoch, a checkpoint at every boundary, and each epoch's world size recorded in the checkpoint and,
+    ranks are faster; with ``split: false`` each rank's share grows with the ranks, as when talking
+    costs more than it saves: k ranks take k times as long, a margin no load can hide), a real
+    all-reduce per epoch, a checkpoint at every boundary, and each epoch's world size recorded in the checkpoint and,
     at the end, in ``sizes.json``."""
     import json
 
     state = ctx.load_checkpoint() or {"epoch": 0, "sizes": [], "total": 0.0}
     epochs, work_s = int(ctx.options["epochs"]), float(ctx.options["work_s"])
     for epoch in range(int(state["epoch"]), epochs):
-        time.sleep(work_s / ctx.world_size if ctx.options.get("split", True) else work_s)
+        time.sleep(work_s / ctx.world_size if ctx.options.get("split", True) else work_s * ctx.world_size)
         if ctx.attempt == 0 and ctx.rank == 1 and epoch + 1 == ctx.options.get("kill_rank1_at"):
             os._exit(9)  # a lost rank in the middle of an epoch (the first attempt only)
         t = torch.tensor([1.0])

@@ -128,3 +128,14 @@ def sim_cost_real_types(params: dict[str, Any], number: int) -> dict[str, Any]:
 def odd_metric_name(ctx: Any) -> dict[str, float]:
     """Returns a metric whose name holds an escape sequence (it would reach the terminal and trials.csv)."""
     return {"score": 1.0, "x\x1b[2J": 2.0}
+
+
+
+def nap(ctx: Any) -> dict[str, float]:
+    """A quick trial for studies shared by several drivers: sleeps ``options.seconds`` (default 0.3) and
+    returns ``1 - (x - 0.5)^2``."""
+    import time
+
+    x = float(ctx.params["x"])
+    time.sleep(float(ctx.options.get("seconds", 0.3)))
+    return {"value": 1.0 - (x - 0.5) ** 2}

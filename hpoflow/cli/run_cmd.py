@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from hpoflow.cli._args import positive_int
@@ -51,6 +52,10 @@ def _prestart(spec_path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _prestart(args.spec)
+    if os.environ.get("SLURM_JOB_ID"):  # in a batch job: pause the trials before its walltime, whoever wrote it
+        from hpoflow.engines.slurm.walltime import arm_walltime_warning
+
+        arm_walltime_warning()
     from hpoflow.api import optimize
     from hpoflow.report.progress import ProgressListener
     from hpoflow.report.tables import status_dict, trials_table
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if message:
         print(f"hpoflow: {message}", file=sys.stderr)
     if s.stopped_by == "preempted":
-        from hpoflow.engines.slurm.requeue import requeue_if_asked
+        from hpoflow.engines.slurm.walltime import requeue_if_asked
 
         requeue_if_asked()
     return s.exit_code

@@ -1,4 +1,8 @@
-"""``hpoflow status RUN_DIR [--json]``: where a study stands (works while it runs)."""
+"""``hpoflow status RUN_DIR [--json]``: where a study stands (works while it runs; reads only).
+
+Besides the counts and the best trials it lists the drivers that worked on the study (several
+``hpoflow run`` may share one storage): ``alive``, ``ended``, or ``lost`` (no beat for over its
+lease; judged by the wall clock, or by the pid for a driver of this machine)."""
 
 from __future__ import annotations
 
@@ -44,6 +48,13 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     if table is not None:
         console.print(render_table(table))
-    console.print(", ".join(f"{k}={v}" for k, v in status.items() if k != "best_params"), highlight=False)
+    console.print(", ".join(f"{k}={v}" for k, v in status.items() if k not in ("best_params", "drivers")),
+                  highlight=False)
     console.print(f"best_params={status['best_params']}", highlight=False)
+    drivers = status.get("drivers") or []
+    if len(drivers) > 1 or any(d["state"] != "ended" for d in drivers):  # several drivers, or one at work
+        console.print(render_table({
+            "title": "drivers", "columns": ["driver", "state", "running", "last beat", "run dir"],
+            "rows": [[f"{d['host']}:{d['pid']}", d["state"], str(d["trials_running"]), d["last_beat"], d["run_dir"]]
+                     for d in drivers]}))
     return 0

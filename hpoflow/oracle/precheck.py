@@ -94,6 +94,9 @@ class OraclePrecheck:
         return Verdict(True, f"not checked: {self._broken}", {})
 
     def _start(self) -> None:
+        from hpoflow.engines.proc import start_without_main
+
+        start_without_main()  # "hpoflow-oracle" never runs the caller's __main__ (a script on stdin)
         ctx = mp.get_context("forkserver")
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_serve, args=(child, self.cluster, self.plugins, self.python_path),

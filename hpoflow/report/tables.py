@@ -19,7 +19,8 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.table import Table
 
 from hpoflow.fileio import write_atomic
-from hpoflow.run.ledger import ATTR_IMPORTED, is_counted
+from hpoflow.run.lease import LeaseInfo, lease_rows, read_leases
+from hpoflow.run.ledger import ATTR_DRIVER, ATTR_IMPORTED, is_counted
 from hpoflow.term import render_table
 
 __all__ = [
@@ -88,8 +89,16 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
     return pick(done, key=lambda t: (t.value, -t.number) if pick is max else (t.value, t.number))
 
 
+def _driver(t: FrozenTrial) -> str | None:
+    value = t.user_attrs.get(ATTR_DRIVER)
+    return value if isinstance(value, str) else None
+
+
 def write_trials_csv(study: optuna.Study, path: Path) -> None:
+    """One row per trial that counts (``hpoflow.run.ledger``); ``driver`` is the host:pid of the driver
+    that ran it (several drivers may share a study)."""
     trials = _counted(study)
+    leases = read_leases(study)
     params = sorted({k for t in trials for k in t.params})
     metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - set(_TIMING_KEYS))
     timings = sorted({k for t in trials for k in _timings(t)} - {"duration_s"})
@@ -98,7 +107,7 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
                 *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings],
-                *[f"system_{k}" for k in system], "error"])
+                *[f"system_{k}" for k in system], "driver", "error"])
     for t in trials:
         m = t.user_attrs.get("metrics") or {}
         tm = _timings(t)
@@ -106,8 +115,15 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
         w.writerow([t.number, t.state.name, t.values[0] if t.values and len(t.values) == 1 else "",
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], *[sy.get(k, "") for k in system],
-                    t.user_attrs.get("error", "")])
+                    _driver_label(_driver(t), leases), t.user_attrs.get("error", "")])
     write_atomic(path, buf.getvalue())
+
+
+def _driver_label(driver_id: str | None, leases: Mapping[str, LeaseInfo]) -> str:
+    if driver_id is None:
+        return ""
+    info = leases.get(driver_id)
+    return info.label if info is not None else driver_id
 
 
 def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Path) -> None:
@@ -140,8 +156,14 @@ def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Pat
 
 def status_dict(study: optuna.Study, storage_label: str, budget: int | None = None) -> dict[str, Any]:
     """Where the whole study stands: ``n_trials`` is the budget (when known), ``n_total`` the trials that
-    count so far (interrupted-and-rerun trials do not); ``storage`` is already redacted."""
+    count so far (interrupted-and-rerun trials do not); ``storage`` is already redacted; ``drivers``
+    the drivers that worked on it (``hpoflow.run.lease.lease_rows``). Reads only."""
     trials = _counted(study)
+    running: dict[str, int] = {}
+    for t in trials:
+        driver = _driver(t)
+        if t.state == TrialState.RUNNING and driver is not None:
+            running[driver] = running.get(driver, 0) + 1
     by = {s: sum(1 for t in trials if t.state == s) for s in TrialState}
     best = best_trial(study)
     multi = _multi(study)
@@ -164,6 +186,7 @@ def status_dict(study: optuna.Study, storage_label: str, budget: int | None = No
         "best_params": None if best is None else best.params,
         "best_trial": None if best is None else best.number,
         **extra,
+        "drivers": lease_rows(study, running),
     }
 
 

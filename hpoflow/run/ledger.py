@@ -1,29 +1,37 @@
 """The trial-attribute ledger: what hpoflow writes on a trial beside Optuna's own fields, and which
 trials count against ``n_trials``.
 
-An interrupted trial (a stop signal, a crashed driver, a cancel) is told FAIL and rerun as a new trial
-whose user attr ``ATTR_REPLACES`` holds its number: the interrupted one does not count. Trials imported
-by a warm start (``ATTR_IMPORTED``) and trials asked ahead but never run (``ATTR_UNUSED``) do not
-count either. The driver, the report and ``status`` all count through ``is_counted``.
+An interrupted trial (a stop signal, a crashed driver, a cancel) is rerun as a new trial whose user
+attr ``ATTR_REPLACES`` holds its number (enqueued before the interrupted one is told FAIL, so no reader
+ever counts it): the interrupted one does not count. Trials imported by a warm start
+(``ATTR_IMPORTED``) and duplicates closed without running (``ATTR_UNUSED``) do not count either. The
+driver, the report and ``status`` all count through ``is_counted``.
+
+``Tally`` is the driver's view of the whole study, shared by every driver on the storage: the trials
+that count, the ones in flight, and who holds which grid point or rerun. ``Tally.verdict`` decides
+whether a trial just asked may run (see its docstring for why the budget stays exact across drivers).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from typing import Literal
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["ATTR_CHECKPOINTS", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED", "ATTR_REPLACES", "ATTR_UNUSED",
-           "FINISHED", "count_finished", "interrupted", "is_counted"]
+__all__ = ["ATTR_CHECKPOINTS", "ATTR_DRIVER", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED", "ATTR_REPLACES",
+           "ATTR_UNUSED", "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
 
 ATTR_REPLACES = "hpoflow_replaces"  # user attr: the number of the interrupted trial this one reruns
 _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
 ATTR_GRID = "grid_index"  # user attr: the trial's point of an exact grid
 ATTR_ENQUEUED = "hpoflow_enqueued"  # user attr: index in search.enqueue of a known configuration
 ATTR_IMPORTED = "hpoflow_warm_start"  # user attr: a completed trial imported from another study (a prior)
-ATTR_UNUSED = "hpoflow_asked_unused"  # user attr: asked ahead, never run (the study ended first): not counted
+ATTR_UNUSED = "hpoflow_asked_unused"  # user attr: closed without running (a duplicate, see Tally.verdict): not counted
 ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
+ATTR_DRIVER = "hpoflow_driver"  # user attr: the id of the driver running the trial (hpoflow.run.lease)
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -45,3 +53,151 @@ def count_finished(study: optuna.Study) -> int:
     trials = study.get_trials(deepcopy=False)
     counted = is_counted(trials)
     return sum(1 for t in trials if t.state in FINISHED and counted(t))
+
+
+Verdict = Literal["run", "duplicate", "yield", "contended"]
+
+
+def claims(t: FrozenTrial) -> list[tuple[str, int]]:
+    """What a trial stands for, that only one trial of the study may run: a grid point, the rerun of
+    an interrupted trial, a configuration of ``search.enqueue``."""
+    out = []
+    for key, attr in (("grid", ATTR_GRID), ("rerun", ATTR_REPLACES), ("enqueued", ATTR_ENQUEUED)):
+        value = t.user_attrs.get(attr)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out.append((key, value))
+    return out
+
+
+class Tally:
+    """The whole study as the driver needs it, from the storage, updated incrementally.
+
+    ``refresh(study)`` reads the trials once (``get_trials(deepcopy=False)``) and looks only at trials
+    new since the last refresh and at those not finished then: a finished trial never changes state,
+    so the cost per refresh is one list from Optuna plus the trials in flight. After a refresh:
+    ``finished`` (the trials that count against ``n_trials``), ``n_complete``, ``n_pruned``,
+    ``n_failed``, ``running`` and ``waiting`` (by number, every driver's), ``grid_claimed`` (grid
+    indices some trial stands for).
+    """
+
+    def __init__(self) -> None:
+        self._trials: list[FrozenTrial] = []
+        self._seen = 0  # trials looked at: numbers below this
+        self._open: set[int] = set()  # seen unfinished
+        self._replaced: set[int] = set()
+        self._counted: dict[int, TrialState] = {}  # finished trials that count
+        self._by_state: Counter[TrialState] = Counter()
+        self._holders: dict[tuple[str, int], list[int]] = {}
+        self.running: dict[int, FrozenTrial] = {}
+        self.waiting: dict[int, FrozenTrial] = {}
+        self.grid_claimed: set[int] = set()
+
+    @property
+    def finished(self) -> int:
+        return len(self._counted)
+
+    @property
+    def n_complete(self) -> int:
+        return self._by_state[TrialState.COMPLETE]
+
+    @property
+    def n_pruned(self) -> int:
+        return self._by_state[TrialState.PRUNED]
+
+    @property
+    def n_failed(self) -> int:
+        return self._by_state[TrialState.FAIL]
+
+    def trial(self, number: int) -> FrozenTrial:
+        """The trial ``number`` as of the last refresh (``KeyError`` if it was not there)."""
+        if 0 <= number < len(self._trials) and self._trials[number].number == number:
+            return self._trials[number]  # Optuna numbers a study's trials 0, 1, 2, ... in creation order
+        for t in self._trials:
+            if t.number == number:
+                return t
+        raise KeyError(number)
+
+    def refresh(self, study: optuna.Study) -> list[FrozenTrial]:
+        """Read the study; returns the trials that finished (and count) since the last refresh."""
+        self._trials = trials = study.get_trials(deepcopy=False)
+        for t in trials[self._seen:]:
+            self._open.add(t.number)
+            for key in claims(t):
+                self._holders.setdefault(key, []).append(t.number)
+            if ATTR_GRID in t.user_attrs and ATTR_UNUSED not in t.user_attrs:
+                self.grid_claimed.add(int(t.user_attrs[ATTR_GRID]))
+            if ATTR_REPLACES in t.user_attrs:
+                old = int(t.user_attrs[ATTR_REPLACES])
+                self._replaced.add(old)
+                state = self._counted.pop(old, None)
+                if state is not None:  # counted before its rerun appeared (runs written before this order)
+                    self._by_state[state] -= 1
+            if t.system_attrs.get(_LEGACY_INTERRUPTED):
+                self._replaced.add(t.number)
+        self._seen = max(self._seen, len(trials))
+        done = []
+        self.running, self.waiting = {}, {}
+        for number in sorted(self._open):
+            t = self.trial(number)
+            if t.state == TrialState.RUNNING:
+                self.running[number] = t
+            elif t.state == TrialState.WAITING:
+                self.waiting[number] = t
+            else:
+                self._open.discard(number)
+                if self._counts(t):
+                    self._counted[number] = t.state
+                    self._by_state[t.state] += 1
+                    done.append(t)
+        return done
+
+    def note_running(self, t: FrozenTrial) -> None:
+        """This driver runs ``t`` (asked since the last refresh): counted in flight until the next refresh
+        reads it. A trial of this driver that finished since is still in ``running`` then, so
+        ``finished + len(running)`` stays right for a driver alone on the study."""
+        self.waiting.pop(t.number, None)
+        self.running[t.number] = t
+
+    def _counts(self, t: FrozenTrial) -> bool:
+        return (t.number not in self._replaced and ATTR_IMPORTED not in t.user_attrs
+                and ATTR_UNUSED not in t.user_attrs)
+
+    def verdict(self, number: int, budget: int) -> Verdict:
+        """May the trial ``number``, just asked (RUNNING, no ``ATTR_DRIVER`` yet), run within ``budget``?
+
+        ``run``: yes; ``duplicate``: another trial stands for the same grid point, rerun or known
+        configuration and has run or is running (close this one uncounted); ``yield``: not now (put it
+        back in the queue); ``contended``: it depends on other trials being decided right now, and this
+        one is the lowest-numbered of them (look again in a moment; the others yield to it).
+
+        Why the budget stays exact with several drivers: a trial runs only if, in a read made after it
+        became RUNNING, the finished trials plus every RUNNING trial (decided or not, any driver's,
+        itself included) fit the budget. Of two trials asked at once, each became RUNNING before its
+        own read, so at least one of the reads sees both: they cannot both pass unless both fit. A
+        trial that does not pass yields (back to WAITING, nothing counted), unless only undecided
+        trials stand in its way and it is the lowest-numbered: then it waits for them to yield.
+        """
+        undecided = [n for n, t in self.running.items() if n != number and not t.user_attrs.get(ATTR_DRIVER)]
+        contended = False
+        if number not in self.running:
+            return "yield"  # closed or put back by another driver meanwhile: nothing to run
+        for key in claims(self.trial(number)):
+            for j in self._holders.get(key, []):
+                if j == number:
+                    continue
+                t = self.trial(j)
+                if not self._counts(t):
+                    continue
+                if t.state in FINISHED or (t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_DRIVER)):
+                    return "duplicate"
+                if t.state == TrialState.RUNNING:
+                    contended = True
+                elif t.state == TrialState.WAITING and j < number:
+                    return "yield"  # the older copy goes first
+        decided = len(self.running) - len(undecided) - 1
+        if self.finished + decided + 1 > budget:
+            return "yield"
+        if not contended and self.finished + len(self.running) <= budget:
+            return "run"
+        return "contended" if all(n > number for n in undecided) else "yield"
+

@@ -39,7 +39,7 @@ LAUNCH_DIR = "launch"  # hpoflow launch's batch script and the job's output, wri
 # What may change between a run and its resume: budgets and limits, never what a trial is.
 RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max_concurrent"),
                   ("search", "max_failures"), ("search", "fail_fast"), ("resources", "timeout"),
-                  ("resources", "max_retries"), ("storage_retry_s",)}
+                  ("resources", "max_retries"), ("storage_retry_s",), ("search", "lease_s")}
 
 
 def _diff(a: Any, b: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -74,7 +74,8 @@ def check_resume(run_dir: Path, spec: StudySpec) -> None:
         raise RunDirError(
             f"{run_dir} holds a run of a different study (they differ at {shown}); resuming it with this "
             "spec would mix results. Fix: use a new --run-dir, or undo those changes (only search.n_trials, "
-            "timeout, max_concurrent, max_failures, resources.timeout/max_retries and storage_retry_s may change on "
+            "timeout, max_concurrent, max_failures, fail_fast, lease_s, resources.timeout/max_retries and "
+            "storage_retry_s may change on "
             "resume)"
         )
 

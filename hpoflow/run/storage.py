@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from collections.abc import Container
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,15 @@ class _Journal(JournalStorage):
     """Optuna's ``JournalStorage`` whose "which trials are WAITING?" query does not scan the study.
 
     ``study.ask()`` asks that on every call; Optuna answers by walking all trials, so a 10,000-trial
-    study paid ~5 ms per ask at the end. A trial is WAITING only from its creation (Optuna never
-    moves a trial back to WAITING), so per study we keep the ids of trials created WAITING that may
-    still be, and look only at trials added since the last query. Reads Optuna's replay state; if
-    that changes shape, the parent's scan is used.
+    study paid ~5 ms per ask at the end. Only an unfinished trial can be WAITING (created so by
+    ``enqueue_trial``, or put back by a driver that asked it but did not run it), so per study we keep
+    the ids of the trials that were unfinished at the last query, and look at those and at trials
+    added since. Reads Optuna's replay state; if that changes shape, the parent's scan is used.
     """
 
     def __init__(self, backend: JournalFile) -> None:
         super().__init__(backend)
-        self._waiting: dict[int, tuple[int, set[int]]] = {}  # study -> (trials seen, candidates)
+        self._waiting: dict[int, tuple[int, set[int]]] = {}  # study -> (trials seen, unfinished ones)
 
     def get_all_trials(self, study_id: int, deepcopy: bool = True,
                        states: Container[TrialState] | None = None) -> list[FrozenTrial]:
@@ -59,10 +60,10 @@ class _Journal(JournalStorage):
             if ids is None:
                 return super().get_all_trials(study_id, deepcopy, states)  # raises as Optuna does
             seen, candidates = self._waiting.get(study_id, (0, set()))
-            candidates.update(t for t in ids[seen:] if trials[t].state == TrialState.WAITING)
-            candidates = {t for t in candidates if trials[t].state == TrialState.WAITING}
+            candidates.update(t for t in ids[seen:] if not trials[t].state.is_finished())
+            candidates = {t for t in candidates if not trials[t].state.is_finished()}
             self._waiting[study_id] = (len(ids), candidates)
-            out = [trials[t] for t in sorted(candidates)]
+            out = [trials[t] for t in sorted(candidates) if trials[t].state == TrialState.WAITING]
         return copy.deepcopy(out) if deepcopy else out
 
 
@@ -139,4 +140,23 @@ def open_storage(storage: str | None, run_dir: Path, *, create: bool = True) -> 
     rdb_log = logging.getLogger(_RDB_LOGGER)
     if not any(isinstance(f, _NoFallbackNoise) for f in rdb_log.filters):
         rdb_log.addFilter(_NoFallbackNoise())
-    return optuna.storages.RDBStorage(label, engine_kwargs=_engine_kwargs(label))
+    return _rdb(label, engine_kwargs=_engine_kwargs(label))
+
+
+_SCHEMA_RACE = ("already exists", "UNIQUE constraint failed", "duplicate key value")
+
+
+def _rdb(url: str, **kwargs: Any) -> optuna.storages.RDBStorage:
+    """Optuna's ``RDBStorage``. Several drivers started at once on a new database race to create its
+    tables (``table ... already exists``, a duplicate version row): the losers try again, and find
+    the tables there."""
+    import sqlalchemy.exc
+
+    for attempt in range(4):
+        try:
+            return optuna.storages.RDBStorage(url, **kwargs)
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            if not any(s in str(exc) for s in _SCHEMA_RACE):
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    return optuna.storages.RDBStorage(url, **kwargs)

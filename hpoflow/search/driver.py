@@ -8,11 +8,18 @@ Budgets: ``n_trials`` is exact (finished trials:
 complete, pruned or failed; a trial interrupted by a stop or a crash does not count and is rerun
 with the same parameters), ``timeout`` stops new trials and lets running ones finish,
 ``max_failures`` stops the study. Imports neither torch nor pycompss.
+
+Several drivers may share one study (Optuna-style workers, each with its own run directory): the
+budget is counted from the storage at every start, and only dead drivers' trials are rerun
+(``hpoflow.run.shared``). A driver whose part is done waits for the others' last trials, to rerun
+them if their driver dies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -26,22 +33,18 @@ from optuna.trial import TrialState
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
 from hpoflow.fileio import write_atomic
-from hpoflow.run.ledger import (
-    ATTR_CHECKPOINTS,
-    ATTR_ENQUEUED,
-    ATTR_GRID,
-    ATTR_REPLACES,
-    ATTR_UNUSED,
-    FINISHED,
-    is_counted,
-)
+from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_ENQUEUED, ATTR_GRID
 from hpoflow.run.retry import StorageUnavailable, is_disk_error
 from hpoflow.run.rundir import disk_why
-from hpoflow.search.space import grid_points, suggest
+from hpoflow.run.shared import SharedStudy
+from hpoflow.search.space import Grid, suggest
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
 
 __all__ = ["Driver", "DriverListener", "DriverSummary"]
+
+_log = logging.getLogger("hpoflow")
+_IDLE_S = 0.25  # how often a driver with nothing in flight looks at the study again
 
 
 class DriverListener:
@@ -146,18 +149,18 @@ class Driver:
         self.listener = listener
         self.python_path = python_path
         self.precheck = precheck
-        self.grid = grid_points(spec.space) if spec.search.algorithm == "grid" else None
+        self.grid = Grid(spec.space) if spec.search.algorithm == "grid" else None
         budget = n_trials or spec.search.n_trials
         if self.grid is not None:
-            budget = min(budget or len(self.grid), len(self.grid))
+            budget = min(budget or self.grid.size, self.grid.size)
         if budget is None:  # the spec guarantees n_trials for non-grid algorithms
             raise ValueError("n_trials is required")
         self.n_trials = budget
         self._stop_reason: str | None = None
         self._inflight: dict[int, _InFlight] = {}
-        self._used_grid: set[int] = set()
-        self._finished = 0
         self._failures = 0
+        self.shared = SharedStudy(study, run_dir, spec.search.lease_s, on_finished=self._on_finished)
+        self.tally = self.shared.tally  # the whole study, every driver's trials, as of the last read
         self._best: float | None = None
         self.summary = DriverSummary(self.n_trials)
         # Ask-ahead (search.ask_ahead): a trial asked while every slot was busy, submitted when one frees
@@ -176,11 +179,7 @@ class Driver:
     def run(self) -> DriverSummary:
         t_start = time.monotonic()
         overhead = 0.0
-        self._reconcile()
-        self._enqueue_known()
         summary = self.summary
-        if self.listener:
-            self.listener.on_start(self.n_trials, self._finished)
         deadline = t_start + self.spec.search.timeout if self.spec.search.timeout else None
         r = self.spec.resources
         probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
@@ -193,7 +192,12 @@ class Driver:
             )
         slots = max(1, min(self.spec.search.max_concurrent, capacity))
         cancelling = False
+        self.shared.lease.start()  # before the first ask: other drivers see this one's trials as alive
         try:
+            self._reconcile()
+            self._enqueue_known()
+            if self.listener:
+                self.listener.on_start(self.n_trials, self.tally.finished)
             while True:
                 t0 = time.monotonic()
                 if deadline is not None and t0 >= deadline and self._stop_reason is None:
@@ -206,18 +210,26 @@ class Driver:
                     stop = self.engine.pause if self._stop_reason == "preempted" else self.engine.cancel
                     for number in list(self._inflight):
                         stop(number, f"study stopped ({self._stop_reason})")
+                self._tick(t0)
                 while not cancelling and summary.stopped_by == "budget" and self._can_start(slots):
-                    if not self._start_one():
+                    started = self._start_one()
+                    if started is None:  # another driver's trial took the room first
+                        break
+                    if not started:
                         summary.stopped_by = "grid_exhausted"
                         break
                 if not cancelling and summary.stopped_by == "budget" and self._should_ask_ahead(slots):
-                    if not self._prepare():  # every slot is busy: ask for the next trial now
+                    prepared = self._prepare()  # every slot is busy: ask for the next trial now
+                    if prepared is False:
                         summary.stopped_by = "grid_exhausted"
-                    elif self._ready is not None:  # (None: the precheck recorded it pruned)
+                    elif self._ready is not None:  # (None: the precheck recorded it pruned, or it yielded)
                         self.asked_ahead += 1
                 overhead += time.monotonic() - t0
                 if not self._inflight:
-                    break
+                    if cancelling or summary.stopped_by != "budget" or self._study_over():
+                        break
+                    time.sleep(_IDLE_S)  # other drivers' trials hold the rest of the budget: rerun them if they die
+                    continue
                 wait = 0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
                 events = self.engine.poll(wait)
                 t1 = time.monotonic()
@@ -235,14 +247,16 @@ class Driver:
             if self._inflight:  # an exception escaped: leave nothing running
                 for number in list(self._inflight):
                     self.engine.cancel(number, "driver error")
-            if self._ready is not None:  # asked ahead, never started
+            if self._ready is not None:  # asked ahead, never started: back in the queue, to run on resume
                 ready, self._ready = self._ready, None
-                if self._stop_reason in ("signal", "preempted"):  # rerun with its parameters on resume
-                    self._interrupt(ready.trial.number, ready.params,
-                                    self._carry_over(ready.trial.number, dict(ready.trial.user_attrs)))
-                else:  # the study is over (max_failures, timeout, a stop): it never ran and does not count
-                    ready.trial.set_user_attr(ATTR_UNUSED, True)
-                    self.study.tell(ready.trial, state=TrialState.FAIL)
+                with contextlib.suppress(StorageUnavailable, OSError):  # (a storage that is down keeps it
+                    self.shared.give_back(ready.trial, admitted=True)  # RUNNING: a resume reruns it)
+            with contextlib.suppress(StorageUnavailable, OSError):
+                self.shared.lease.end()
+        if self._stop_reason != "storage":
+            self.shared.refresh()  # the whole study's counts, other drivers' trials included
+            summary.n_complete, summary.n_pruned = self.tally.n_complete, self.tally.n_pruned
+            summary.n_failed = self.tally.n_failed
         if self._stop_reason is not None:
             summary.stopped_by = self._stop_reason
         elif self.spec.search.max_failures and self._failures >= self.spec.search.max_failures:
@@ -262,38 +276,38 @@ class Driver:
         self.summary.reason = str(exc) if isinstance(exc, StorageUnavailable) else (
             f"cannot write to run directory {self.run_dir}: {disk_why(exc)}; free space, then rerun the same "
             "command to resume")
-        stopped = [*self._inflight.values(), *([self._ready] if self._ready is not None else [])]
-        self._inflight, self._ready = {}, None
+        stopped = list(self._inflight.values())
+        self._inflight = {}
         for fl in stopped:
             self.engine.cancel(fl.trial.number, "study stopped (storage)")
         try:
             for fl in stopped:
                 number = fl.trial.number
-                self._interrupt(number, fl.params, self._carry_over(number, dict(fl.trial.user_attrs)))
+                self.shared.interrupt(number, fl.params, self._carry_over(number, dict(fl.trial.user_attrs)))
         except (StorageUnavailable, OSError):
             pass
 
     def _reconcile(self) -> None:
-        """Resume: trials left RUNNING by a crashed driver are marked interrupted and rerun."""
-        trials = self.study.get_trials(deepcopy=False)
-        counted = is_counted(trials)
-        for t in trials:
-            if ATTR_GRID in t.user_attrs and counted(t):
-                self._used_grid.add(int(t.user_attrs[ATTR_GRID]))
-            if t.state == TrialState.COMPLETE and counted(t):
-                self._update_best(t.value)
-            if t.state == TrialState.RUNNING:
-                self._interrupt(t.number, t.params, self._carry_over(t.number, t.user_attrs))
-            elif t.state in FINISHED and counted(t):
-                self._finished += 1
-                if t.state == TrialState.FAIL:
-                    self._failures += 1
-                    self.summary.n_failed += 1
-                    self.summary.note_error(t.user_attrs.get("error"))
-                elif t.state == TrialState.COMPLETE:
-                    self.summary.n_complete += 1
-                else:
-                    self.summary.n_pruned += 1
+        """Start or resume: the study's counts so far, and the trials of dead drivers rerun."""
+        for t in self.shared.refresh():  # every finished trial that counts, at the first read
+            if t.state == TrialState.FAIL:
+                self.summary.note_error(t.user_attrs.get("error"))
+        s, tally = self.summary, self.tally
+        s.n_complete, s.n_pruned, s.n_failed = tally.n_complete, tally.n_pruned, tally.n_failed
+        self._tick(time.monotonic())
+
+    def _on_finished(self, t: optuna.trial.FrozenTrial) -> None:
+        """A trial of the study finished (this driver's or another's), seen in a read of the storage."""
+        if t.state == TrialState.COMPLETE and t.values is not None and len(t.values) == 1:
+            self._update_best(t.values[0])
+        if t.state == TrialState.FAIL:
+            self._failures = max(self._failures, self.tally.n_failed)
+
+    def _tick(self, now: float) -> None:
+        """Every beat interval: rerun the RUNNING trials of drivers found dead (``SharedStudy``), from
+        their run directory's checkpoints if this host can read them."""
+        mine = {*self._inflight, *([self._ready.trial.number] if self._ready is not None else [])}
+        self.shared.rerun_orphans(now, mine, lambda t, rd: self._carry_over(t.number, t.user_attrs, rd))
 
     def _enqueue_known(self) -> None:
         """``search.enqueue``: known configurations, evaluated first; each once per study (a resumed
@@ -303,24 +317,29 @@ class Driver:
             if i not in done:
                 self.study.enqueue_trial(point, user_attrs={ATTR_ENQUEUED: i}, skip_if_exists=False)
 
-    def _carry_over(self, number: int, user_attrs: dict[str, Any]) -> dict[str, Any]:
+    def _carry_over(self, number: int, user_attrs: dict[str, Any], run_dir: Path | None = None) -> dict[str, Any]:
         """User attrs for the rerun of an interrupted trial: its grid point, and the checkpoint
-        directory it was writing to (kept from the first trial of a chain of reruns)."""
+        directory it was writing to (kept from the first trial of a chain of reruns; ``run_dir``: the
+        run directory of the driver that ran it)."""
         attrs = {k: v for k, v in user_attrs.items() if k in (ATTR_GRID, ATTR_CHECKPOINTS)}
-        attrs.setdefault(ATTR_CHECKPOINTS, str(self.run_dir / "trials" / str(number) / "checkpoints"))
+        trial_dir = (run_dir or self.run_dir) / "trials" / str(number)
+        attrs.setdefault(ATTR_CHECKPOINTS, str(trial_dir / "checkpoints"))
         return attrs
-
-    def _interrupt(self, number: int, params: dict[str, Any], user_attrs: dict[str, Any]) -> None:
-        self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
-        self.study.enqueue_trial(params, user_attrs={**user_attrs, ATTR_REPLACES: number}, skip_if_exists=False)
 
     def _room(self, more: int) -> bool:
         """Whether the budget (``n_trials``, ``max_failures``) allows ``more`` trials beyond those finished
-        and in flight."""
-        if self._finished + len(self._inflight) + more > self.n_trials:
+        and in flight in the whole study (every driver's, as of the last read)."""
+        if not self.shared.room(more, self.n_trials):
             return False
         mf = self.spec.search.max_failures
         return not (mf is not None and self._failures >= mf)
+
+    def _study_over(self) -> bool:
+        """Nothing of this driver's is in flight and it may start nothing: is the study over, or do
+        other drivers' trials hold the rest of the budget?"""
+        self.shared.refresh()
+        mf = self.spec.search.max_failures
+        return self.tally.finished >= self.n_trials or (mf is not None and self._failures >= mf)
 
     def _can_start(self, slots: int) -> bool:
         # a trial asked ahead is within the budget already
@@ -338,10 +357,6 @@ class Driver:
             return False
         return _median(self._ask_s) > 0.01 * _median(self._trial_s)
 
-    def _next_grid_index(self) -> int | None:
-        n = len(self.grid) if self.grid is not None else 0
-        return next((i for i in range(n) if i not in self._used_grid), None)
-
     def _update_best(self, value: float | None) -> None:
         if value is None:
             return
@@ -350,13 +365,13 @@ class Driver:
         if better:
             self._best = value
 
-    def _has_waiting(self) -> bool:
-        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-
-    def _start_one(self) -> bool:
-        """Submit the trial asked ahead, or ask for one and submit it; False when the grid is exhausted."""
-        if self._ready is None and not self._prepare():
-            return False
+    def _start_one(self) -> bool | None:
+        """Submit the trial asked ahead, or ask for one and submit it; False when the grid is exhausted,
+        None when the trial asked went back to the queue (``_admit``)."""
+        if self._ready is None:
+            prepared = self._prepare()
+            if not prepared:
+                return prepared
         ready, self._ready = self._ready, None
         if ready is not None:  # None: the precheck recorded it as pruned already
             self._inflight[ready.trial.number] = ready
@@ -365,19 +380,21 @@ class Driver:
             self.engine.submit(ready.request)
         return True
 
-    def _prepare(self) -> bool:
+    def _prepare(self) -> bool | None:
         """Ask the study for the next trial and build its request into ``_ready`` (or record it pruned
-        when the oracle says it cannot fit); False when the grid is exhausted."""
+        when the oracle says it cannot fit); False when the grid is exhausted, None when the trial asked
+        may not run now (``_admit``)."""
         t_ask = time.monotonic()
-        if self.grid is not None and not self._has_waiting():
-            idx = self._next_grid_index()
-            if idx is None:
-                return False
-            self.study.enqueue_trial(self.grid[idx], user_attrs={ATTR_GRID: idx})
+        if self.grid is not None:  # each ask brings its own point to the queue, so no ask finds it empty
+            idx = self.shared.next_grid_index(self.grid.size)
+            if idx is not None:
+                self.study.enqueue_trial(self.grid.point(idx), user_attrs={ATTR_GRID: idx})
+            elif not self.tally.waiting:
+                return None if self.shared.others_running(set(self._inflight)) else False
         trial = self.study.ask()
+        if not self.shared.admit(trial, self.n_trials, grid=self.grid is not None):
+            return None
         params = suggest(trial, self.spec.space)
-        if ATTR_GRID in trial.user_attrs:
-            self._used_grid.add(int(trial.user_attrs[ATTR_GRID]))
         train = resolve_training(self.spec.training, params)
         r = self.spec.resources
         request = TrialRequest(
@@ -420,10 +437,21 @@ class Driver:
                 fl.trial.report(value, ev.step)
             except (NotImplementedError, ValueError):  # multi-objective or a repeated step
                 pass
-            if ev.wants_answer:
+            except optuna.exceptions.UpdateFinishedTrialError:
+                self._taken_over(fl)
+                prune = True
+            if ev.wants_answer and not prune:
                 prune = fl.trial.should_prune()
         if ev.wants_answer:
             self.engine.answer(ev.number, prune)
+
+    def _taken_over(self, fl: _InFlight) -> None:
+        """Another driver finished this driver's running trial (it judged this one dead: no beat for
+        ``search.lease_s``): stop it here and leave the study's record as the other driver wrote it."""
+        if self._inflight.pop(fl.trial.number, None) is not None:
+            _log.warning("trial %d was finished by another driver (this one did not beat for search.lease_s); "
+                         "stopping it here", fl.trial.number)
+            self.engine.cancel(fl.trial.number, "taken over by another driver")
 
     def _on_result(self, res: TrialResult) -> None:
         fl = self._inflight.get(res.number)
@@ -439,6 +467,14 @@ class Driver:
         del self._inflight[res.number]
         if "duration_s" in res.timings and res.status in ("complete", "pruned"):  # failures are no guide
             self._trial_s.append(float(res.timings["duration_s"]))
+        try:
+            self._tell(fl, res)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            _log.warning("trial %d was finished by another driver (this one did not beat for search.lease_s); "
+                         "its result here is in %s only", res.number, fl.request.trial_dir)
+
+    def _tell(self, fl: _InFlight, res: TrialResult) -> None:
+        """Record a finished trial in the study (and its result file), and count it."""
         trial = fl.trial
         values, missing = self._objective_values(res)
         if res.status == "complete" and missing:
@@ -452,7 +488,7 @@ class Driver:
         if not self._write_result(fl.request, res) and res.status == "failed":
             res = replace(res, status="cancelled")  # the disk filled under it: rerun it on resume, uncounted
         if res.status == "cancelled":
-            self._interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
+            self.shared.interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
         summary = self.summary
         for key, violation in self._constraints(res).items():
@@ -470,7 +506,6 @@ class Driver:
             summary.n_failed += 1
             summary.note_error(res.error)
             self._check_fail_fast()
-        self._finished += 1
         summary.results.append(res)
         if self.listener:
             self.listener.on_trial_end(res, fl.params, self._best)

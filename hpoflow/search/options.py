@@ -38,7 +38,7 @@ class SamplerOptions(Options):
 
 
 class GridOptions(NoOptions):
-    """Exact grid: the driver enumerates the points (``search.space.grid_points``)."""
+    """Exact grid: the driver enumerates the points (``search.space.Grid``)."""
 
 
 class RandomOptions(NoOptions):

@@ -294,11 +294,39 @@ def _top_level_names(source: str) -> set[str] | None:
     return names
 
 
+def _calls(node: ast.AST, names: set[str]) -> bool:
+    """Whether ``node`` contains a call of a function or method named in ``names``."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            fn = sub.func
+            if (fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else "") in names:
+                return True
+    return False
+
+
+def _runs_study_unguarded(source: str, origin: str) -> bool:
+    """Whether ``origin`` is the running main script and calls ``optimize`` (or a function of its own
+    that does) at top level, outside an ``if __name__ == "__main__":`` block: a trial process importing
+    it would run the study again."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(main_file, str) or os.path.realpath(main_file) != os.path.realpath(origin):
+        return False
+    body = ast.parse(source).body
+    starters = {"optimize"} | {n.name for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                               and _calls(n, {"optimize"})}
+    return any(_calls(n, starters) for n in body
+               if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+               and not (isinstance(n, ast.If) and "__name__" in ast.unparse(n.test)))
+
+
 def _check_function(ref: str, search_dirs: tuple[str, ...] = ()) -> str | None:
     """Check ``module:function`` without running the module (the driver must not import the user's
     training code, nor torch with it): the module must be findable and, when its source can be
     read, define the name at top level. The trial imports it for real."""
     module_name, _, attr = ref.partition(":")
+    if module_name in ("__main__", "__mp_main__"):
+        return (f"{ref!r} names the main script, which trial processes never import. Fix: move {attr}() into a "
+                f"module (e.g. train.py next to the spec) and set training.function: 'train:{attr}'")
     saved = list(sys.path)
     sys.path[:0] = [d for d in search_dirs if d not in sys.path]
     try:
@@ -322,6 +350,10 @@ def _check_function(ref: str, search_dirs: tuple[str, ...] = ()) -> str | None:
     names = _top_level_names(source)
     if names is None:
         return f"module {module_name!r} ({origin}) has a syntax error. Fix: run python {origin} to see it"
+    if _runs_study_unguarded(source, origin):
+        return (f"module {module_name!r} is the script running this study and calls optimize() outside "
+                f"if __name__ == \"__main__\": every trial importing {attr}() from it would start the study "
+                f"again. Fix: put that call under if __name__ == \"__main__\":, or move {attr}() into its own module")
     if attr not in names:
         public = sorted(n for n in names if not n.startswith("_"))
         return f"module {module_name!r} defines no {attr!r}{did_you_mean(attr, public)}"

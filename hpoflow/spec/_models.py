@@ -342,6 +342,9 @@ class SearchSpec(_Strict):
         default="auto", description="Ask the sampler for the next trial while every slot is busy, so a freed slot "
         "never waits for it; auto: with 2 or more slots, once asking takes over 1 % of a trial's time (slow "
         "samplers, short trials).")
+    lease_s: float = Field(
+        default=60.0, ge=1.0, description="Seconds without a heartbeat after which a driver counts as dead, so "
+        "that the other drivers of the study rerun its running trials (each driver beats every lease_s / 4 s).")
 
     @model_validator(mode="before")
     @classmethod

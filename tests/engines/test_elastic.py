@@ -100,7 +100,7 @@ def test_a_grown_trial_gives_the_core_back_when_a_new_trial_is_submitted(engine:
 
 
 def test_a_grow_that_does_not_pay_is_undone_and_not_tried_again(engine: LocalEngine, tmp_path: Path) -> None:
-    # the work does not split over ranks: 2 ranks (plus their all-reduce) are slower than 1
+    # the work does not split over ranks: 2 ranks take twice as long as 1 (a margin load cannot hide)
     req = elastic_request(tmp_path, 0, epochs=8, work_s=0.2)
     req = replace(req, train={**req.train, "options": {"epochs": 8, "work_s": 0.2, "split": False}})
     engine.submit(req)

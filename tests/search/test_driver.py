@@ -78,14 +78,20 @@ def test_results_consumed_in_completion_order(tmp_path: Path) -> None:
     assert len(engine.submitted) == 8
 
 
-def test_wall_clock_budget_lets_running_trials_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ask_s", [0.0, 0.003])  # 3 ms asks turn ask-ahead (auto) on, as a loaded machine does
+def test_wall_clock_budget_lets_running_trials_finish(tmp_path: Path, ask_s: float) -> None:
     spec = make(n_trials=1000, max_concurrent=2, timeout=0.4)
-    driver, _, study = run_driver(spec, lambda p, r: _sleep_then(0.1, 1.0), 2, tmp_path)
+    study = optuna.create_study(direction="maximize", sampler=_SlowSampler(ask_s, seed=7))
+    driver, engine, study = run_driver(spec, lambda p, r: _sleep_then(0.1, 1.0), 2, tmp_path, study)
     assert driver.summary.stopped_by == "timeout"
     assert 1 <= count_finished(study) < 1000
-    assert all(t.state == TrialState.COMPLETE for t in study.trials)  # nothing cancelled
+    ran = {r.number for r in engine.submitted}
+    assert all(t.state == TrialState.COMPLETE for t in study.trials if t.number in ran)  # nothing cancelled
+    assert all(t.state == TrialState.WAITING for t in study.trials if t.number not in ran)  # asked ahead: queued
+    assert count_finished(study) == len(ran) == driver.summary.n_complete
     starts = sorted(t.datetime_start for t in study.trials if t.datetime_start is not None)
-    assert (starts[-1] - starts[0]).total_seconds() < 0.4  # no trial starts after the budget
+    # Every trial was asked before the budget ran out (it starts counting before the first ask):
+    assert (starts[-1] - starts[0]).total_seconds() < 0.4
 
 
 def test_grid_covers_every_point_once_with_concurrency(tmp_path: Path) -> None:
@@ -390,11 +396,20 @@ def test_ask_ahead_auto_turns_on_for_a_slow_sampler_and_stays_off_for_one_slot(t
     assert driver.asked_ahead == 0
 
 
-def test_a_trial_asked_ahead_when_the_study_ends_does_not_count(tmp_path: Path) -> None:
+def test_a_trial_asked_ahead_when_the_study_ends_goes_back_to_the_queue(tmp_path: Path) -> None:
     spec = make(n_trials=50, max_concurrent=2, ask_ahead=True, timeout=0.5)
-    driver, _, study = run_driver(spec, lambda p, r: _sleep_then(0.1, p["x"]), 2, tmp_path)
+    driver, engine, study = run_driver(spec, lambda p, r: _sleep_then(0.1, p["x"]), 2, tmp_path)
     assert driver.summary.stopped_by == "timeout"
-    unused = [t for t in study.trials if t.user_attrs.get("hpoflow_asked_unused")]
-    assert len(unused) == 1 and unused[0].state == TrialState.FAIL
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert len(waiting) == 1  # asked ahead, never run: back in the queue, with the parameters it was given
+    left = waiting[0]
+    assert left.number not in {r.number for r in engine.submitted} and "metrics" not in left.user_attrs
+    assert set(left.params) == {"x", "k"} and not left.user_attrs.get("hpoflow_driver")
+    assert not study.get_trials(states=(TrialState.FAIL, TrialState.RUNNING))  # no failure that never ran
     assert count_finished(study) == len(study.trials) - 1 == driver.summary.n_finished
-    assert not study.get_trials(states=(TrialState.WAITING, TrialState.RUNNING))
+    # The next run (a resume, or another driver) runs it first, as it is:
+    spec = make(n_trials=driver.summary.n_finished + 1, max_concurrent=1)
+    again, engine2, study = run_driver(spec, lambda p, r: p["x"], 1, tmp_path, study)
+    assert [r.number for r in engine2.submitted] == [left.number]
+    assert engine2.submitted[0].params == left.params
+    assert study.trials[left.number].state == TrialState.COMPLETE and again.summary.n_finished == spec.search.n_trials

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 
@@ -36,7 +35,7 @@ from hpoflow.train.checkpoint import (
     read_checkpoint,
 )
 from hpoflow.train.context import TrialContext
-from tests.conftest import ROOT, descendants
+from tests.conftest import ROOT
 
 # -- the file format, in-process ----------------------------------------------------------------------
 
@@ -225,16 +224,11 @@ def _request(trial_dir: Path, strategy: str, async_: bool) -> TrialRequest:
                         python_path=PYPATH, seed=7, timeout=120)
 
 
-def _rank_pid(trial_dir: Path, rank: int) -> int | None:
-    """The worker running ``rank`` of the trial: its stdout is that rank's log file."""
-    log = str(trial_dir / f"rank{rank}.log")
-    for pid in descendants():
-        try:
-            if any(f.path == log for f in psutil.Process(pid).open_files()):
-                return pid
-        except psutil.Error:
-            continue
-    return None
+def _rank_pid(engine: LocalEngine, number: int, rank: int) -> int | None:
+    """The worker running ``rank`` of trial ``number``, as the engine placed it."""
+    trial = engine._trials.get(number)
+    workers = [w for w in (trial.workers if trial else []) if w.rank == rank]
+    return workers[0].proc.pid if workers else None
 
 
 def _run(engine: LocalEngine, req: TrialRequest, kill_rank: int | None = None) -> TrialResult:
@@ -247,7 +241,7 @@ def _run(engine: LocalEngine, req: TrialRequest, kill_rank: int | None = None) -
     t0 = time.monotonic()
     while time.monotonic() - t0 < 120:
         if not killed and all(p.exists() for p in first):
-            pid = _rank_pid(Path(req.trial_dir), kill_rank)  # type: ignore[arg-type]
+            pid = _rank_pid(engine, req.number, kill_rank)  # type: ignore[arg-type]
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True

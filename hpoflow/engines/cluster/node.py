@@ -14,6 +14,9 @@ and address it ran.
 All of them start a watcher thread that kills the whole process group (launcher, ranks and their children)
 as soon as the attempt's ``STOP`` file appears: a cancelled COMPSs task's children survive the task,
 and ranks started by srun/ssh on other nodes are not the task's children at all.
+
+A rank's stdout and stderr go through a pipe to the node launcher, which writes ``rank<r>.log`` with
+a cap (``hpoflow.engines.logcap``, ``HPOFLOW_RANK_LOG_MB``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from hpoflow.engines.cluster.layout import (
     resolve_node_index,
     split_for_ranks,
 )
+from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
 from hpoflow.fileio import read_json, write_json_atomic
 from hpoflow.train.transport import TrialFiles
 
@@ -188,6 +192,13 @@ def _node(args: argparse.Namespace) -> int:
          f"{(job.get('env') or {}).get('GLOO_SOCKET_IFNAME') or os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
     procs: list[tuple[int, subprocess.Popen[bytes]]] = []
     try:
+        cap = cap_bytes()
+    except ValueError as exc:  # the driver checked its own environment; this node's may differ
+        _log(f"{exc}; using the default")
+        cap = cap_bytes({})
+    pump = LogPump(cap)
+    streams: list[LogStream] = []
+    try:
         for lr in range(ppn):
             rank = node_index * ppn + lr
             cores, gshare = core_shares[lr], gpu_shares[lr]
@@ -195,9 +206,13 @@ def _node(args: argparse.Namespace) -> int:
                     "--rank", str(rank), "--local-rank", str(lr),
                     "--cores", ",".join(str(c) for c in cores)]
             env = _rank_env(job, rank, lr, ppn, cores, gshare, bool(gpus) or int(req["gpus_per_process"]) > 0)
-            with open(files.rank_log(rank), "ab") as log:
-                procs.append((rank, subprocess.Popen(argv, env=env, stdout=log, stderr=log,
+            out, stream = pump.open(str(files.rank_log(rank)))
+            streams.append(stream)
+            try:
+                procs.append((rank, subprocess.Popen(argv, env=env, stdout=out, stderr=out,
                                                      stdin=subprocess.DEVNULL)))
+            finally:
+                os.close(out)  # the rank holds it now
         return _wait_ranks(procs)
     finally:
         for _, p in procs:  # never leave a rank behind
@@ -208,6 +223,8 @@ def _node(args: argparse.Namespace) -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+        pump.wait(streams, 10.0)  # what the ranks wrote last, into their logs
+        pump.close()
 
 
 def _kill_tree(pid: int) -> None:
@@ -275,10 +292,23 @@ def _step(args: argparse.Namespace) -> int:
     except (KeyError, ValueError):
         _log("not a task of a SLURM job step (SLURM_PROCID/SLURM_NTASKS missing)")
         return 3
-    log_fd = os.open(files.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
+    # the rank runs in a forked child whose output goes through a pipe into its capped log; this task
+    # process holds the read end (a rank that dies abruptly loses nothing it wrote) and passes on the
+    # signals srun forwards to the task (SIGUSR1: pause; SIGTERM/SIGINT: end)
+    try:
+        cap = cap_bytes()
+    except ValueError as exc:
+        _log(f"{exc}; using the default")
+        cap = cap_bytes({})
+    pump = LogPump(cap)
+    out, stream = pump.open(str(files.rank_log(rank)))
+    child = os.fork()
+    if child:
+        os.close(out)
+        return _supervise_step(child, pump, stream)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
     if world != int(job["world_size"]):
         _log(f"the step has {world} tasks but the trial {job['world_size']} ranks")
         return 3
@@ -299,7 +329,28 @@ def _step(args: argparse.Namespace) -> int:
     _log(f"rank {rank} of {world} (local rank {local}) on node {env.get('SLURMD_NODENAME', os.uname().nodename)} "
          f"({_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
          f"{env.get('SLURM_STEP_ID')}, gloo interface {os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
-    return _run(job, files, rank, world, local, threads)
+    code = _run(job, files, rank, world, local, threads)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _supervise_step(child: int, pump: LogPump, stream: LogStream) -> int:
+    """The task process of a step rank: forward the signals srun passes on to the rank (its child),
+    wait for it, move the last of its output into its log; the rank's exit code (128 + signal if killed)."""
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: os.kill(child, signum))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except ChildProcessError:
+            status = 0
+            break
+    pump.wait([stream], 10.0)
+    pump.close()
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
 
 
 def _addresses(ifname: str | None) -> str:

@@ -1,9 +1,10 @@
 """The local engine: trials as ranks on warm worker processes of this machine.
 
 ``engine`` places trials on cores and GPUs and runs their lifecycle; ``_pool`` starts, hands out and
-retires the worker processes; ``_worker`` is the loop each worker runs. ``LocalEngine``,
-``plan_placement`` and ``prestart`` load their modules on first use, so a worker process that imports
-``hpoflow.engines.local._worker`` loads neither pydantic nor the registries.
+retires the worker processes; ``_worker`` is the loop each worker runs (``_modules``: which modules it
+unloads after a trial). ``LocalEngine``, ``plan_placement`` and ``prestart`` load their modules on
+first use, so a worker process that imports ``hpoflow.engines.local._worker`` loads neither pydantic
+nor the registries.
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ forkserver and one warm worker per core in a background thread (``start_warm``).
 a fresh interpreter without torch (spawned, ready in a fraction of a second) for a rank that
 ``needs_torch`` not, used while no warm worker is up; light workers retire once warm ones are.
 ``prestart`` starts either kind before any engine exists (``hpoflow run`` does, first thing) and the
-next pool adopts them. Every worker leads its own process group; ``retire`` kills it with whatever
-it started. The pool's state is guarded by ``lock``; the engine calls it from one thread.
+next pool adopts them. Every worker leads its own process group and is the subreaper of what its
+trials start; ``retire`` freezes and kills it with its whole tree (``hpoflow.engines.proc.kill_tree``).
+No worker runs the parent's ``__main__`` (``start_without_main``): a script on stdin, a notebook, or
+a script without a ``__main__`` guard start workers like any other. The pool's state is guarded by
+``lock``; the engine calls it from one thread.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from hpoflow.credentials import scrub_environ
+from hpoflow.engines.proc import kill_tree, start_without_main
 from hpoflow.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ class Worker:
 
 
 def _light_context() -> Any:
+    start_without_main()
     return mp.get_context("spawn")
 
 
@@ -96,6 +101,7 @@ class WorkerPool:
         scrub_environ()  # the forkserver and spawned workers inherit os.environ: no storage secret in it
         self.n_cores = n_cores
         self.max_trials_per_worker = max_trials_per_worker
+        start_without_main()
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD if preload is None else preload)
         self._light_ctx = _light_context()
@@ -286,12 +292,14 @@ def _restart_forkserver() -> None:
 
 
 def _killpg(proc: BaseProcess) -> None:
-    """SIGKILL a worker and everything it started (it leads its own process group)."""
+    """SIGKILL a worker and everything below it: its process group, and descendants that left the
+    group with ``setsid`` (frozen first, so none forks away meanwhile). A worker that is already gone
+    has its group killed (what it started and left there)."""
     pid = proc.pid
-    if pid is None or proc.exitcode is not None:
+    if pid is None:
         return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError, OSError, ValueError):
-            proc.kill()
+    if proc.exitcode is None:
+        kill_tree(pid)
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)

@@ -2,13 +2,16 @@
 
 A warm worker is forked from the engine's forkserver (torch and hpoflow preloaded by ``_preload``);
 a light worker is a fresh interpreter without torch, ready in a fraction of a second, that runs
-torch-free trials while the forkserver still preloads (see ``engine``). Either loops: receive a
-rank job, run it, send the outcome, and reset the state a trial may have changed before the next:
-environment, working directory, ``sys.path``, user modules (dropped from ``sys.modules`` so module
-globals start fresh), torch global settings, thread counts and affinity (set per trial), signal
-handlers, and any child processes the trial left behind. Seeds are set by the runner at the start
-of every trial. A worker whose trial crashed, hung, timed out or was cancelled is killed by the
-engine (with its whole process group) and replaced, never reused.
+torch-free trials while the forkserver still preloads (see ``engine``). Neither runs the parent's
+``__main__`` (``hpoflow.engines.proc.start_without_main``). Either loops: receive a rank job and the
+write end of its log pipe (``hpoflow.engines.logcap``: the engine caps the log), run it, then close
+the pipe, kill and reap every process the trial left (the worker is their child subreaper, so a
+double fork with ``setsid`` does not escape), send the outcome, and reset the state a trial may have
+changed before the next: environment, working directory, ``sys.path``, the trial's own modules
+(dropped from ``sys.modules`` so module globals start fresh; libraries stay, see ``_modules``),
+torch global settings, thread counts and affinity (set per trial), and signal handlers. Seeds are set
+by the runner at the start of every trial. A worker whose trial crashed, hung, timed out or was
+cancelled is killed by the engine (with its whole tree) and replaced, never reused.
 """
 
 from __future__ import annotations
@@ -20,26 +23,18 @@ import logging
 import os
 import signal
 import sys
-import sysconfig
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any
+from multiprocessing.reduction import recv_handle
 
+from hpoflow.engines.local._modules import ModuleKeeper
+from hpoflow.engines.proc import become_subreaper, reap_descendants
 from hpoflow.train.runner import run_rank
 from hpoflow.train.transport import NullChannel, PipeChannel
-from hpoflow.trial import RankJob
+from hpoflow.trial import RankJob, RankOutcome
 
 log = logging.getLogger(__name__)
 
 __all__ = ["worker_main"]
-
-
-_HPOFLOW_DIR = str(Path(__file__).resolve().parent.parent)
-_LIBRARY_DIRS = tuple(
-    str(Path(p).resolve())
-    for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values()}
-    if p
-)
 
 
 def _die_with_parent() -> None:
@@ -54,22 +49,20 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _redirect_output(path: str) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def _is_user_module(module: Any) -> bool:
-    """A module of the user's code: not hpoflow's, not from the interpreter's library dirs."""
-    f = getattr(module, "__file__", None)
-    if not f:
-        return False
-    f = str(Path(f).resolve())
-    return not f.startswith(_HPOFLOW_DIR) and not f.startswith(_LIBRARY_DIRS)
+def _keep_fds_to_self() -> None:
+    """Mark every descriptor this worker inherited (its pipe to the engine, the resource tracker's)
+    close-on-exec: a program a trial starts never holds them (a daemon holding them would keep the
+    engine's pipes, and a pipe reader such as ``hpoflow run | cat``, waiting)."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
 
 
 @dataclasses.dataclass
@@ -80,11 +73,10 @@ class _Snapshot:
     modules: set[str]
 
 
-def _reset(snap: _Snapshot) -> None:
+def _reset(snap: _Snapshot, keeper: ModuleKeeper, job: RankJob) -> None:
     """Undo what a trial may have changed in this process (see the module docstring)."""
-    for name in [n for n in sys.modules if n not in snap.modules]:
-        if _is_user_module(sys.modules[name]):
-            del sys.modules[name]
+    for name in keeper.trial_modules(snap.modules, job.request.python_path, job.request.train.get("function")):
+        sys.modules.pop(name, None)
     sys.path[:] = snap.path
     os.environ.clear()
     os.environ.update(snap.env)
@@ -104,24 +96,7 @@ def _reset(snap: _Snapshot) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a pause request (the engine's) that came too late
     signal.alarm(0)
-    _kill_children()
     gc.collect()
-
-
-def _kill_children() -> None:
-    """Kill processes a trial started and left running (they would outlive it in a reused worker)."""
-    try:
-        import psutil
-
-        kids = psutil.Process().children(recursive=True)
-    except Exception:  # psutil missing or /proc unreadable: nothing to clean
-        return
-    for k in kids:
-        try:
-            k.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(kids, timeout=2)
 
 
 def worker_main(conn: Connection, worker_id: int) -> None:
@@ -129,12 +104,19 @@ def worker_main(conn: Connection, worker_id: int) -> None:
     _die_with_parent()
     os.setsid()  # own process group: the engine kills the worker and all its children at once
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the engine's pause request; a trial's rank handles it
+
+
+    become_subreaper()  # orphaned descendants of a trial stay below this worker (reap_descendants)
+    _keep_fds_to_self()
     devnull = os.open(os.devnull, os.O_WRONLY)
-    # multiprocessing's bootstrap re-imported the parent's __main__ here (with whatever it imports):
-    # freeze that too, so the collection after each trial walks only the trial's own objects.
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    # Freeze what the worker holds now, so the collection after each trial walks only the trial's own
+    # objects.
     gc.collect()
     gc.freeze()
     base = _Snapshot(dict(os.environ), os.getcwd(), list(sys.path), set())
+    keeper = ModuleKeeper(base.path)
     try:
         conn.send(("ready", os.getpid()))
         while True:
@@ -144,20 +126,27 @@ def worker_main(conn: Connection, worker_id: int) -> None:
                 return
             if msg[0] != "run":
                 return
-            job, env, cores, log_path = msg[1]
+            job, env, cores = msg[1]
+            out = recv_handle(conn)  # the write end of the rank's log pipe (the engine reads the other)
             base.modules = set(sys.modules)
-            _run_one(conn, job, env, cores, log_path)
-            os.dup2(devnull, 1)
+            outcome = _run_one(conn, job, env, cores, out)
+            os.dup2(devnull, 1)  # the log pipe's last write ends: here, and in what the trial left running
             os.dup2(devnull, 2)
-            _reset(base)
+            reap_descendants()
+            conn.send(("outcome", dataclasses.asdict(outcome)))
+            _reset(base, keeper, job)
     except (BrokenPipeError, EOFError):  # the engine went away: nothing left to tell
         return
     finally:
         conn.close()
 
 
-def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[int, ...], log_path: str) -> None:
-    _redirect_output(log_path)
+def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[int, ...], out: int) -> RankOutcome:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
     os.environ.update(env)
     if cores and hasattr(os, "sched_setaffinity"):
         try:
@@ -165,5 +154,4 @@ def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[i
         except OSError as exc:  # a container may forbid it; threads are still capped
             log.warning("could not pin rank %d to cores %s: %s", job.rank, cores, exc)
     channel = PipeChannel(conn) if job.rank == 0 else NullChannel()
-    outcome = run_rank(job, channel)
-    conn.send(("outcome", dataclasses.asdict(outcome)))
+    return run_rank(job, channel)

@@ -9,7 +9,9 @@ and ``processes * gpus_per_process`` GPUs, each rank pinned to its cores with it
 ``CUDA_VISIBLE_DEVICES`` and thread count. Nothing is oversubscribed.
 Robustness: each worker leads its own process group; a rank that raises, dies (signal, OOM kill) or
 outlives the trial's timeout fails the whole trial; workers of ranks that did not finish are killed
-with their children and replaced.
+with their whole tree and replaced.
+Rank logs: each rank writes into a pipe whose bytes this process moves into ``rank<r>.log`` with a
+cap (``hpoflow.engines.logcap``); a trial's result waits until its ranks' pipes are drained.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
+from multiprocessing.reduction import send_handle
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,12 @@ from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialReq
 from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.engines.local._pool import Worker, WorkerPool
 from hpoflow.engines.local.options import LocalOptions
+from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
 from hpoflow.engines.machine import check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
-from hpoflow.train.rendezvous import private_dir, store_path
+from hpoflow.train.rendezvous import private_dir, remove_private_dir, store_path, sweep_private_dirs
 from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then is stopped (killed)
 
 __all__ = ["LocalEngine", "plan_placement"]
+
+_LOG_DRAIN_S = 5.0  # how long a result waits for its rank logs' pipes to drain (normally milliseconds)
 
 def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[int]
                    ) -> list[Placement] | None:
@@ -71,6 +76,7 @@ class _Trial:
     failure: str | None = None
     retryable: bool = False
     store: str = ""  # the rendezvous file store of a multi-rank trial
+    logs: list[LogStream] = field(default_factory=list)  # its ranks' output, on the way to their logs
     # Elastic trials run in segments, one per size (see ``_restart``), and their prune decision waits
     # for the next poll (the engine adds the size to the answer then).
     segments: Segments | None = None
@@ -110,10 +116,16 @@ class LocalEngine(Engine):
         self.free_cores = list(self.cores)
         self.free_gpus = list(self.gpus)
         self.pg_timeout_s = pg_timeout_s
+        try:
+            cap = cap_bytes()
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
         self._pool = WorkerPool(len(self.cores), preload, max_trials_per_worker, warm=prestart)
+        self._logs = LogPump(cap)
         self._trials: dict[int, _Trial] = {}
         self._events: list[Event] = []
-        self._rendezvous = private_dir()  # file stores of multi-rank trials: no rendezvous socket
+        sweep_private_dirs()  # left by a driver killed with SIGKILL
+        self._rendezvous = ""  # file stores of multi-rank trials (no rendezvous socket), made on first use
         self._book = ElasticBook()  # elastic trials' sizes (hpoflow.engines.elastic)
         self._queued: list[TrialRequest] = []  # submitted, waiting for cores lent to elastic trials
         self._closed = False
@@ -130,13 +142,18 @@ class LocalEngine(Engine):
 
     @classmethod
     def check_fit(cls, options: LocalOptions, request: TrialRequest) -> None:
-        """A trial runs on this machine's cores and GPUs (``engine_options.cores``/``gpus`` if given)."""
+        """A trial runs on this machine's cores and GPUs (``engine_options.cores``/``gpus`` if given);
+        ``HPOFLOW_RANK_LOG_MB``, if set, is a whole number."""
         if request.nodes > 1:
             raise EngineError(f"resources.nodes={request.nodes}: the local engine runs a trial on this machine only. "
                               "Fix: set resources.nodes to 1, or use a cluster engine (engine: compss)")
         cores = options.cores if options.cores is not None else machine_cores()
         gpus = options.gpus if options.gpus is not None else detect_gpus()
         check_fits(request, len(cores), len(gpus))
+        try:
+            cap_bytes()  # the engine refuses to start with a rank log cap it cannot read
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
 
     def submit(self, request: TrialRequest) -> None:
         if self._closed:
@@ -169,6 +186,8 @@ class LocalEngine(Engine):
                 self.free_gpus.remove(g)
         trial_dir = Path(request.trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
+        if request.processes > 1 and not self._rendezvous:
+            self._rendezvous = private_dir()
         store = store_path(self._rendezvous, request.number, request.attempt) if request.processes > 1 else ""
         now = time.monotonic()
         if prior is None:
@@ -179,7 +198,7 @@ class LocalEngine(Engine):
                 self._book.add_request(request, now)
         else:
             trial = replace(prior, request=request, placement=placement, workers=[], outcomes={}, store=store,
-                            deferred=None)
+                            deferred=None, logs=[])
         torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)
         if torch_first:  # light so far: now a trial needs the preload
             self._pool.start_warm()
@@ -200,10 +219,15 @@ class LocalEngine(Engine):
                               self.pg_timeout_s, store)
                 w.trial, w.rank = request.number, p.rank
                 trial.workers.append(w)
+                out, stream = self._logs.open(str(trial_dir / f"rank{p.rank}.log"))
+                trial.logs.append(stream)
                 try:
-                    w.conn.send(("run", (job, env, p.cores, str(trial_dir / f"rank{p.rank}.log"))))
+                    w.conn.send(("run", (job, env, p.cores)))
+                    send_handle(w.conn, out, w.proc.pid or 0)  # the rank's stdout and stderr
                 except (BrokenPipeError, OSError):  # it died between the check and now: the poll
                     pass  # loop sees its sentinel and fails the trial as a lost (retryable) rank
+                finally:
+                    os.close(out)  # the worker holds it now (or nobody: its log ends at once)
         self._trials[request.number] = trial
 
     def _restart(self, t: _Trial) -> None:
@@ -213,6 +237,7 @@ class LocalEngine(Engine):
         book = self._book
         number = t.request.number
         now = time.monotonic()
+        self._logs.wait(t.logs, _LOG_DRAIN_S)  # the next segment appends to the same logs
         self._release(t)
         del self._trials[number]
         self._start_queued()
@@ -348,9 +373,11 @@ class LocalEngine(Engine):
             return
         self._closed = True
         self._pool.close()
+        self._logs.close()
         self._trials.clear()
         self._queued.clear()
-        shutil.rmtree(self._rendezvous, ignore_errors=True)
+        if self._rendezvous:
+            remove_private_dir(self._rendezvous)
 
     # -- internals ------------------------------------------------------------------------------
     def _trial_of(self, w: Worker) -> _Trial | None:
@@ -423,6 +450,7 @@ class LocalEngine(Engine):
                     all(o.status == "resized" for o in t.outcomes.values()):
                 self._restart(t)
                 continue
+            self._logs.wait(t.logs, _LOG_DRAIN_S)  # the error tail is read from the logs
             self._events.append(self._result(t))
             self._release(t)
             del self._trials[number]

@@ -89,7 +89,8 @@ def batch_script(o: SlurmLaunch) -> str:
     argv = [q(o.python), "-m", "hpoflow", "run", q(o.spec), "--run-dir", run_dir]
     if o.n_trials:
         argv += ["--n-trials", str(o.n_trials)]
-    env = [f"export PYTHONPATH={q(':'.join(o.pythonpath))}${{PYTHONPATH:+:$PYTHONPATH}}"]
+    env = [f"export PYTHONPATH={q(':'.join(o.pythonpath))}${{PYTHONPATH:+:$PYTHONPATH}}",
+           f"export HPOFLOW_WALLTIME_WARNING_S={o.signal_s}  # the driver's own timer agrees with --signal"]
     if o.requeue:
         env.append("export HPOFLOW_REQUEUE=1  # after a walltime warning the driver requeues this job")
     if o.drivers > 1 and o.storage:

@@ -264,3 +264,54 @@ def test_the_compss_engines_multi_node_trial_starts_its_node_launchers_with_srun
              if (m := re.search(r"node (\d+) on (\S+):", p.read_text()))}
     assert nodes == {0: "n1", 1: "n2"}, nodes  # rank 0 and the rendezvous on the executing node
     assert "gloo interface eth0" in (trial_dir / "node0.log").read_text()
+
+
+def test_a_job_array_of_two_drivers_finishes_one_study_with_exactly_n_trials(slurm_cluster: SlurmCluster) -> None:
+    """``hpoflow launch --drivers 2``: two array tasks, each a driver in its own allocation and run
+    directory, on one journal in the shared directory."""
+    from hpoflow.run.ledger import ATTR_DRIVER, count_finished
+    from hpoflow.run.open import load_run
+
+    shared = slurm_cluster.shared_dir / "array"
+    spec = _digits_spec(shared / "digits.yaml", n_trials=6, epochs=2)
+    data = yaml.safe_load(spec.read_text())
+    data["storage"] = str(shared / "study.journal")  # one study every driver reaches
+    data["search"]["max_concurrent"] = 2
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    run_dir = shared / "run"
+    job = launch(slurm_cluster, spec, run_dir, "--nodes", "1", "--drivers", "2")
+    assert "#SBATCH --array=0-1" in (run_dir / "launch" / "driver.sbatch").read_text()
+    wait_job(slurm_cluster, job)
+    outs = {p.name: p.read_text() for p in (run_dir / "launch").glob("slurm-*.out")}
+    assert len(outs) == 2, outs  # one output per array task
+    for name in ("driver-0", "driver-1"):
+        assert (run_dir / name / "run.json").exists(), outs
+    study, _ = load_run(run_dir / "driver-0")
+    assert count_finished(study) == 6, outs
+    drivers = {t.user_attrs.get(ATTR_DRIVER) for t in study.trials if t.state.is_finished()}
+    assert len(drivers) == 2, drivers  # both drivers ran trials of the one study
+    for text in outs.values():
+        assert "Traceback" not in text
+
+
+def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_walltime(
+        slurm_cluster: SlurmCluster) -> None:
+    """A hand-written batch script (no --signal): the driver reads its job's end from SLURM and warns
+    itself HPOFLOW_WALLTIME_WARNING_S before it (here: 80 s before a 2-minute limit)."""
+    shared = slurm_cluster.shared_dir / "no-signal"
+    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=200)
+    run_dir = shared / "run"
+    script = shared / "job.sh"
+    script.write_text("#!/bin/bash\n"
+                      f"export PYTHONPATH={ROOT}:{ROOT / 'tests'}\n"
+                      "export HPOFLOW_WALLTIME_WARNING_S=80\n"
+                      f"exec python -m hpoflow run {spec} --run-dir {run_dir}\n")
+    r = slurm_cluster.run(["sbatch", "--parsable", "-N2", "--exclusive", "--time=2", f"--chdir={shared}",
+                           f"--output={shared}/job.out", str(script)])
+    info = wait_job(slurm_cluster, r.stdout.strip())
+    out = (shared / "job.out").read_text()
+    assert "walltime warning" in out, out  # paused by its own timer, 40 s in, not killed at 2 minutes
+    assert info["JobState"] in ("FAILED", "COMPLETED") and info["ExitCode"].startswith("130"), (info, out)
+    study = _study(run_dir)
+    paused = [t for t in study.trials if "paused" in t.user_attrs.get("error", "")]
+    assert paused, [t.user_attrs for t in study.trials]

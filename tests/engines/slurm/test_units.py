@@ -117,3 +117,19 @@ def test_sbatch_lines_carry_only_plain_values(field: str, value: str) -> None:
     with pytest.raises(EngineError, match="SLURM reads it from an #SBATCH line"):
         fields: dict[str, Any] = {field: value}
         SlurmLaunch(spec="/s", run_dir="/r", python="/p", pythonpath=(), workdir="/", **fields)
+
+
+def test_the_jobs_end_comes_from_slurm_job_end_time_or_squeue() -> None:
+    from datetime import datetime
+
+    from hpoflow.engines.slurm.walltime import job_end_time
+
+    assert job_end_time({"SLURM_JOB_END_TIME": "1800000000"}) == 1_800_000_000.0
+    assert job_end_time({}) is None  # not in a job
+    end = datetime(2026, 11, 24, 6, 30, 0).timestamp()
+    assert job_end_time({"SLURM_JOB_ID": "7"}, squeue=lambda job: "2026-11-24T06:30:00\n") == end
+    for unbounded in ("UNLIMITED\n", "N/A\n", None):
+        def answer(job: str, text: str | None = unbounded) -> str | None:
+            return text
+
+        assert job_end_time({"SLURM_JOB_ID": "7"}, squeue=answer) is None

@@ -1,0 +1,119 @@
+"""Which modules a local worker unloads after a trial, so the next trial imports the user's code
+afresh (its module globals start anew) while libraries stay loaded.
+
+Unloaded: the modules the trial imported (absent from ``sys.modules`` before it) whose file lies
+under the trial's own code (``code_roots``): its ``python_path`` directories (the spec's directory and
+the current one) and the package of its ``training.function`` (the module itself for a top-level
+one). Where a file lies under several roots, the deepest decides: a library directory inside the
+project (a ``.venv``, a ``--target`` directory on ``PYTHONPATH``) stays a library.
+
+Never unloaded: hpoflow; anything under the interpreter's prefixes and site directories, under the
+worker's other ``sys.path`` entries (``PYTHONPATH``, ``.pth`` files, the user site: how torch arrives
+from an HPC module), or under a ``site-packages``/``dist-packages`` directory; an extension module
+(``.so``/``.pyd``) and every module of a top-level package that has one (torch, numpy: their Python
+modules register state in their C parts once, and a second import crashes the process). Such a
+package of the user's stays loaded too: its globals carry over from trial to trial.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import site
+import sys
+import sysconfig
+from collections.abc import Iterable
+from types import ModuleType
+
+__all__ = ["ModuleKeeper"]
+
+_HPOFLOW_DIR = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", ".."))
+_EXTENSIONS = (*importlib.machinery.EXTENSION_SUFFIXES, ".so", ".pyd")
+_LIBRARY_PARTS = ("site-packages", "dist-packages")
+
+
+def _location(module: ModuleType | None) -> str | None:
+    """The real path of a module's file, or of a namespace package's first directory; None for
+    built-in, frozen and synthetic modules."""
+    if module is None:
+        return None
+    f = getattr(module, "__file__", None)
+    if not f:
+        path = getattr(module, "__path__", None)
+        try:
+            f = next(iter(path)) if path is not None else None
+        except (StopIteration, TypeError):
+            f = None
+    return os.path.realpath(f) if isinstance(f, str) and f else None
+
+
+def _is_extension(module: ModuleType | None) -> bool:
+    f = getattr(module, "__file__", None)
+    return isinstance(f, str) and f.endswith(_EXTENSIONS)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _interpreter_dirs() -> set[str]:
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+            *sysconfig.get_paths().values()}
+    try:
+        dirs.update(site.getsitepackages())
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
+    if isinstance(user, str):
+        dirs.add(user)
+    return {os.path.realpath(d) for d in dirs if d}
+
+
+class ModuleKeeper:
+    """Built once per worker from its ``sys.path`` before any trial; ``trial_modules`` answers after
+    each trial. Tracks the top-level packages that hold extension modules as they load."""
+
+    def __init__(self, base_path: Iterable[str]) -> None:
+        self.libraries = _interpreter_dirs() | {os.path.realpath(p) for p in base_path if p}
+        self._ext_tops: set[str] = set()
+        self._seen: set[str] = set()
+        self._note_extensions(list(sys.modules))
+
+    def _note_extensions(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name not in self._seen:
+                self._seen.add(name)
+                if _is_extension(sys.modules.get(name)):
+                    self._ext_tops.add(name.partition(".")[0])
+
+    def code_roots(self, python_path: Iterable[str], function: str | None) -> set[str]:
+        """The trial's own code: its ``python_path`` directories and its function's package."""
+        roots = {os.path.realpath(p) for p in python_path if p}
+        if function:
+            top = sys.modules.get(function.partition(":")[0].partition(".")[0])
+            where = _location(top)
+            if where is not None:
+                roots.add(os.path.dirname(where) if os.path.basename(where).startswith("__init__.") else where)
+        return roots
+
+    def trial_modules(self, before: set[str], python_path: Iterable[str], function: str | None) -> list[str]:
+        """The modules imported since ``before`` (a snapshot of ``sys.modules``) that are the trial's
+        own code; see the module docstring."""
+        new = [n for n in list(sys.modules) if n not in before]
+        self._note_extensions(new)
+        code = self.code_roots(python_path, function)
+        roots = [(r, True) for r in code] + [(r, False) for r in self.libraries if r not in code]
+        out = []
+        for name in new:
+            module = sys.modules.get(name)
+            if name.partition(".")[0] in self._ext_tops or _is_extension(module):
+                continue
+            where = _location(module)
+            if where is None or _under(where, _HPOFLOW_DIR):
+                continue
+            if any(part in _LIBRARY_PARTS for part in where.split(os.sep)):
+                continue
+            deepest = max((r for r in roots if _under(where, r[0])), key=lambda r: len(r[0]), default=None)
+            if deepest is not None and deepest[1]:
+                out.append(name)
+        return out

@@ -1,0 +1,445 @@
+"""The local engine's workers as processes: which modules they unload, that they never run the
+caller's ``__main__``, that nothing a trial starts outlives it, bounded rank logs, and rendezvous
+directories that do not outlive a killed driver. Real processes throughout; each test writes the
+training functions it needs into its own directory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from hpoflow.engines import TrialRequest, TrialResult
+from hpoflow.engines.local import LocalEngine
+from hpoflow.engines.local._modules import ModuleKeeper
+from hpoflow.engines.logcap import CAP_ENV, LogPump
+from hpoflow.errors import EngineError
+from hpoflow.spec import TrainConfig
+from tests.conftest import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+FNS = '''
+import os, sys, time
+
+def score(ctx):
+    return {"score": float(ctx.params.get("x", 1.0))}
+
+def daemonize(ctx):
+    """Double fork with setsid: the sleeper is no child of the worker, nor in its process group."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        child = os.fork()
+        if child == 0:
+            os.execvp("sleep", ["sleep", "1000"])
+        os.write(w, str(child).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(w)
+    sleeper = int(os.read(r, 64))
+    (ctx.trial_dir / "sleeper.pid").write_text(str(sleeper))
+    if ctx.options.get("hang"):
+        time.sleep(600)
+    return {"score": float(ctx.params.get("x", 1.0))}
+
+def chatty(ctx):
+    """Prints ``options.mib`` MiB of numbered lines between a first and a last marker, then fails."""
+    print("FIRST-LINE-OF-OUTPUT", flush=True)
+    line = "x" * 88
+    for i in range(int(ctx.options["mib"] * (1 << 20) / 100)):
+        print(f"{i:010d}", line)
+    print("LAST-LINE-OF-OUTPUT", flush=True)
+    os.write(2, b"written by the C layer\\n")
+    raise ValueError("last words")
+'''
+
+
+def write_fns(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "fns.py").write_text(FNS)
+    return directory
+
+
+def request(tmp_path: Path, number: int, function: str, **kw: Any) -> TrialRequest:
+    train = TrainConfig(function=function, options=kw.pop("options", {})).model_dump(mode="json")
+    return TrialRequest(number, {"x": 0.5}, train, "score", "maximize", str(tmp_path / "trials" / str(number)),
+                        python_path=(str(tmp_path),), **kw)
+
+
+def run_one(engine: LocalEngine, req: TrialRequest, limit: float = 120.0) -> TrialResult:
+    engine.submit(req)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        for ev in engine.poll(1.0):
+            if isinstance(ev, TrialResult):
+                return ev
+    raise TimeoutError(f"trial {req.number} did not finish in {limit} s")
+
+
+def gone(pid: int, limit: float = 10.0) -> bool:
+    """``pid`` ended (or is a zombie nobody reaps: init in some containers) within ``limit`` s."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- which modules a worker unloads ----------------------------------------------------------------
+def test_a_worker_unloads_the_trials_own_modules_and_never_a_library(tmp_path: Path) -> None:
+    proj, libdir = tmp_path / "proj", tmp_path / "libdir"
+    vendored = proj / ".venv" / "lib" / "python3.11" / "site-packages"
+    for d in (proj / "userpkg", proj / "extpkg", libdir / "libfn_pkg", vendored):
+        d.mkdir(parents=True)
+    (proj / "usercode.py").write_text("import userpkg.sub\nSTATE = []\n")
+    (proj / "userpkg" / "__init__.py").write_text("")
+    (proj / "userpkg" / "sub.py").write_text("")
+    (proj / "extpkg" / "__init__.py").write_text("")
+    (proj / "extpkg" / "pure.py").write_text("")
+    (libdir / "libmod.py").write_text("")
+    (libdir / "libfn_pkg" / "__init__.py").write_text("")
+    (libdir / "libfn_pkg" / "train.py").write_text("import libmod\n")
+    (vendored / "vendored.py").write_text("")
+    names = ["usercode", "userpkg", "userpkg.sub", "extpkg", "extpkg.pure", "extpkg._fast", "libmod", "libfn_pkg",
+             "libfn_pkg.train", "vendored"]
+    # the worker's sys.path before any trial: PYTHONPATH-like dirs (a library dir, a venv inside the project)
+    keeper = ModuleKeeper([*sys.path, str(libdir), str(vendored)])
+    before = set(sys.modules)
+    sys.path[:0] = [str(proj), str(libdir), str(vendored)]
+    try:
+        import importlib
+
+        for name in ("usercode", "extpkg.pure", "libfn_pkg.train", "vendored"):
+            importlib.import_module(name)
+        fake_ext = types.ModuleType("extpkg._fast")  # an extension module of a package in the project
+        fake_ext.__file__ = str(proj / "extpkg" / "_fast.cpython-311-x86_64-linux-gnu.so")
+        sys.modules["extpkg._fast"] = fake_ext
+        # a trial of usercode:train with the project as its python_path
+        assert sorted(keeper.trial_modules(before, (str(proj),), "usercode:train")) == [
+            "usercode", "userpkg", "userpkg.sub"]
+        # a trial whose function lives in a package on a library path: that package is its own code,
+        # the library module it imports is not
+        assert sorted(keeper.trial_modules(before, (str(proj),), "libfn_pkg.train:fit")) == [
+            "libfn_pkg", "libfn_pkg.train", "usercode", "userpkg", "userpkg.sub"]
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        for p in (str(proj), str(libdir), str(vendored)):
+            sys.path.remove(p)
+
+
+def test_torch_imported_by_a_trial_stays_loaded_and_user_globals_start_fresh(tmp_path: Path) -> None:
+    """The module globals of the trial's code start anew in every trial (a counter reads 1 each time),
+    while torch, imported by the first trial on a light worker, stays (a second import would crash)."""
+    (tmp_path / "counting.py").write_text(textwrap.dedent("""
+        import sys
+        CALLS = 0
+
+        def count(ctx):
+            global CALLS
+            CALLS += 1
+            loaded = "torch" in sys.modules
+            import torch
+            import torch.nn.functional as F
+            x = F.relu(torch.ones(2)).sum()
+            return {"score": float(CALLS), "torch_was_loaded": float(loaded), "x": float(x)}
+    """))
+    from hpoflow.engines.local import prestart
+
+    prestart(light=1)
+    eng = LocalEngine(cores=[0], prestart=False)  # the light worker only: no forkserver
+    try:
+        results = [run_one(eng, request(tmp_path, n, "counting:count")) for n in range(3)]
+    finally:
+        eng.close()
+    assert [r.status for r in results] == ["complete"] * 3, results
+    assert [r.metrics["score"] for r in results] == [1.0, 1.0, 1.0]
+    assert [r.metrics["torch_was_loaded"] for r in results] == [0.0, 1.0, 1.0]  # the same worker kept it
+
+
+# -- workers never run the caller's __main__ ---------------------------------------------------------
+TUNE = '''
+import os, sys
+print(f"MAIN-RAN {os.getpid()}", file=sys.stderr, flush=True)
+import hpoflow
+from hpoflow.engines.local import LocalEngine
+
+RUNS = os.path.join(os.getcwd(), "runs")
+
+
+def spec(name):
+    return {"study": {"name": name, "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0, "high": 1}},
+            "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 1, "seed": 0},
+            "training": {"function": "fns:score"}}
+
+
+def run():
+    # the default engine (torch-free trials go to light workers, spawned) and warm workers, forked
+    # from the forkserver: both start methods prepare a child from the parent's __main__ by default
+    light = hpoflow.optimize(spec("light"), run_dir=os.path.join(RUNS, "light"))
+    engine = LocalEngine(cores=[0])
+    engine.wait_warm()
+    try:
+        warm = hpoflow.optimize(spec("warm"), run_dir=os.path.join(RUNS, "warm"), engine=engine)
+    finally:
+        engine.close()
+    print("COMPLETE", light.summary.n_complete, warm.summary.n_complete, flush=True)
+'''
+
+NOTEBOOK = '''
+import sys, types
+main = types.ModuleType("__main__")  # a fresh __main__ without __file__, as a notebook kernel has
+sys.modules["__main__"] = main
+exec(compile(open(sys.argv[1]).read(), "<cell>", "exec"), main.__dict__)
+'''
+
+THREAD = '''
+import threading
+t = threading.Thread(target=run)
+t.start()
+t.join()
+'''
+
+
+def _invocation(mode: str, tmp_path: Path) -> tuple[list[str], str | None]:
+    body = {"script": TUNE + '\nif __name__ == "__main__":\n    run()\n', "thread": TUNE + THREAD}.get(
+        mode, TUNE + "\nrun()\n")
+    script = tmp_path / "tune.py"
+    script.write_text(body)
+    if mode in ("script", "unguarded", "thread"):
+        return [sys.executable, str(script)], None
+    if mode == "c":
+        return [sys.executable, "-c", body], None
+    if mode == "stdin":
+        return [sys.executable, "-"], body
+    (tmp_path / "notebook.py").write_text(NOTEBOOK)
+    return [sys.executable, str(tmp_path / "notebook.py"), str(script)], None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["script", "unguarded", "c", "stdin", "notebook", "thread"])
+def test_the_api_runs_its_trials_however_the_caller_was_started(tmp_path: Path, mode: str) -> None:
+    write_fns(tmp_path)
+    argv, stdin = _invocation(mode, tmp_path)
+    p = subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "COMPLETE 2 2" in p.stdout, p.stderr[-3000:]
+    assert p.stderr.count("MAIN-RAN") == 1, p.stderr[-3000:]  # the caller's process only: no worker ran it
+
+
+@pytest.mark.parametrize("case", ["main_function", "unguarded_self_import"])
+def test_a_study_that_workers_cannot_run_is_refused_before_any_trial(tmp_path: Path, case: str) -> None:
+    write_fns(tmp_path)
+    fn = "__main__:train" if case == "main_function" else "tune:train"
+    body = textwrap.dedent(f"""
+        import hpoflow
+
+        def train(ctx):
+            return 1.0
+
+        def main():
+            hpoflow.optimize({{"study": {{"name": "s", "metric": "score", "direction": "maximize"}},
+                              "space": {{"x": {{"type": "float", "low": 0, "high": 1}}}},
+                              "search": {{"n_trials": 1}}, "training": {{"function": "{fn}"}}}},
+                             run_dir="runs/s")
+
+        main()
+    """)
+    (tmp_path / "tune.py").write_text(body)
+    p = subprocess.run([sys.executable, "tune.py"], capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=120)
+    assert p.returncode != 0
+    assert "training.function" in p.stderr
+    fix = "move train() into a module" if case == "main_function" else 'if __name__ == "__main__"'
+    assert fix in p.stderr, p.stderr[-2000:]
+    assert not list(tmp_path.glob("runs/s/trials/*"))  # no trial ran
+
+
+# -- nothing a trial starts outlives it -------------------------------------------------------------
+def test_a_daemonised_grandchild_dies_with_its_trial_and_the_worker_is_reused(tmp_path: Path) -> None:
+    write_fns(tmp_path)
+    eng = LocalEngine(cores=[0])
+    try:
+        first = run_one(eng, request(tmp_path, 0, "fns:daemonize"))
+        sleeper = int((tmp_path / "trials" / "0" / "sleeper.pid").read_text())
+        assert first.status == "complete", first
+        assert gone(sleeper), f"the daemonised sleeper {sleeper} outlived its trial"
+        second = run_one(eng, request(tmp_path, 1, "fns:daemonize"))  # on the same (reused) worker
+        assert second.status == "complete", second
+        assert gone(int((tmp_path / "trials" / "1" / "sleeper.pid").read_text()))
+    finally:
+        eng.close()
+
+
+def test_a_daemonised_grandchild_of_a_timed_out_trial_dies_with_its_worker(tmp_path: Path) -> None:
+    write_fns(tmp_path)
+    eng = LocalEngine(cores=[0])
+    try:
+        res = run_one(eng, request(tmp_path, 0, "fns:daemonize", options={"hang": True}, timeout=3.0))
+    finally:
+        eng.close()
+    assert res.status == "failed" and "timed out" in (res.error or "")
+    assert gone(int((tmp_path / "trials" / "0" / "sleeper.pid").read_text()))
+
+
+@pytest.mark.slow
+def test_hpoflow_run_into_a_pipe_returns_when_the_study_ends(tmp_path: Path) -> None:
+    """A daemon holding the workers' pipes kept ``hpoflow run ... | cat`` open for as long as it lived
+    (here 1000 s); the pipeline must end with the study. The 240 s bound only tells "ended with the
+    study" (a few seconds) from "waited for the daemon" (1000 s) on a loaded machine."""
+    write_fns(tmp_path)
+    spec = {"study": {"name": "d", "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0, "high": 1}},
+            "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 1, "seed": 0},
+            "training": {"function": "fns:daemonize"}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    cmd = f"'{sys.executable}' -m hpoflow run spec.yaml --run-dir run | cat"
+    p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "2 complete" in p.stdout, p.stdout[-2000:]
+    for n in (0, 1):
+        assert gone(int((tmp_path / "run" / "trials" / str(n) / "sleeper.pid").read_text()), limit=1.0)
+
+
+# -- rank logs are bounded -------------------------------------------------------------------------
+def test_a_capped_log_keeps_its_head_and_tail_and_says_what_it_dropped(tmp_path: Path) -> None:
+    cap = 64 * 1024
+    data = b"".join(f"{i:07d} {'y' * 92}\n".encode() for i in range(20000))  # 2 000 000 bytes
+    path = tmp_path / "rank0.log"
+    path.write_bytes(b"")
+    pump = LogPump(cap)
+    w, stream = pump.open(str(path))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(w, view[:8192]):]
+    os.close(w)
+    assert pump.wait([stream], 30)
+    pump.close()
+    text = path.read_bytes()
+    assert len(text) <= cap + 200
+    assert text.startswith(data[: cap // 2])
+    kept_tail = text[text.index(b"\n", text.index(b"bytes of output dropped")) + 1:]
+    assert data.endswith(kept_tail) and len(kept_tail) > cap // 2 - 200  # whole lines, the last ones
+    dropped = int(text.split(b"[hpoflow: ")[1].split()[0])
+    assert cap // 2 + dropped + len(kept_tail) == len(data)
+
+
+def test_no_cap_keeps_everything_and_a_log_is_appended_to(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.log"
+    path.write_bytes(b"earlier segment\n")
+    pump = LogPump(0)
+    w, stream = pump.open(str(path))
+    os.write(w, b"x" * 300000)
+    os.close(w)
+    assert pump.wait([stream], 30)
+    pump.close()
+    assert path.read_bytes() == b"earlier segment\n" + b"x" * 300000
+
+
+def test_a_trial_printing_past_the_cap_leaves_a_bounded_log_and_its_last_words(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_fns(tmp_path)
+    monkeypatch.setenv(CAP_ENV, "1")
+    eng = LocalEngine(cores=[0])
+    try:
+        res = run_one(eng, request(tmp_path, 0, "fns:chatty", options={"mib": 6}))
+    finally:
+        eng.close()
+    log = (tmp_path / "trials" / "0" / "rank0.log").read_bytes()
+    assert len(log) <= (1 << 20) + 200
+    assert log.startswith(b"FIRST-LINE-OF-OUTPUT\n")
+    assert b"bytes of output dropped here" in log
+    assert b"LAST-LINE-OF-OUTPUT" in log[-(1 << 19):] and b"ValueError: last words" in log[-4000:]
+    assert res.status == "failed" and "last words" in (res.error or "")
+    assert "ValueError: last words" in res.stderr_tail and "written by the C layer" in res.stderr_tail
+
+
+def test_a_cluster_rank_log_is_capped_by_its_node_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpoflow.engines.cluster.attempt import run_trial
+
+    write_fns(tmp_path)
+    monkeypatch.setenv(CAP_ENV, "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    req = request(tmp_path, 0, "fns:chatty", options={"mib": 4})
+    res = run_trial(req.to_json(), "{}")
+    logs = list((tmp_path / "trials" / "0").rglob("rank0.log"))
+    assert len(logs) == 1
+    log = logs[0].read_bytes()
+    assert len(log) <= (1 << 20) + 200 and log.startswith(b"FIRST-LINE-OF-OUTPUT\n")
+    assert b"ValueError: last words" in log[-4000:] and b"bytes of output dropped here" in log
+    assert res["status"] == "failed" and "ValueError: last words" in res["stderr_tail"]
+
+
+def test_a_rank_log_cap_that_is_not_a_number_is_refused_before_any_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpoflow.engines import check_fit
+
+    monkeypatch.setenv(CAP_ENV, "lots")
+    with pytest.raises(EngineError, match=f"{CAP_ENV} must be a whole number of MiB.*'lots'.*Fix"):
+        check_fit("local", {}, TrialRequest.shape(1, 1, 0))  # what validate checks
+    with pytest.raises(EngineError, match=f"{CAP_ENV} must be a whole number of MiB.*'lots'.*Fix"):
+        LocalEngine(cores=[0], prestart=False)
+
+
+# -- rendezvous directories ------------------------------------------------------------------------
+def _rdzv_dirs() -> set[str]:
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    import tempfile
+
+    base = base or tempfile.gettempdir()
+    return {os.path.join(base, n) for n in os.listdir(base) if n.startswith("hpoflow-rdzv-flock-")}
+
+
+@pytest.mark.slow
+def test_a_driver_killed_with_sigkill_leaves_no_rendezvous_directory_behind(tmp_path: Path) -> None:
+    from hpoflow.train.rendezvous import private_dir, remove_private_dir, sweep_private_dirs
+
+    write_fns(tmp_path)
+    (tmp_path / "fns.py").write_text(FNS + "\ndef hold(ctx):\n    time.sleep(600)\n    return 1.0\n")
+    spec = {"study": {"name": "k", "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0, "high": 1}},
+            "search": {"n_trials": 1}, "training": {"function": "fns:hold"},
+            "resources": {"processes": 2, "cpus_per_process": 1}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    before = _rdzv_dirs()
+    proc = subprocess.Popen([sys.executable, "-m", "hpoflow", "run", "spec.yaml", "--run-dir", "run", "--quiet"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "run" / "trials" / "0" / "rank1.log").exists():
+            assert time.monotonic() - t0 < 180 and proc.poll() is None, "the trial never started"
+            time.sleep(0.05)
+        mine = _rdzv_dirs() - before
+        assert len(mine) == 1  # made for the two-rank trial
+        os.kill(proc.pid, signal.SIGKILL)  # the driver alone: its workers follow it (parent-death signal)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the forkserver, in the driver's group
+    assert mine <= _rdzv_dirs()  # left behind by the kill...
+    held = private_dir()  # ...while a live process's own directory is never taken
+    try:
+        removed = sweep_private_dirs(min_age_s=0)  # what the next engine (or compss attempt) does first
+        assert set(removed) >= mine and held not in removed
+        assert not (mine & _rdzv_dirs()) and os.path.isdir(held)
+    finally:
+        remove_private_dir(held)
