@@ -22,14 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from hpoflow.engines import TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.local import LocalEngine
 from hpoflow.spec import TrainConfig
 from hpoflow.train.checkpoint import make_checkpointer
-from tests.conftest import ROOT, descendants
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real trials, killed and resumed
 
@@ -54,15 +53,11 @@ def _complete(req: TrialRequest, step: int) -> bool:
     return len(files) >= (1 if ck["format"] == "dcp" else req.processes)
 
 
-def _rank_pid(trial_dir: Path, rank: int) -> int | None:
-    log = str(trial_dir / f"rank{rank}.log")
-    for pid in descendants():
-        try:
-            if any(f.path == log for f in psutil.Process(pid).open_files()):
-                return pid
-        except psutil.Error:
-            continue
-    return None
+def _rank_pid(engine: LocalEngine, number: int, rank: int) -> int | None:
+    """The worker running ``rank`` of trial ``number``, as the engine placed it."""
+    trial = engine._trials.get(number)
+    workers = [w for w in (trial.workers if trial else []) if w.rank == rank]
+    return workers[0].proc.pid if workers else None
 
 
 def _run(engine: LocalEngine, req: TrialRequest, kill_rank: int | None = None, pause_after: int | None = None
@@ -76,7 +71,7 @@ def _run(engine: LocalEngine, req: TrialRequest, kill_rank: int | None = None, p
     deadline = time.monotonic() + 300  # a bound for a hang: a trial takes seconds
     while time.monotonic() < deadline:
         if not killed and _complete(req, 1):
-            pid = _rank_pid(Path(req.trial_dir), kill_rank)  # type: ignore[arg-type]
+            pid = _rank_pid(engine, req.number, kill_rank)  # type: ignore[arg-type]
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
