@@ -1,11 +1,12 @@
 """Plug-in registries: one per kind — engine, sampler, pruner, strategy, launcher, model, elastic
-policy, cost model.
+policy, cost model, checkpoint format.
 
 Every entry is a name, an implementation and a pydantic *options model* (the keys its option bag
 takes, with types, defaults and rules). The spec validates each option bag of a study
 (``search.sampler_options``, ``search.pruner``, ``training.strategy_options``,
-``training.model_options``, the engine's options, ``compss.launcher``) through the registry of its
-kind when the spec is loaded, so ``hpoflow validate`` rejects a bad option before anything runs.
+``training.model_options``, ``training.checkpoint.options``, the engine's options,
+``compss.launcher``) through the registry of its kind when the spec is loaded, so ``hpoflow validate``
+rejects a bad option before anything runs.
 
 Implementations and options models may be given as objects or as lazy ``"module:attr"`` references,
 resolved on first use: the built-in entries below are references, so validating a spec imports only
@@ -48,10 +49,12 @@ if TYPE_CHECKING:
     from hpoflow.engines.cluster.layout import LaunchJob
     from hpoflow.engines.elastic import Candidate
     from hpoflow.engines.simulated.costs import TrialCost
+    from hpoflow.train.checkpoint import CheckpointFormat
     from hpoflow.train.strategies import Strategy
     from hpoflow.trial import TrialRequest
 
 __all__ = [
+    "CHECKPOINT_FORMATS",
     "COST_MODELS",
     "ELASTIC",
     "ENGINES",
@@ -291,6 +294,11 @@ ELASTIC: Registry[Callable[[list[Candidate], str], list[Candidate]]] = Registry(
 COST_MODELS: Registry[Callable[[Any], Callable[[TrialRequest], TrialCost]]] = Registry(
     "cost model", "a callable (options: its options model) -> a callable (TrialRequest) -> "
                   "hpoflow.engines.simulated.costs.TrialCost, for the simulated engine's cost: {type: NAME, ...}")
+CHECKPOINT_FORMATS: Registry[type[CheckpointFormat]] = Registry(
+    "checkpoint format", "a subclass of hpoflow.train.checkpoint.CheckpointFormat, built on every rank as "
+                         "cls(directory, rank=, world_size=, keep=, background=, elastic=, options=its options "
+                         "model) by hpoflow.train.checkpoint.make_checkpointer; an options model whose "
+                         "shared_state is true keeps one copy of the state (the spec then needs strategy allreduce)")
 
 # -- built-in plug-ins: one line each ------------------------------------------------------------
 ENGINES.register("local", "hpoflow.engines.local.engine:LocalEngine", "hpoflow.engines.local.options:LocalOptions",
@@ -327,4 +335,11 @@ for _name in ("srun", "mpirun", "ssh"):
 MODELS.register("mlp", "hpoflow.train.models:mlp", "hpoflow.train.options:MLPOptions")
 MODELS.register("cnn", "hpoflow.train.models:cnn", "hpoflow.train.options:CNNOptions")
 MODELS.register("gpt", "hpoflow.train.models:gpt", "hpoflow.train.options:GPTOptions")
-del _name, _cls, _opts
+for _name, _cls, _opts, _summary in [
+        ("replica", "Checkpointer", "Replica", "every rank writes its whole state (any strategy)"),
+        ("rank0", "Rank0Checkpointer", "Rank0", "rank 0 writes the state once, every rank its RNG states"),
+        ("dcp", "DcpCheckpointer", "Dcp", "torch.distributed.checkpoint: written once, split over the ranks, async"),
+        ("safetensors", "SafetensorsCheckpointer", "Safetensors", "the replica layout in safetensors files")]:
+    CHECKPOINT_FORMATS.register(_name, f"hpoflow.train.checkpoint:{_cls}",
+                                f"hpoflow.train.checkpoint.options:{_opts}Options", summary=_summary)
+del _name, _cls, _opts, _summary

@@ -1,8 +1,8 @@
 """Throw-away plug-ins of every kind, registered when this module is imported: a spec names it with
 ``plugins: [tests.plugin_kit]``, so the driver and every trial process import it.
 
-Each leaves a trace the tests can check: the model and the strategy append a line to the file their
-``marker`` option names (they run in the trial's processes), the sampler pins every parameter to its
+Each leaves a trace the tests can check: the model, the strategy and the checkpoint format append a line
+to the file their ``marker`` option names (they run in the trial's processes), the sampler pins every parameter to its
 lowest value (``kit_single`` too, for one objective only), the cost model and the engine score trials
 by their number and ``lr``.
 """
@@ -20,7 +20,8 @@ from pydantic import Field
 
 from hpoflow.engines.base import Engine, Event
 from hpoflow.engines.simulated.costs import TrialCost
-from hpoflow.registry import COST_MODELS, ENGINES, MODELS, SAMPLERS, NoOptions, Options
+from hpoflow.registry import CHECKPOINT_FORMATS, COST_MODELS, ENGINES, MODELS, SAMPLERS, NoOptions, Options
+from hpoflow.train.checkpoint import Checkpointer
 from hpoflow.train.options import AllReduceOptions
 from hpoflow.train.strategies import AllReduce, StrategyEnv, register_strategy
 from hpoflow.trial import TrialRequest, TrialResult
@@ -68,6 +69,25 @@ class KitAllReduce(AllReduce):
 
 
 register_strategy(KitAllReduce, KitAllReduceOptions)
+
+
+# -- a checkpoint format ------------------------------------------------------------------------------
+class KitFormatOptions(Options):
+    marker: str | None = None
+
+
+class KitFormat(Checkpointer):
+    """The replica format under its own file names, saying what it saved."""
+
+    name = "kit_format"
+    prefix = "kit"
+
+    def save(self, state: Any, step: int, private: Any = None) -> None:
+        _mark(getattr(self.options, "marker", None), f"checkpoint step={step}")
+        super().save(state, step, private)
+
+
+CHECKPOINT_FORMATS.register("kit_format", KitFormat, KitFormatOptions)
 
 
 # -- a sampler ----------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ CASES = {
     "simulate.py": (["--quick"], {"scale", "sampler_ms_per_trial", "replay"}),
     "elastic.py": (["--quick"], {"speedup_2", "64_slots", "real"}),
     "ask_ahead.py": (["--trials", "6", "--trial-s", "0.05", "--repeats", "1"], {"off", "on", "makespan_ratio"}),
+    "checkpoint_study.py": (["--quick"], {"rows", "machine", "filesystem", "cluster"}),
     "worker_overheads.py": (["--calls", "10", "--lines", "1000", "--repeats", "1"],
                             {"reap_proc_children_us", "reap_psutil_us", "log_pump_overhead"}),
     "slurm_steps.py": (["--trials", "4", "--repeats", "1"],

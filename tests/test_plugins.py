@@ -194,7 +194,7 @@ def _forget_the_kit() -> Iterator[None]:
     from hpoflow import registry
 
     kinds = [getattr(registry, n) for n in ("ENGINES", "SAMPLERS", "PRUNERS", "STRATEGIES", "LAUNCHERS", "MODELS",
-                                            "ELASTIC", "COST_MODELS")]
+                                            "ELASTIC", "COST_MODELS", "CHECKPOINT_FORMATS")]
     saved = [dict(r._entries) for r in kinds]
     try:
         yield
@@ -220,22 +220,28 @@ def _kit_spec(tmp_path: Path, **extra: Any) -> Path:
 
 
 @pytest.mark.slow
-def test_a_registered_model_strategy_and_sampler_run_in_the_trials_processes(tmp_path: Path) -> None:
+def test_a_registered_model_strategy_sampler_and_checkpoint_format_run_in_the_trials_processes(
+        tmp_path: Path) -> None:
     """The trial processes import the plug-in module themselves: each of the two ranks of each trial
-    builds the plug-in model and strategy, and the plug-in sampler chose every configuration."""
+    builds the plug-in model and strategy and checkpoints in the plug-in format, and the plug-in sampler
+    chose every configuration."""
     marker = tmp_path / "marks.txt"
     spec = _kit_spec(tmp_path, resources={"processes": 2})
     data = yaml.safe_load(spec.read_text())
     data["training"]["model_options"] = {"marker": str(marker)}
     data["training"]["strategy_options"] = {"marker": str(marker)}
+    data["training"]["checkpoint"] = {"every": 1, "format": "kit_format", "options": {"marker": str(marker)}}
     spec.write_text(yaml.safe_dump(data))
     result = hpoflow.optimize(spec, tmp_path / "run")
     assert result.summary.n_complete == 2, result.summary.errors
     assert [t.params["lr"] for t in result.study.trials] == [0.01, 0.01]  # the pinned sampler's choice
     lines = marker.read_text().splitlines()
-    for kind in ("model", "strategy"):
+    for kind in ("model", "strategy", "checkpoint"):
         ranks = sorted(line.split("rank=")[1] for line in lines if line.startswith(kind))
         assert ranks == ["0", "0", "1", "1"], lines  # 2 trials x 2 ranks
+    for trial in ("0", "1"):
+        names = sorted(p.name for p in (tmp_path / "run" / "trials" / trial / "checkpoints").iterdir())
+        assert names == ["kit-00000001-r0.pt", "kit-00000001-r1.pt"], names
     assert os.getpid() not in {int(line.split("pid=")[1].split()[0]) for line in lines}  # not the driver
 
 

@@ -1,7 +1,7 @@
 """`hpoflow validate` makes every check `hpoflow run` makes before its first trial.
 
 Every registered plug-in of every kind (samplers, pruners, strategies, models, engines, cost models,
-elastic policies) validates and runs a tiny study: the simulated engine where the kind allows (a
+elastic policies, checkpoint formats) validates and runs a tiny study: the simulated engine where the kind allows (a
 virtual clock, no training), the built-in trainer on ``dataset: synthetic, epochs: 1`` where a trial
 must really train. And for every Optuna sampler class, with one objective and with two, validate and
 run agree: a spec validate accepts runs its trials, and a spec it refuses is refused by run too,
@@ -23,6 +23,7 @@ import hpoflow
 from hpoflow.cli.main import main
 from hpoflow.errors import HpoflowError
 from hpoflow.registry import (
+    CHECKPOINT_FORMATS,
     COST_MODELS,
     ELASTIC,
     ENGINES,
@@ -46,10 +47,11 @@ BUILT_IN = {
     "COST_MODELS": ["function", "lognormal", "oracle", "replay"],
     "ELASTIC": ["fifo", "longest_remaining", "most_promising"],
     "LAUNCHERS": ["mpirun", "srun", "ssh"],
+    "CHECKPOINT_FORMATS": ["dcp", "rank0", "replica", "safetensors"],
 }
 REGISTRIES: dict[str, Registry[Any]] = {
     "SAMPLERS": SAMPLERS, "PRUNERS": PRUNERS, "STRATEGIES": STRATEGIES, "MODELS": MODELS, "ENGINES": ENGINES,
-    "COST_MODELS": COST_MODELS, "ELASTIC": ELASTIC, "LAUNCHERS": LAUNCHERS}
+    "COST_MODELS": COST_MODELS, "ELASTIC": ELASTIC, "LAUNCHERS": LAUNCHERS, "CHECKPOINT_FORMATS": CHECKPOINT_FORMATS}
 SAMPLER_CLASSES = [n for n in optuna.samplers.__all__
                    if isinstance(getattr(optuna.samplers, n), type)
                    and issubclass(getattr(optuna.samplers, n), optuna.samplers.BaseSampler)]
@@ -155,6 +157,19 @@ def test_every_model_trains(tmp_path: Path, name: str) -> None:
         training = {"model": name, "dataset": "chars",
                     "model_options": {"layers": 1, "heads": 2, "width": 16, "context": 16}}
     _validates_and_runs(tmp_path, _built_in(training=training))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BUILT_IN["CHECKPOINT_FORMATS"])
+def test_every_checkpoint_format_saves_on_two_ranks(tmp_path: Path, name: str) -> None:
+    spec = _built_in(training={"epochs": 2, "checkpoint": {"every": 1, "format": name}}, resources={"processes": 2})
+    result = _validates_and_runs(tmp_path, spec)
+    assert result.study.trials[0].user_attrs["metrics"]["resumed_from_epoch"] == 0.0
+    from hpoflow.train.checkpoint import make_checkpointer
+
+    cp = make_checkpointer(name, {}, tmp_path / "run" / "trials" / "0" / "checkpoints", world_size=2,
+                           background=False)
+    assert cp.step_files(1) and cp.step_files(2)
 
 
 def test_the_local_engine(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """``hpoflow oracle``: predict a training configuration, or calibrate this machine.
 
     hpoflow oracle --model resnet50 --batch-size 32 --cluster p100-cluster [--devices 16]
-                   [--strategy allreduce|ring|tree|ps|easgd|pipeline|zero1|fsdp] [--json]
+                   [--strategy allreduce|ring|tree|ps|easgd|pipeline|zero1|fsdp] [--mtbf-hours H] [--json]
                    [--baseline SAMPLES_PER_S|RUN_DIR [--baseline-devices N]]
     hpoflow oracle calibrate [--out cluster.yaml] [--processes 2]
 
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from hpoflow.oracle import CHECKPOINT_FORMATS
 from hpoflow.oracle.catalog import ALGORITHMS, PRECISION_BYTES, PRESETS, STRATEGIES
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.plan import CHECKPOINTING, GRAD_DTYPES
@@ -38,7 +39,9 @@ prints compute (forward, backward, optimizer), the all-reduce algorithm chosen a
 communication left exposed after the backward pass, step time, throughput, time to train,
 memory per device (GiB) and the largest batch that fits, the speed-up and the bottleneck.
 More: --precision bf16 --channels-last, --strategy ps --servers 4, --cluster my.yaml (see
-docs/oracle.md), --json for one JSON object. A 1.1B-parameter transformer sharded on 64 H100s:
+docs/oracle.md), --json for one JSON object. --mtbf-hours 8760 (a node that fails once a
+year) adds what a checkpoint costs and how often to take one (Young/Daly), with its overhead.
+A 1.1B-parameter transformer sharded on 64 H100s:
 
   hpoflow oracle --model tinyllama-1.1b --strategy fsdp --param-dtype bf16 --optimizer adamw \
                  --batch-size 8 --cluster h100-cluster --devices 64
@@ -104,6 +107,13 @@ def _add_predict_args(p: argparse.ArgumentParser, keep_parent: bool = False) -> 
     p.add_argument("--baseline", help="samples/s per device measured at a small scale, or a run directory whose "
                    "trials.csv has them: calibrates the device time, extrapolates the rest")
     p.add_argument("--baseline-devices", type=int, help="devices the --baseline number was measured on (default 1)")
+    p.add_argument("--mtbf-hours", type=float,
+                   help="a node's mean time between failures (hours): print the checkpoint cost, the Young/Daly "
+                        "interval sqrt(2 x cost x MTBF) and its expected overhead")
+    p.add_argument("--checkpoint-format", choices=CHECKPOINT_FORMATS, default="replica",
+                   help="format priced with --mtbf-hours (training.checkpoint.format); default replica")
+    p.add_argument("--checkpoint-sync", action="store_true",
+                   help="price blocking saves (default: async, training.checkpoint.async's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     if keep_parent:
         for action in p._actions:
@@ -177,6 +187,9 @@ def _predict(args: argparse.Namespace) -> int:
                         ("--baseline-devices", args.baseline_devices)):
         if value is not None and value <= 0:
             raise OracleError(f"{flag} must be > 0, but got {value!r}; change {flag}")
+    if getattr(args, "mtbf_hours", None) is not None and not args.mtbf_hours > 0:
+        raise OracleError(f"--mtbf-hours must be > 0 (a node's mean time between failures), but got "
+                          f"{args.mtbf_hours}; e.g. --mtbf-hours 8760 for a node that fails once a year")
     cluster = load_cluster(args.cluster)
     plan = Plan(
         batch_size=args.batch_size, devices=args.devices, strategy=args.strategy, algorithm=args.algorithm,
@@ -211,11 +224,15 @@ def _predict(args: argparse.Namespace) -> int:
                                    f"device(s){at} ({baseline.source}): device time x{scale:.3f} of the model's")
     pred = predict(facts, cluster, plan)
     advice = advise(facts, cluster, plan, pred, facts_for)
+    checkpoint = _checkpoint(args, facts, cluster, plan, pred.cost.step_s)
     if args.json:
         print(json.dumps({**pred.to_dict(), "facts": facts.to_dict(), "assumptions": assumptions,
-                          "advice": [a.to_dict() for a in advice]}))
+                          "advice": [a.to_dict() for a in advice],
+                          **({"checkpoint": checkpoint} if checkpoint else {})}))
     else:
         _print_table(pred.to_dict(), facts.to_dict(), assumptions, [a.to_dict() for a in advice])
+        if checkpoint:
+            _print_checkpoint(checkpoint, pred.to_dict())
     if not pred.fits:
         print(f"hpoflow oracle: does not fit: batch {plan.batch_size} per device needs "
               f"{pred.memory_per_device_bytes / _GIB:.2f} GiB of the {pred.memory_available_bytes / _GIB:.2f} GiB "
@@ -223,6 +240,45 @@ def _predict(args: argparse.Namespace) -> int:
               f"(--batch-size {pred.max_batch_per_device})", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return 0
+
+
+def _checkpoint(args: argparse.Namespace, facts: Any, cluster: Any, plan: Any, step_s: float) -> dict[str, Any]:
+    """The checkpoint cost and the Young/Daly advice (``--mtbf-hours``), or {} without it."""
+    if getattr(args, "mtbf_hours", None) is None:
+        return {}
+    from hpoflow.oracle import advise, checkpoint_cost
+
+    cost = checkpoint_cost(facts, cluster, plan.devices, plan.optimizer, plan.momentum,
+                           getattr(args, "checkpoint_format", "replica"), not getattr(args, "checkpoint_sync", False))
+    return {**cost.to_dict(), **advise(cost, args.mtbf_hours, step_s).to_dict()}
+
+
+def _print_checkpoint(c: dict[str, Any], p: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from hpoflow.term import console as make_console
+
+    mode = "async" if c["async_save"] else "blocking"
+    t = Table(title=f"checkpoints: {c['format']} ({mode}) on {c['filesystem']}, node MTBF "
+                    f"{c['node_mtbf_s'] / 3600:g} h")
+    t.add_column("quantity")
+    t.add_column("value", justify="right", overflow="fold", max_width=90)
+    rows = [
+        ("state (weights + optimizer)", f"{c['state_bytes'] / 1e9:.3f} GB"),
+        ("written per checkpoint", f"{c['bytes_written'] / 1e9:.3f} GB by {c['writers']} writer(s)"),
+        ("on disk after", _fmt_time(c["write_s"])),
+        ("training waits per checkpoint", _fmt_time(c["blocking_s"])),
+        ("restart reads it in", _fmt_time(c["restore_s"])),
+        ("job MTBF", f"{_fmt_time(c['job_mtbf_s'])} ({c['nodes']} node(s))"),
+        ("checkpoint every (Young/Daly)", f"{_fmt_time(c['interval_s'])} = {c['interval_steps']:.0f} steps = "
+                                          f"{c['interval_s'] / p['epoch_s']:.3g} epochs" if p["fits"] else
+         _fmt_time(c["interval_s"])),
+        ("expected overhead", f"{c['overhead']:.3%} of the run (checkpoints {c['overhead_checkpoints']:.3%}, "
+                              f"work redone and restarts after failures {c['overhead_failures']:.3%})"),
+    ]
+    for name, value in rows:
+        t.add_row(name, value)
+    make_console().print(t)
 
 
 def _fmt_time(s: float) -> str:

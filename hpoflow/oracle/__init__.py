@@ -14,6 +14,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hpoflow.oracle._checkpoint import (
+        CheckpointAdvice,
+        CheckpointCost,
+        advise,
+        checkpoint_cost,
+        expected_overhead,
+        filesystem_of,
+        young_daly_interval,
+    )
+    from hpoflow.oracle._filesystem import CHECKPOINT_FORMATS, FILESYSTEMS, FileSystemSpec, measure_filesystem
     from hpoflow.oracle.calibration import calibrate, write_cluster
     from hpoflow.oracle.catalog import ALGORITHMS, DEVICES, LINKS, PRESETS
     from hpoflow.oracle.cluster import ClusterSpec, DeviceSpec, LinkSpec, Overheads, load_cluster
@@ -26,12 +36,17 @@ if TYPE_CHECKING:
 __all__ = [
     "ALGORITHMS",
     "BUILTIN_MODELS",
+    "CHECKPOINT_FORMATS",
     "DEVICES",
+    "FILESYSTEMS",
     "LINKS",
     "PRESETS",
     "STRATEGIES",
+    "CheckpointAdvice",
+    "CheckpointCost",
     "ClusterSpec",
     "DeviceSpec",
+    "FileSystemSpec",
     "LinkSpec",
     "ModelFacts",
     "OracleError",
@@ -40,19 +55,29 @@ __all__ = [
     "Prediction",
     "StepCost",
     "Verdict",
+    "advise",
     "calibrate",
     "check_trial",
+    "checkpoint_cost",
+    "expected_overhead",
+    "filesystem_of",
     "load_cluster",
+    "measure_filesystem",
     "memory_breakdown",
     "model_facts",
     "optimizer_state_bytes",
     "predict",
     "write_cluster",
+    "young_daly_interval",
 ]
 
 # Names load on first use (PEP 562): importing ``hpoflow.oracle.precheck`` or ``hpoflow.cli.oracle_cmd``
 # must not pull in torch through ``calibrate``/``facts``.
 _WHERE = {
+    **dict.fromkeys(("CheckpointAdvice", "CheckpointCost", "advise", "checkpoint_cost", "expected_overhead",
+                     "filesystem_of", "young_daly_interval"), "hpoflow.oracle._checkpoint"),
+    **dict.fromkeys(("CHECKPOINT_FORMATS", "FILESYSTEMS", "FileSystemSpec", "measure_filesystem"),
+                    "hpoflow.oracle._filesystem"),
     'ALGORITHMS': 'hpoflow.oracle.catalog',
     'BUILTIN_MODELS': 'hpoflow.oracle.facts',
     'ClusterSpec': 'hpoflow.oracle.cluster',

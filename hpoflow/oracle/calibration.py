@@ -50,6 +50,7 @@ from torch.multiprocessing import ProcessRaisedException, spawn  # type: ignore[
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpoflow.fileio import write_atomic
+from hpoflow.oracle._filesystem import measure_filesystem
 from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.errors import OracleError
 from hpoflow.oracle.facts import OpCounter, count_step_ops
@@ -453,6 +454,7 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
             ) from exc
         m = json.loads(Path(out, "rank0.json").read_text())
         tables = json.loads(Path(out, "tables.json").read_text())
+        filesystem = measure_filesystem(Path(out), size=max(16, int(256 * scale)) << 20)
     loop = {"name": "loopback gloo (measured)", "bandwidth": m.get("bandwidth", 1e9),
             "latency": m.get("alpha", 0.0),
             "source": "measured: DDP step minus plain step, 64 B to 4 MiB of gradients, "
@@ -489,6 +491,7 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
                       "per_conv_s": m["per_conv_s"],
                       "optimizer_per_param_s": tables["optimizer"],
                       "sync_wait": [tuple(r) for r in m.get("sync_wait", [])]},
+        "filesystem": filesystem,  # the temporary directory's: checkpoints elsewhere may differ
         "source": f"hpoflow oracle calibrate, {processes} process(es), {when}",
     }
     return ClusterSpec.model_validate(spec)

@@ -24,6 +24,8 @@ Example::
                                  # inter-node bandwidth is divided by that level's oversubscription
     overheads: {...}             # omitted keys get DEFAULT_OVERHEADS (NCCL's 8.4 us per
                                  # collective, step_jitter 0.022): the GPU presets' values
+    filesystem: parallel-fs      # where checkpoints go (a catalogue name or a mapping; default:
+                                 # local-ssd on one node, parallel-fs on several); see _filesystem.py
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from hpoflow.oracle._filesystem import FILESYSTEMS, FileSystemSpec
 from hpoflow.oracle.catalog import DEVICES, LINKS, PRESETS
 from hpoflow.oracle.errors import OracleError
 
@@ -306,6 +309,8 @@ class ClusterSpec(_Frozen):
     overheads: Overheads = Field(default_factory=Overheads)
     backend: str = Field(default="nccl", pattern="^(nccl|gloo)$")
     network_levels: list[NetworkLevel] = Field(default_factory=list)
+    #: where checkpoints are written (``hpoflow.oracle._checkpoint``); None: the default by node count
+    filesystem: FileSystemSpec | None = None
     source: str = ""
 
     @field_validator("network_levels")
@@ -343,6 +348,11 @@ class ClusterSpec(_Frozen):
     @classmethod
     def _link(cls, v: Any) -> Any:
         return _lookup(v, LINKS, "link")
+
+    @field_validator("filesystem", mode="before")
+    @classmethod
+    def _filesystem(cls, v: Any) -> Any:
+        return _lookup(v, FILESYSTEMS, "file system")
 
     @property
     def total_devices(self) -> int:

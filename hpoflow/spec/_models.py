@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import did_you_mean
 from hpoflow.registry import (
+    CHECKPOINT_FORMATS,
     ELASTIC,
     ENGINES,
     MODELS,
@@ -391,6 +392,27 @@ class CheckpointSpec(_Strict):
     keep: int = Field(default=2, ge=1, description="How many of the newest checkpoints to keep.")
     async_: bool = Field(default=True, alias="async",
                          description="Write in a background thread (the training thread only copies the state).")
+    format: str = Field(
+        default="replica",
+        description="How a checkpoint is laid out and written (hpoflow.registry.CHECKPOINT_FORMATS): replica (every "
+                    "rank its whole state), rank0 (the state once, by rank 0), dcp (torch.distributed.checkpoint: "
+                    "once, split over the ranks), safetensors.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the format (dcp: async_save, thread_count); once validated: "
+                                          "all of them.")
+
+    @model_validator(mode="after")
+    def _check_format(self) -> CheckpointSpec:
+        _checked_name(CHECKPOINT_FORMATS, self.format, "format")
+        full = CHECKPOINT_FORMATS.check(self.format, self.options, at="options")
+        if full != self.options:
+            object.__setattr__(self, "options", full)  # frozen: normalise once, here
+        return self
+
+    @property
+    def shared_state(self) -> bool:
+        """The format keeps one copy of the state for every rank (it needs the same state on each)."""
+        return bool(getattr(CHECKPOINT_FORMATS.options_model(self.format), "shared_state", False))
 
 
 class TrainConfig(_Strict):
@@ -436,7 +458,7 @@ class TrainConfig(_Strict):
     # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec,
-        description="Periodic checkpoints a trial resumes from after a crash: every, keep, async.")
+        description="Periodic checkpoints a trial resumes from after a crash: every, keep, async, format, options.")
 
     @model_validator(mode="after")
     def _check_plugins(self) -> TrainConfig:
@@ -466,6 +488,13 @@ class TrainConfig(_Strict):
         if chosen != self.strategy_options:
             object.__setattr__(self, "strategy_options", chosen)  # frozen: normalise once, here
         self._check_precision(chosen)
+        if self.function is None and self.strategy != "allreduce" and self.checkpoint.shared_state:
+            raise PydanticCustomError(
+                "checkpoint_format",
+                "{at}: {fmt} keeps one copy of the state for every rank, which holds only where every "
+                "rank has the same model and optimizer (strategy allreduce), but the strategy is '{s}', whose ranks "
+                "hold state of their own. Fix: use format replica or safetensors, or strategy allreduce",
+                {"at": "checkpoint.format", "fmt": self.checkpoint.format, "s": self.strategy})
         return self
 
     def _check_precision(self, chosen: dict[str, Any]) -> None:

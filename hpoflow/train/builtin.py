@@ -22,7 +22,9 @@ of its final evaluated weights to ``weights_rank<r>.sha256`` in the trial direct
 
 Checkpoints (``training.checkpoint.every: K``): every K epochs, at the epoch boundary (after the
 report, before ``should_stop()``), every rank saves its model, optimizer, strategy state, step and
-epoch, RNG states and progress counters (``hpoflow.train.checkpoint``). At the start, a trial whose
+epoch, RNG states and progress counters (``hpoflow.train.checkpoint``; the format,
+``training.checkpoint.format``, decides what is written: ``rank0`` and ``dcp`` keep rank 0's state once
+and each rank's RNG states). At the start, a trial whose
 checkpoint directory holds a checkpoint valid on every rank restores all of it and continues with
 the next epoch: on CPU the result is bitwise the uninterrupted run's (docs/checkpointing.md). The
 metrics carry ``resumed_from_epoch`` (0: a fresh start) and ``checkpoint_s`` (time the training

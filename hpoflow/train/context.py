@@ -18,7 +18,7 @@ from hpoflow.train.transport import Channel, NullChannel
 if TYPE_CHECKING:
     import torch
 
-    from hpoflow.train.checkpoint import Checkpointer
+    from hpoflow.train.checkpoint import CheckpointFormat
 
 __all__ = ["PauseRequest", "TrialContext", "metric_dict", "real_number"]
 
@@ -143,7 +143,7 @@ class TrialContext:
     resizing: bool = False  # should_stop() returned True to restart the trial with resize_to ranks
     _resize: int = 0  # rank 0: the engine's last answer
     _saved_since_stop_check: bool = False
-    _checkpointer: Checkpointer | None = field(default=None, repr=False)
+    _checkpointer: CheckpointFormat | None = field(default=None, repr=False)
     # A pause (docs/fault-tolerance.md): the engine asked the trial to stop at its next step with a
     # checkpoint; ``pausing`` once every rank agreed (should_stop() or pause_point() returned True for it).
     pause_request: PauseRequest = field(default_factory=PauseRequest)
@@ -241,35 +241,39 @@ class TrialContext:
 
     # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
     @property
-    def checkpoints(self) -> Checkpointer:
-        """This rank's checkpoint manager (``training.checkpoint.keep`` and ``async``)."""
+    def checkpoints(self) -> CheckpointFormat:
+        """This rank's checkpoint manager, of ``training.checkpoint.format`` (with its ``options``,
+        ``keep`` and ``async``)."""
         if self._checkpointer is None:
-            from hpoflow.train.checkpoint import Checkpointer
+            from hpoflow.train.checkpoint import make_checkpointer
 
             ck = self.config.checkpoint
             directory = self.checkpoint_dir or self.trial_dir / "checkpoints"
             world = self.world_size if self.distributed else 1
-            self._checkpointer = Checkpointer(directory, self.rank if self.distributed else 0, world,
-                                              keep=ck.keep, background=ck.async_, elastic=self.elastic)
+            self._checkpointer = make_checkpointer(
+                ck.format, ck.options, directory, rank=self.rank if self.distributed else 0, world_size=world,
+                keep=ck.keep, background=ck.async_, elastic=self.elastic)
         return self._checkpointer
 
     def save_checkpoint(self, state: dict[str, Any], step: int | None = None, *, rng: bool = True) -> None:
         """Checkpoint ``state`` (tensors, numbers, strings, containers) as ``step`` (default: the last
         saved or resumed step + 1), with this process's RNG states unless ``rng=False``.
 
-        Every rank saves its own file (call it on every rank at the same step); the state is copied
-        before this returns, and written in the background when ``training.checkpoint.async`` is on.
+        Call it on every rank at the same step (it is a collective for some formats: ``dcp``); the state
+        is copied before this returns, and written in the background when ``training.checkpoint.async`` is
+        on. With a format that keeps one copy for all ranks (``rank0``, ``dcp``) ``state`` must be the same on
+        every rank (DDP's model and optimizer); the RNG states are always kept per rank.
         """
         t0 = time.perf_counter()
         cp = self.checkpoints
         if step is None:
             step = 1 if cp.last_step is None else cp.last_step + 1
-        payload: dict[str, Any] = {"user": state}
+        private: dict[str, Any] = {}
         if rng:
             from hpoflow.train.checkpoint import capture_rng
 
-            payload["rng"] = capture_rng()
-        cp.save(payload, int(step))
+            private["rng"] = capture_rng()
+        cp.save({"user": state}, int(step), private)
         self._saved_since_stop_check = True
         self.checkpoint_s += time.perf_counter() - t0
 

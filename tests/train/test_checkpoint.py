@@ -199,7 +199,7 @@ def test_spec_checkpoint_section() -> None:
     c = TrainConfig.model_validate({"checkpoint": {"every": 2, "async": False}})
     assert (c.checkpoint.every, c.checkpoint.keep, c.checkpoint.async_) == (2, 2, False)
     dumped = c.model_dump(mode="json")
-    assert dumped["checkpoint"] == {"every": 2, "keep": 2, "async": False}
+    assert dumped["checkpoint"] == {"every": 2, "keep": 2, "async": False, "format": "replica", "options": {}}
     assert TrainConfig.model_validate(dumped) == c
     assert TrainConfig().checkpoint.every == 0
     with pytest.raises(ValueError, match="did you mean 'every'"):
