@@ -216,6 +216,18 @@ def test_a_function_that_imports_torch_runs_on_a_warm_worker_from_its_first_tria
     assert res.metrics["value"] == 1.0 and "cold_start_s" not in res.timings
 
 
+def test_a_torch_trial_submitted_before_the_preload_ends_waits_for_the_workers_being_forked(tmp_path: Path) -> None:
+    """One worker per core, never more (each holds memory of its own): the first trial does not fork
+    one of its own beside those the pool is forking."""
+    eng = LocalEngine(cores=[0])  # the forkserver starts preloading now
+    try:
+        res = run_all(eng, [request(tmp_path, 0, "trainfns:behave", metric="value")])[0]
+        assert res.status == "complete", res
+        assert len(eng._pool.workers) == 1
+    finally:
+        eng.close()
+
+
 def test_which_functions_import_torch_is_read_from_their_source(tmp_path: Path) -> None:
     from hpoflow.trial import imports_torch
 
