@@ -43,14 +43,15 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, *chunks: str | bytes | memoryview, mode: int = 0o666) -> None:
+def write_atomic(path: Path, *chunks: str | bytes | memoryview, mode: int = 0o666, durable: bool = True) -> None:
     """Write ``chunks`` (text is UTF-8 encoded) to ``path`` atomically.
 
     The data goes to a temporary file in the same directory, is fsynced, then renamed over ``path``
     (atomic on POSIX, also on NFS/GPFS for a rename within one directory); the directory is fsynced
     so the rename survives a crash of the node. The file gets ``mode`` less the process umask, like
     any file ``open()`` creates. Missing parent directories are created. A crash can leave the
-    temporary file behind, named ``.<name>.<random>.tmp`` beside ``path``.
+    temporary file behind, named ``.<name>.<random>.tmp`` beside ``path``. ``durable=False`` skips
+    both fsyncs (still atomic for readers; a crash of the node may lose the file, never show a part).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,14 +63,16 @@ def write_atomic(path: Path, *chunks: str | bytes | memoryview, mode: int = 0o66
                 view = memoryview(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
                 while view:
                     view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

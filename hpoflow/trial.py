@@ -8,14 +8,21 @@ Standard library only: JSON- and pickle-able, safe to import in any process.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import importlib.machinery
 import json
+import os
+import site
+import sys
+import sysconfig
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 __all__ = ["Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus",
-           "Verdict", "aggregate_usage", "needs_torch", "result_from_ranks"]
+           "Verdict", "aggregate_usage", "imports_torch", "needs_torch", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 # How one rank ended: ok / pruned / error (an exception, sent by the rank itself), resized (an elastic
@@ -87,11 +94,155 @@ class TrialRequest:
         return cls(**data)
 
 
-def needs_torch(function: str | None, processes: int, gpus_per_process: int) -> bool:
-    """Whether a trial's ranks need torch before its training code runs: the built-in trainer
-    (``function`` None), a process group (several ranks) or a GPU do; one CPU rank of a user function
-    does not (if the function imports torch itself, it is seeded then; see ``hpoflow.train.runner``)."""
-    return function is None or processes > 1 or gpus_per_process > 0
+def needs_torch(function: str | None, processes: int, gpus_per_process: int,
+                python_path: tuple[str, ...] | list[str] = ()) -> bool:
+    """Whether a trial's ranks want a worker with torch already imported: the built-in trainer
+    (``function`` None), a process group (several ranks), a GPU, or a user function whose code will
+    import torch (``imports_torch``: read from its source, never run). Only a single CPU rank of a
+    torch-free user function runs on a light worker; if it imports torch after all (by a name no
+    source shows), torch is seeded then (``hpoflow.train.runner``), the import is timed as the trial's
+    ``cold_start_s``, and the local engine keeps the function on warm workers from then on."""
+    if function is None or processes > 1 or gpus_per_process > 0:
+        return True
+    return imports_torch(function, tuple(python_path))
+
+
+# Libraries that import torch when imported: a user module importing one needs torch as much.
+_TORCH_LIBRARIES = frozenset({"torch", "torchvision", "torchaudio", "torchtext", "lightning", "pytorch_lightning",
+                              "timm", "transformers", "accelerate", "deepspeed", "torchmetrics", "functorch"})
+_SCAN_LIMIT = 300  # source files read at most per function (a huge project: assume it needs torch)
+
+
+def imports_torch(function: str, python_path: tuple[str, ...] = ()) -> bool:
+    """Whether ``function`` (``module:function``) will import torch, read from source: in its own
+    module, the imports at module level and in the function's body and in the bodies of the module's
+    functions it names (transitively); in every module those import that is the user's own (a source
+    file outside the interpreter's and the site directories), all their imports, transitively (not
+    under ``if TYPE_CHECKING``). Nothing is imported or run: files are found like the import system
+    finds them (``python_path`` first, then ``sys.path``) and parsed. A module that cannot be found
+    answers False (the trial reports the import error itself)."""
+    module, _, attr = function.partition(":")
+    return _imports_torch(module, attr, python_path)
+
+
+@functools.lru_cache(maxsize=256)
+def _imports_torch(module: str, attr: str, python_path: tuple[str, ...]) -> bool:
+    search = [*python_path, *(p for p in sys.path if p not in python_path)]
+    libraries = _library_dirs()
+    seen: set[str] = {module}
+    entry = _source_of(module, search)
+    if entry is None:
+        return False
+    todo = _imports_of(entry, module, attr)
+    while todo:
+        name = todo.pop()
+        if name.partition(".")[0] in _TORCH_LIBRARIES:
+            return True
+        if name in seen or name in sys.builtin_module_names:
+            continue
+        seen.add(name)
+        if len(seen) > _SCAN_LIMIT:
+            return True
+        origin = _source_of(name, search)
+        if origin is None or any(origin.startswith(d) for d in libraries):
+            continue  # not found, or a library: only torch's own names count there
+        if name.partition(".")[0] == "hpoflow":  # a library too, whose modules that import torch say so at the top
+            if any(m.partition(".")[0] in _TORCH_LIBRARIES for m in _imports_of(origin, name, "")):
+                return True
+            continue
+        todo.extend(_imports_of(origin, name))
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sysconfig.get_paths().values()}
+    dirs.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def _source_of(name: str, search: list[str]) -> str | None:
+    """The real path of module ``name``'s source file, found without importing anything."""
+    locations: list[str] | None = search
+    spec = None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), locations)
+        except (ImportError, ValueError, OSError):
+            return None
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations or [])
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    return os.path.realpath(spec.origin)
+
+
+def _reached(tree: ast.Module, attr: str) -> list[ast.AST]:
+    """The statements of a module that run when ``attr`` runs: the module level (function bodies
+    excepted), ``attr``'s body, and the bodies of the module's functions named there, transitively
+    (``attr`` empty: the module level only)."""
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    top: list[ast.AST] = []
+
+    def outside_defs(node: ast.AST) -> None:
+        top.append(node)
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                outside_defs(child)
+
+    for stmt in tree.body:
+        if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+            outside_defs(stmt)
+    names, todo = {attr}, [attr]
+    out = top
+    while todo:
+        fn = defs.get(todo.pop())
+        if fn is None:
+            continue
+        for node in ast.walk(fn):
+            out.append(node)
+            if isinstance(node, ast.Name) and node.id in defs and node.id not in names:
+                names.add(node.id)
+                todo.append(node.id)
+    return out
+
+
+def _imports_of(path: str, name: str, attr: str | None = None) -> list[str]:
+    """The absolute names ``path`` (module ``name``) imports, each with its parent packages; with
+    ``attr``, only what running the module and that function reaches (``_reached``)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+    skip: set[int] = set()
+    for node in ast.walk(tree):  # `if TYPE_CHECKING:` blocks import nothing at run time
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    out: list[str] = []
+    for node in (ast.walk(tree) if attr is None else _reached(tree, attr)):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - node.level + 1] if node.level > 1 else base
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            if mod:
+                out.append(mod)
+                out.extend(f"{mod}.{a.name}" for a in node.names if a.name != "*")  # may be submodules
+    full: list[str] = []
+    for m in out:
+        pieces = m.split(".")
+        full.extend(".".join(pieces[: i + 1]) for i in range(len(pieces)))
+    return full
 
 
 @dataclass(frozen=True)
@@ -152,7 +303,10 @@ class RankOutcome:
     error_type: str | None = None
     retryable: bool = False
     started_at: float | None = None  # wall clock when training began (after the rendezvous)
-    run_s: float | None = None  # time in the training function
+    run_s: float | None = None  # time in the training function (a cold torch import in it left out)
+    # a torch import the user's code paid inside the trial (its module's import or the function): the
+    # trial's duration leaves it out
+    cold_start_s: float | None = None
     host: str | None = None
     usage: dict[str, float] = field(default_factory=dict)  # CPU, memory, network, disk (hpoflow.train.usage)
 
@@ -199,6 +353,8 @@ def _result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], t
         timings["started_at"] = chief.started_at  # wall clock (epoch seconds) when training started
         if chief.run_s is not None:
             timings["run_s"] = chief.run_s
+        if chief.cold_start_s is not None:
+            timings["cold_start_s"] = chief.cold_start_s
     if outcomes and all(o.status == "paused" for o in outcomes.values()) and len(outcomes) == req.processes:
         # every rank stopped at one step with a checkpoint: interrupted (rerun from it), never failed
         return TrialResult(req.number, "cancelled", error=f"paused ({cancelled or 'asked to stop'}): checkpointed, "

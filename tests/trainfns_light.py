@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -10,7 +11,7 @@ def torch_probe(ctx: Any) -> dict[str, float]:
     """Whether torch was loaded before this function ran; then a draw from torch's generator and its
     thread count (seeded and set by the runner the moment torch is imported)."""
     loaded_before = "torch" in sys.modules
-    import torch
+    torch = importlib.import_module("torch")  # a name no source shows: hpoflow cannot tell it needs torch
 
     return {"value": 0.0, "torch_was_loaded": float(loaded_before), "draw": float(torch.rand(1).item()),
             "threads": float(torch.get_num_threads())}

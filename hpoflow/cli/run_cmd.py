@@ -28,7 +28,7 @@ def _prestart(spec_path: str) -> None:
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
     (``hpoflow.engines.local.prestart``). An invalid spec starts nothing: ``optimize`` says why."""
     from hpoflow.errors import HpoflowError
-    from hpoflow.spec import load_spec
+    from hpoflow.spec import load_spec, search_dirs
 
     try:
         spec, _ = load_spec(spec_path)
@@ -45,7 +45,8 @@ def _prestart(spec_path: str) -> None:
     function = spec.training.get("function")  # a ${param} placeholder: known per trial only
     light = 0
     if isinstance(function, str) and "${" not in function and not needs_torch(function, res.processes,
-                                                                                res.gpus_per_process):
+                                                                                res.gpus_per_process,
+                                                                                search_dirs(spec_path)):
         light = min(spec.search.max_concurrent, len(machine_cores()) // (res.processes * res.cpus_per_process))
     prestart(light=light)
 

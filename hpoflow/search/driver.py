@@ -551,12 +551,13 @@ class Driver:
 
     def _write_result(self, request: TrialRequest, res: TrialResult) -> bool:
         """Write the trial's result.json; False (and the study stops) when the disk is full: the storage
-        still gets the result."""
+        still gets the result. Not fsynced: the storage's write that finishes the trial is the one
+        durable write per trial (docs/performance.md, "One fsync per trial")."""
         d = Path(request.trial_dir)
         payload = {"params": request.params, "attempt": request.attempt, **res.to_dict()}
         try:
             d.mkdir(parents=True, exist_ok=True)
-            write_atomic(d / "result.json", json.dumps(payload, indent=1, default=str))
+            write_atomic(d / "result.json", json.dumps(payload, indent=1, default=str), durable=False)
         except OSError as exc:
             if not is_disk_error(exc):
                 raise

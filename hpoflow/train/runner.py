@@ -66,11 +66,14 @@ class _WhenImported(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
         self.name, self.then = name, then
         self._loader: importlib.abc.Loader | None = None
+        self.began: float | None = None  # perf_counter when the import began, and ended
+        self.ended: float | None = None
 
     def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
+        self.began = time.perf_counter()
         self.remove()
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
@@ -88,6 +91,13 @@ class _WhenImported(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
         self.then(module)
+        self.ended = time.perf_counter()
+
+    def paid_since(self, t0: float) -> float | None:
+        """Seconds of the import that fell after ``t0`` (None: not imported after it)."""
+        if self.began is None or self.ended is None or self.ended <= t0:
+            return None
+        return self.ended - max(self.began, t0)
 
     def install(self) -> None:
         sys.meta_path.insert(0, self)
@@ -206,26 +216,34 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
 
             hdist.init_process_group(job.rank, job.world_size, job.master_addr, job.master_port,
                                      use_cuda, job.pg_timeout_s, job.store_path)
+        # The trial's clock starts with the user's code (its module's import included). A cold torch
+        # import inside it (a light worker: a function that gave no sign of torch) is timed apart as
+        # cold_start_s and left out of run_s, so durations compare across trials.
+        started_at = time.time()
+        loaded = time.perf_counter()
         if config.function:
             fn = load_function(config.function, req.python_path)
         else:
             from hpoflow.train.builtin import train_builtin
 
             fn = train_builtin
-        started_at = time.time()
         t0 = time.perf_counter()
         ret = fn(ctx)
         run_s = time.perf_counter() - t0
+        cold = None
+        if hook is not None:
+            cold = hook.paid_since(loaded)
+            run_s = max(0.0, run_s - (hook.paid_since(t0) or 0.0))
         metrics = _final_metrics(ret, ctx)
         pruned = ctx._prune
         value = metrics.get(req.metric)
         if ctx.resizing and not pruned:  # left at a boundary, checkpointed: the engine restarts it resized
             finished = True
-            return RankOutcome("resized", metrics, started_at=started_at, run_s=run_s,
+            return RankOutcome("resized", metrics, started_at=started_at, run_s=run_s, cold_start_s=cold,
                                usage=_usage(usage, req, job.rank))
         if ctx.pausing and not pruned:  # stopped at a step with a checkpoint: a rerun resumes from it
             finished = True
-            return RankOutcome("paused", metrics, started_at=started_at, run_s=run_s,
+            return RankOutcome("paused", metrics, started_at=started_at, run_s=run_s, cold_start_s=cold,
                                usage=_usage(usage, req, job.rank))
         if job.rank == 0 and not pruned:
             if value is None:
@@ -238,7 +256,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
                 raise NonFiniteLoss(f"{req.metric} is {value}")
         finished = True
         return RankOutcome("pruned" if pruned else "ok", metrics, started_at=started_at, run_s=run_s,
-                           usage=_usage(usage, req, job.rank))
+                           cold_start_s=cold, usage=_usage(usage, req, job.rank))
     except (Exception, SystemExit) as exc:  # a trial never raises through the engine
         tb = traceback.format_exc()
         with contextlib.suppress(OSError):  # the rank log's disk is full: the outcome still goes back

@@ -1,7 +1,10 @@
 """System usage of one rank while its trial runs: CPU, memory, network, disk, GPU.
 
-A daemon thread samples this process every ``interval_s`` (default 0.5 s; one sample costs ~0.1 ms)
-and once more when stopped, so even a trial shorter than the interval is measured:
+Sized to the trial: ``start`` only reads the counters' starting values (no sample, no thread), and
+``stop`` takes one sample, so a trial shorter than ``quiet_s`` (1 s) is measured by that one sample at
+its end (~0.1 ms in all). One daemon thread per process (``_Ticker``, started with the first sampler
+and kept for the trials after it) samples each running sampler every ``interval_s`` (0.5 s) once it
+has run ``quiet_s``, so a long trial's peak and mean memory are seen while it runs:
 
 - ``cpu_percent``: CPU time of the process (all its threads) over wall time, in % of one core;
 - ``rss_peak_mb`` / ``rss_mean_mb``: resident memory, peak and mean over the samples;
@@ -73,18 +76,69 @@ def _tcp_counters() -> dict[str, tuple[int, int]]:
     return out
 
 
-class UsageSampler:
-    """Start with ``start()``, end with ``stop()`` (returns the summary; idempotent)."""
+class _Ticker:
+    """The one sampling thread of this process: every ``interval`` it samples the running samplers
+    that have run their quiet time. Started with the first sampler, it stays (a worker runs trial after
+    trial: no thread to start and join per trial); a forked child starts its own."""
 
-    def __init__(self, interval_s: float = 0.5, cuda_device: int | None = None) -> None:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.samplers: list[UsageSampler] = []
+        self.pid = -1
+
+    def add(self, sampler: UsageSampler) -> None:
+        with self.lock:
+            self.samplers.append(sampler)
+            if self.pid != os.getpid():  # none yet, or the thread of the process this one forked from
+                self.pid = os.getpid()
+                threading.Thread(target=self._loop, name="hpoflow-usage", daemon=True).start()
+
+    def remove(self, sampler: UsageSampler) -> None:
+        with self.lock:
+            if sampler in self.samplers:
+                self.samplers.remove(sampler)
+
+    def _loop(self) -> None:
+        pid = os.getpid()
+        while self.pid == pid:
+            with self.lock:
+                running = list(self.samplers)
+            step = min((s.interval_s for s in running), default=0.5)
+            time.sleep(step)
+            now = time.monotonic()
+            for s in running:
+                if now - s._t0 >= s.quiet_s and not s._stop.is_set():
+                    s._sample()
+
+
+_TICKER = _Ticker()
+_PROC: tuple[int, Any] = (-1, None)  # this process's psutil.Process, made once per process
+
+
+def _process() -> Any:
+    global _PROC
+    pid = os.getpid()
+    if _PROC[0] != pid:
+        import psutil
+
+        _PROC = (pid, psutil.Process())
+    return _PROC[1]
+
+
+class UsageSampler:
+    """Start with ``start()``, end with ``stop()`` (returns the summary; idempotent). ``quiet_s``: no
+    sample before the trial has run that long (the one at ``stop`` measures a short trial)."""
+
+    def __init__(self, interval_s: float = 0.5, cuda_device: int | None = None, quiet_s: float = 1.0) -> None:
         self.interval_s = interval_s
+        self.quiet_s = quiet_s
         self.cuda_device = cuda_device
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._rss: list[float] = []
         self._gpu_util: list[float] = []
         self._sockets: dict[str, tuple[int, int]] = {}
+        self._base: dict[str, tuple[int, int]] = {}
         self._summary: dict[str, float] | None = None
         self._proc: Any = None
         self._t0 = 0.0
@@ -94,21 +148,17 @@ class UsageSampler:
 
     def start(self) -> UsageSampler:
         try:
-            import psutil
+            self._proc = _process()
         except ImportError:  # psutil is a dependency; a stripped environment still runs trials
             return self
-        self._proc = psutil.Process()
         self._t0 = time.monotonic()
-        cpu = self._proc.cpu_times()
-        self._cpu0 = cpu.user + cpu.system
+        self._cpu0 = _cpu_s()
         self._io0 = self._write_bytes()
         self._sockets = {}  # sockets of an earlier trial in this worker count only what they add now
         self._base = _tcp_counters()
         if self.cuda_device is not None:
             self._nvml = _nvml_handle(self.cuda_device)
-        self._sample()
-        self._thread = threading.Thread(target=self._loop, name="hpoflow-usage", daemon=True)
-        self._thread.start()
+        _TICKER.add(self)
         return self
 
     def _write_bytes(self) -> int:
@@ -116,10 +166,6 @@ class UsageSampler:
             return int(self._proc.io_counters().write_bytes)
         except (AttributeError, OSError, NotImplementedError):
             return 0
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
 
     def _sample(self) -> None:
         try:
@@ -145,22 +191,17 @@ class UsageSampler:
                 self._sockets[key] = (max(old[0], acked - a0), max(old[1], received - r0))
 
     def stop(self) -> dict[str, float]:
-        """Take a last sample, stop the thread, return the summary (``{}`` without psutil)."""
+        """Take a last sample, leave the sampling thread, return the summary (``{}`` without psutil)."""
         if self._summary is not None:
             return self._summary
         if self._proc is None:
             self._summary = {}
             return self._summary
         self._stop.set()
+        _TICKER.remove(self)
         self._sample()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
         wall = max(1e-9, time.monotonic() - self._t0)
-        try:
-            cpu = self._proc.cpu_times()
-            cpu_s = cpu.user + cpu.system - self._cpu0
-        except Exception:
-            cpu_s = 0.0
+        cpu_s = max(0.0, _cpu_s() - self._cpu0)
         with self._lock:
             sent = sum(a for a, _ in self._sockets.values())
             recv = sum(r for _, r in self._sockets.values())
@@ -176,6 +217,12 @@ class UsageSampler:
             summary["gpu_peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.cuda_device) / _MB, 1)
         self._summary = summary
         return summary
+
+
+def _cpu_s() -> float:
+    """CPU time of this process, all its threads (user + system)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _nvml_handle(index: int) -> Any:

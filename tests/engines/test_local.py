@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import time
@@ -197,9 +198,59 @@ def test_a_torch_free_trial_runs_on_a_light_worker_and_torch_is_seeded_when_it_i
     expected = float(torch.rand(1).item())
     assert res.status == "complete" and again.status == "complete", (res, again)
     assert res.metrics["torch_was_loaded"] == 0.0  # the light worker had not imported torch
-    assert again.metrics["torch_was_loaded"] == 1.0  # the same worker: torch, a library, stays loaded
+    assert again.metrics["torch_was_loaded"] == 1.0  # learnt: the function runs on a warm worker now
     assert res.metrics["draw"] == again.metrics["draw"] == expected  # seeded alike either way
     assert res.metrics["threads"] == 1.0
+    # the cold import is a timing of its own, left out of the trial's duration and run time
+    assert res.timings["cold_start_s"] > 0 and "cold_start_s" not in again.timings
+    assert res.timings["duration_s"] <= res.timings["engine_duration_s"] - res.timings["cold_start_s"]
+
+
+def test_a_function_that_imports_torch_runs_on_a_warm_worker_from_its_first_trial(
+        engine: LocalEngine, tmp_path: Path) -> None:
+    (tmp_path / "lazy.py").write_text("import sys\n\ndef f(ctx):\n    loaded = 'torch' in sys.modules\n"
+                                      "    import torch\n    return {'value': float(loaded)}\n")
+    req = dataclasses.replace(request(tmp_path, 0, "lazy:f", metric="value"), python_path=(str(tmp_path),))
+    res = run_all(engine, [req])[0]
+    assert res.status == "complete", res
+    assert res.metrics["value"] == 1.0 and "cold_start_s" not in res.timings
+
+
+def test_a_torch_trial_submitted_before_the_preload_ends_waits_for_the_workers_being_forked(tmp_path: Path) -> None:
+    """One worker per core, never more (each holds memory of its own): the first trial does not fork
+    one of its own beside those the pool is forking."""
+    eng = LocalEngine(cores=[0])  # the forkserver starts preloading now
+    try:
+        res = run_all(eng, [request(tmp_path, 0, "trainfns:behave", metric="value")])[0]
+        assert res.status == "complete", res
+        assert len(eng._pool.workers) == 1
+    finally:
+        eng.close()
+
+
+def test_which_functions_import_torch_is_read_from_their_source(tmp_path: Path) -> None:
+    from hpoflow.trial import imports_torch
+
+    (tmp_path / "helpers.py").write_text("import torch\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "nets.py").write_text("from . import layers\n")
+    (tmp_path / "pkg" / "layers.py").write_text("def make():\n    from torch import nn\n    return nn\n")
+    (tmp_path / "fns.py").write_text(
+        "import json\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n\n"
+        "def plain(ctx):\n    return json.dumps(1)\n\n"
+        "def _helper():\n    import torch\n    return torch\n\n"
+        "def via_helper(ctx):\n    return _helper()\n\n"
+        "def via_module(ctx):\n    import helpers\n\n"
+        "def via_package(ctx):\n    from pkg import nets\n\n"
+        "def via_library(ctx):\n    import optuna\n")
+    path = (str(tmp_path),)
+    assert not imports_torch("fns:plain", path)  # TYPE_CHECKING imports and other functions do not count
+    assert imports_torch("fns:via_helper", path)
+    assert imports_torch("fns:via_module", path)
+    assert imports_torch("fns:via_package", path)  # relative imports of the user's package, transitively
+    assert not imports_torch("fns:via_library", path)  # a library's own imports are not followed
+    assert not imports_torch("nosuch:f", path)  # the trial reports the import error itself
 
 
 def test_only_torch_free_single_cpu_rank_trials_may_skip_the_torch_preload() -> None:

@@ -149,6 +149,7 @@ def test_torch_imported_by_a_trial_stays_loaded_and_user_globals_start_fresh(tmp
     """The module globals of the trial's code start anew in every trial (a counter reads 1 each time),
     while torch, imported by the first trial on a light worker, stays (a second import would crash)."""
     (tmp_path / "counting.py").write_text(textwrap.dedent("""
+        import importlib
         import sys
         CALLS = 0
 
@@ -156,17 +157,20 @@ def test_torch_imported_by_a_trial_stays_loaded_and_user_globals_start_fresh(tmp
             global CALLS
             CALLS += 1
             loaded = "torch" in sys.modules
-            import torch
-            import torch.nn.functional as F
+            torch = importlib.import_module("torch")  # a name no source shows: a light worker runs it
+            F = importlib.import_module("torch.nn.functional")
             x = F.relu(torch.ones(2)).sum()
             return {"score": float(CALLS), "torch_was_loaded": float(loaded), "x": float(x)}
+
+        again = count  # another name: the engine learnt that count imports torch, not this one
     """))
     from hpoflow.engines.local import prestart
 
     prestart(light=1)
     eng = LocalEngine(cores=[0], prestart=False)  # the light worker only: no forkserver
     try:
-        results = [run_one(eng, request(tmp_path, n, "counting:count")) for n in range(3)]
+        names = ["count", "again", "again"]
+        results = [run_one(eng, request(tmp_path, n, f"counting:{fn}")) for n, fn in enumerate(names)]
     finally:
         eng.close()
     assert [r.status for r in results] == ["complete"] * 3, results

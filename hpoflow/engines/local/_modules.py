@@ -69,6 +69,20 @@ def _interpreter_dirs() -> set[str]:
     return {os.path.realpath(d) for d in dirs if d}
 
 
+# What the forkserver preloaded (``note_preloaded``): module names, and the top-level packages among
+# them that hold extension modules. Read, never copied, by the workers forked from it: looking at each
+# of ~3,000 module objects again in every worker would write to their pages (reference counts) and
+# make ~20 MB of the shared preload private to each worker.
+_PRELOADED: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+
+
+def note_preloaded() -> None:
+    """Record what is loaded now, in the forkserver before it forks (``_preload``)."""
+    global _PRELOADED
+    names = frozenset(sys.modules)
+    _PRELOADED = (names, frozenset(n.partition(".")[0] for n in names if _is_extension(sys.modules.get(n))))
+
+
 class ModuleKeeper:
     """Built once per worker from its ``sys.path`` before any trial; ``trial_modules`` answers after
     each trial. Tracks the top-level packages that hold extension modules as they load."""
@@ -77,14 +91,22 @@ class ModuleKeeper:
         self.libraries = _interpreter_dirs() | {os.path.realpath(p) for p in base_path if p}
         self._ext_tops: set[str] = set()
         self._seen: set[str] = set()
-        self._note_extensions(list(sys.modules))
+        if _PRELOADED[0]:  # a warm worker: what the forkserver noted, and the few modules loaded since
+            self._note_extensions([n for n in list(sys.modules.keys()) if n not in _PRELOADED[0]])
+        else:
+            self._note_extensions(list(sys.modules))
 
     def _note_extensions(self, names: Iterable[str]) -> None:
+        pre_names = _PRELOADED[0]
         for name in names:
-            if name not in self._seen:
+            if name not in self._seen and name not in pre_names:
                 self._seen.add(name)
                 if _is_extension(sys.modules.get(name)):
                     self._ext_tops.add(name.partition(".")[0])
+
+    def _extension_top(self, name: str) -> bool:
+        top = name.partition(".")[0]
+        return top in self._ext_tops or top in _PRELOADED[1]
 
     def code_roots(self, python_path: Iterable[str], function: str | None) -> set[str]:
         """The trial's own code: its ``python_path`` directories and its function's package."""
@@ -106,7 +128,7 @@ class ModuleKeeper:
         out = []
         for name in new:
             module = sys.modules.get(name)
-            if name.partition(".")[0] in self._ext_tops or _is_extension(module):
+            if self._extension_top(name) or _is_extension(module):
                 continue
             where = _location(module)
             if where is None or _under(where, _HPOFLOW_DIR):

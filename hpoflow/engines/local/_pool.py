@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 __all__ = ["PRELOAD", "Worker", "WorkerPool", "prestart"]
 
 PRELOAD = ["hpoflow.engines.local._preload", "sklearn.datasets", "sklearn.model_selection"]
+_PRELOAD_DONE = "hpoflow.engines.local._preload_done"  # always imported last (see that module)
+
+
+def _preload_list(preload: list[str] | None) -> list[str]:
+    return [*(PRELOAD if preload is None else preload), _PRELOAD_DONE]
 KILL_GRACE_S = 2.0
 _SPAWN_TRIES = 5  # a forkserver killed (again) while it preloads torch answers EOF: start another
 
@@ -85,7 +90,7 @@ def prestart(light: int, preload: list[str] | None = None) -> None:
     if light <= 0:
         from multiprocessing import forkserver
 
-        mp.get_context("forkserver").set_forkserver_preload(PRELOAD if preload is None else preload)
+        mp.get_context("forkserver").set_forkserver_preload(_preload_list(preload))
         forkserver.ensure_running()
         return
     ctx = _light_context()
@@ -104,9 +109,10 @@ class WorkerPool:
         self.max_trials_per_worker = max_trials_per_worker
         start_without_main()
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD if preload is None else preload)
+        self._ctx.set_forkserver_preload(_preload_list(preload))
         self._light_ctx = _light_context()
         self.lock = threading.RLock()
+        self._idle_added = threading.Condition(self.lock)  # a worker the warm thread forked is idle
         self.warm_ready = threading.Event()  # a warm worker has been forked: the preload is done
         self.workers: dict[int, Worker] = {}
         self.idle: list[Worker] = []
@@ -158,6 +164,7 @@ class WorkerPool:
                     self.retire(w)
                     break
                 self.idle.append(w)
+                self._idle_added.notify_all()
                 light = [x for x in self.idle if x.light]
                 if light:
                     self.idle.remove(light[0])
@@ -209,16 +216,23 @@ class WorkerPool:
                 return w.gpus == want
             return w.gpus is None or want is None  # unbound; or a CPU rank, which any worker can run
 
-        for w in [w for w in self.idle if w.proc.exitcode is not None]:  # died while idle (killed)
-            self.idle.remove(w)
-            self.retire(w)
-        for light in (False, True) if not needs_torch else (False,):
-            for exact in (True, False):
-                for i, w in enumerate(self.idle):
-                    if w.light == light and fits(w, exact):
-                        return self.idle.pop(i)
-        if not needs_torch and not self.warm_ready.is_set():
-            return self._spawn(light=True)
+        while True:
+            for w in [w for w in self.idle if w.proc.exitcode is not None]:  # died while idle (killed)
+                self.idle.remove(w)
+                self.retire(w)
+            for light in (False, True) if not needs_torch else (False,):
+                for exact in (True, False):
+                    for i, w in enumerate(self.idle):
+                        if w.light == light and fits(w, exact):
+                            return self.idle.pop(i)
+            if not needs_torch and not self.warm_ready.is_set():
+                return self._spawn(light=True)
+            # The warm thread is forking the workers of the cores: wait for one rather than fork one
+            # more beside them (a worker per core, never more: each holds its own memory).
+            if not (self._warm.is_alive() and not self.closed
+                    and sum(not w.light for w in self.workers.values()) < self.n_cores):
+                break
+            self._idle_added.wait(1.0)
         # None fits: retire an idle worker bound elsewhere or light (keep the pool bounded), start anew.
         if self.idle and len(self.workers) >= self.n_cores:
             self.retire(self.idle.pop(0))

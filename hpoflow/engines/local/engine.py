@@ -74,6 +74,7 @@ class _Trial:
     submitted_wall: float = 0.0
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
     first_report: float | None = None
+    first_report_wall: float | None = None
     cancel_reason: str | None = None
     failure: str | None = None
     retryable: bool = False
@@ -131,6 +132,8 @@ class LocalEngine(Engine):
         self._book = ElasticBook()  # elastic trials' sizes (hpoflow.engines.elastic)
         self._queued: list[TrialRequest] = []  # submitted, waiting for cores lent to elastic trials
         self._closed = False
+        # user functions that imported torch on a light worker (cold_start_s): warm workers from then on
+        self._torch_functions: set[str] = set()
 
     # -- contract -------------------------------------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
@@ -202,7 +205,9 @@ class LocalEngine(Engine):
             # the deadline stays: resources.timeout bounds an elastic trial from its first start, over every size
             trial = replace(prior, request=request, placement=placement, workers=[], outcomes={}, store=store,
                             deferred=None, logs=[])
-        torch_first = needs_torch(request.train.get("function"), request.processes, request.gpus_per_process)
+        function = request.train.get("function")
+        torch_first = function in self._torch_functions or needs_torch(
+            function, request.processes, request.gpus_per_process, request.python_path)
         if torch_first:  # light so far: now a trial needs the preload
             self._pool.start_warm()
         with self._pool.lock:
@@ -396,7 +401,7 @@ class LocalEngine(Engine):
                 if kind == "report":
                     step, metrics, wants = payload
                     if t.first_report is None:
-                        t.first_report = time.monotonic()
+                        t.first_report, t.first_report_wall = time.monotonic(), time.time()
                     self._book.on_report(t.request.number, metrics, time.monotonic())
                     self._events.append(TrialReport(t.request.number, step, metrics, wants))
                 elif kind == "outcome":
@@ -468,6 +473,20 @@ class LocalEngine(Engine):
             timings.update(t.segments.timings(now))
         if t.first_report is not None:
             timings["to_first_report_s"] = t.first_report - t.submitted
+        chief = t.outcomes.get(0)
+        cold = max((o.cold_start_s or 0.0 for o in t.outcomes.values()), default=0.0)
+        if cold and isinstance(req.train.get("function"), str):
+            self._torch_functions.add(req.train["function"])  # it wants torch: warm workers from now on
+        if chief is not None and chief.started_at is not None and t.segments is None:
+            # The trial's clock starts with the user's code (as on cluster engines; ``engine_duration_s``:
+            # from the submit), without a cold torch import (``cold_start_s``): durations compare across
+            # trials, whichever worker ran them and whatever it had to wait for.
+            wall = time.time()
+            timings["engine_duration_s"] = timings["duration_s"]
+            timings["duration_s"] = max(0.0, wall - chief.started_at - (chief.cold_start_s or 0.0))
+            if t.first_report_wall is not None:
+                timings["to_first_report_s"] = max(0.0, t.first_report_wall - chief.started_at
+                                                   - (chief.cold_start_s or 0.0))
         trial_dir = Path(req.trial_dir)
 
         def stderr() -> str:
