@@ -72,14 +72,17 @@ def _timings(t: FrozenTrial) -> dict[str, float]:
 
 def intervals(study: optuna.Study) -> list[Interval]:
     """Finished trials with the timings their engine recorded (``started_at``, ``launch_s``,
-    ``duration_s``, ``run_s``), submit order."""
+    ``duration_s`` or ``engine_duration_s``, ``run_s``), submit order."""
     out = []
     for t in study.get_trials(deepcopy=False):
         tm = _timings(t)
         if "started_at" not in tm or "duration_s" not in tm:
             continue
         submit = float(tm["started_at"]) - float(tm.get("launch_s", 0.0))
-        out.append(Interval(t.number, t.state.name, submit, submit + float(tm["duration_s"]),
+        # the slot is held from the submit to the end: engine_duration_s where the engine records it (the
+        # local engine's duration_s starts with the user's code), else duration_s
+        held = float(tm.get("engine_duration_s", tm["duration_s"]))
+        out.append(Interval(t.number, t.state.name, submit, submit + held,
                             float(tm.get("run_s", tm["duration_s"])), int(tm.get("max_ranks", 0)),
                             int(tm.get("resizes", 0))))
     return sorted(out, key=lambda i: (i.submit, i.number))
