@@ -11,6 +11,11 @@ slots are lent to running trials chosen by the policy (``hpoflow.engines.elastic
 one's next epoch boundary (plus ``resize_s``); a submitted trial that finds no free slot takes lent
 ones back at once (the lender pays ``resize_s``). The work left runs at ``speedup(slots)``.
 
+Pause and resume (schedulers, docs/schedulers.md): ``answer(number, False, pause=True)`` stops the
+trial at the epoch it reported (result ``cancelled``, "paused ..."), and the engine keeps the epochs
+done as if checkpointed; a later ``submit`` of the same trial number goes on from there (its duration
+is the remaining epochs' share of the cost model's).
+
 Results carry virtual timings: ``started_at`` (the engine's epoch plus virtual seconds), ``duration_s``
 and ``slot_seconds``; ``stats()`` gives the makespan and busy fraction (slot-seconds used / slots x
 makespan).
@@ -86,6 +91,7 @@ class SimulatedEngine(Engine):
         self._held_total = 0  # slots held (or reserved to grow into) by running trials
         self._resizes = 0
         self._finished = 0
+        self._paused: dict[int, int] = {}  # trial number -> epochs done when it paused (its "checkpoint")
         elastic = self.options.elastic
         if elastic is not None:
             from hpoflow.registry import ELASTIC
@@ -127,6 +133,10 @@ class SimulatedEngine(Engine):
         except Exception as exc:  # a cost function that raises: the trial fails, as in any engine
             cost = TrialCost(0.0, {}, error=f"cost model: {type(exc).__name__}: {exc}")
         sim = _Sim(request, cost, self.clock, need, need, max(0.0, cost.duration_s), at=self.clock)
+        resumed = self._paused.pop(request.number, 0)
+        if resumed and cost.error is None:  # resumed from its pause: the epochs done are not trained again
+            sim.epoch = min(resumed, sim.epochs - 1)
+            sim.done = sim.boundary(sim.epoch)
         self._running[request.number] = sim
         self._held_total += need
         self._schedule(sim)
@@ -148,7 +158,7 @@ class SimulatedEngine(Engine):
                 return events
         return []
 
-    def answer(self, number: int, prune: bool) -> None:
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         sim = self._running.get(number)
         if sim is None or not sim.waiting:
             return
@@ -156,6 +166,10 @@ class SimulatedEngine(Engine):
         sim.waiting = False
         if prune:
             self._finish(sim, "pruned")
+        elif pause:
+            self._paused[number] = sim.epoch
+            self._finish(sim, "cancelled", error=f"paused (scheduler) at epoch {sim.epoch}: checkpointed, "
+                         "resumes from there")
         else:
             self._schedule(sim)
 
