@@ -72,10 +72,11 @@ class Scheduling:
         if step is None or res.status != "cancelled" or not (res.error or "").startswith("paused"):
             return False
         tm = res.timings
-        start = float(tm.get("started_at", 0.0))
+        start = float(tm.get("started_at", 0.0)) - float(tm.get("launch_s", 0.0))  # its submit, as the report's
+        duration = float(tm.get("duration_s", 0.0))
         segments = list(trial.user_attrs.get(ATTR_SEGMENTS) or [])
-        segments.append({"start": round(start, 3), "end": round(start + float(tm.get("duration_s", 0.0)), 3),
-                         "step": step, "outcome": "paused"})
+        segments.append({"start": round(start, 3), "end": round(start + duration, 3), "step": step,
+                         "run_s": round(float(tm.get("run_s", duration)), 3), "outcome": "paused"})
         trial.set_user_attr(ATTR_SEGMENTS, segments)
         trial.set_user_attr(ATTR_NEXT_ATTEMPT, request.attempt + 1)
         trial.set_user_attr(ATTR_PAUSED, step)  # last: from here any driver may promote it

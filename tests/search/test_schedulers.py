@@ -96,6 +96,15 @@ def test_asha_pauses_promotes_and_resumes_without_training_an_epoch_twice(tmp_pa
     # the best configurations go furthest: the best x completed
     best_x = max(trials, key=lambda t: t.params["x"])
     assert best_x.state == TrialState.COMPLETE
+    # trials.csv says where each trial paused and which rungs it reached
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "run" / "trials.csv").open()))
+    assert len(rows) == 27 and {"rungs", "pauses", "paused_at"} <= set(rows[0])
+    for row in rows:
+        t = trials[int(row["number"])]
+        assert row["pauses"] == str(len(t.user_attrs.get(ATTR_SEGMENTS) or []))
+        assert row["rungs"].split()[0].startswith("1:")
 
 
 def test_hyperband_brackets_and_validation(tmp_path: Path) -> None:
