@@ -119,3 +119,31 @@ def test_a_killed_driver_resumes_its_brackets_from_the_storage(tmp_path: Path) -
             assert rungs.items() >= (trials[old].user_attrs.get(ATTR_RUNGS) or {}).items()
             resumed = t.user_attrs.get("metrics", {}).get("resumed_from_epoch")
             assert resumed is None or resumed >= 1.0
+
+
+def test_the_compss_engine_pauses_and_promotes_through_its_answer_files(tmp_path: Path) -> None:
+    """The compss engine's file protocol (sequential mode: the same task body and rank processes,
+    without a COMPSs runtime): the pause goes out in ``answer-<seq>.json``, each run of a trial has its
+    own attempt directory, and the promoted trial ends bitwise where an uninterrupted run does."""
+    from hpoflow.engines.compss import CompssEngine
+
+    def run(data: dict[str, Any], run_dir: Path) -> optuna.Study:
+        eng = CompssEngine(run_dir=run_dir, sequential=True, poll_interval_s=0.05)
+        try:
+            return optimize(data, run_dir, engine=eng).study
+        finally:
+            eng.close()
+
+    # 2 epochs, one rung (epoch 1): the good trial pauses there alone, the bad one joins the rung and
+    # pauses, the good one is promoted and completes; the bad one is closed at its rung
+    study = run(_spec([GOOD, BAD], epochs=2, slots=1, name="compss"), tmp_path / "run")
+    good, bad = study.get_trials()
+    assert good.state == TrialState.COMPLETE and [s["step"] for s in good.user_attrs[ATTR_SEGMENTS]] == [1]
+    assert bad.state == TrialState.PRUNED
+    trial_dir = tmp_path / "run" / "trials" / "0"
+    assert sorted(p.name for p in trial_dir.glob("attempt-*")) == ["attempt-0", "attempt-1"]
+    assert any('"pause": true' in p.read_text() for p in (trial_dir / "attempt-0").glob("answer-*.json"))
+    ref = _spec([GOOD], epochs=2, slots=1, name="ref")
+    ref["search"]["scheduler"] = {"type": "none"}
+    run(ref, tmp_path / "ref")
+    assert _sha(tmp_path / "run", 0) == _sha(tmp_path / "ref", 0)
