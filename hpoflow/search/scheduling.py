@@ -83,9 +83,6 @@ class Scheduling:
         self.n_paused += 1
         return True
 
-    def forget(self, number: int) -> None:
-        self._asked.pop(number, None)
-
     def promotion(self, busy: set[int]) -> tuple[optuna.trial.Trial, int] | None:
         """A paused trial to resume now (claimed: no longer paused, this driver's), with the attempt
         number its run takes; None if none is promotable."""

@@ -142,3 +142,24 @@ def test_a_pause_answer_through_the_file_channel_asks_the_trial_to_pause(tmp_pat
                        channel=channel)
     ctx2.report(2, val_accuracy=0.6)
     assert not ctx2.should_stop() and not channel.pause_asked
+
+
+def test_the_sampler_reads_paused_trials_as_pruned() -> None:
+    """With a scheduler, TPE sees a paused trial (RUNNING in the storage) as PRUNED with its rung
+    reports, as it sees a trial a pruner stopped; other trials as they are."""
+    from hpoflow.search.samplers import PausedAsPruned, _PausedView, make_sampler
+
+    spec = spec_from_mapping(_spec({"type": "asha"}))
+    sampler = make_sampler(spec.search)
+    assert isinstance(sampler, PausedAsPruned) and isinstance(sampler.inner, optuna.samplers.RandomSampler)
+    study = optuna.create_study(direction="maximize")
+    paused, running = study.ask(), study.ask()
+    paused.report(0.4, 1)
+    paused.set_user_attr(ATTR_PAUSED, 1)
+    view = _PausedView(study)
+    states = {t.number: t.state for t in view._get_trials(deepcopy=False)}
+    assert states == {paused.number: TrialState.PRUNED, running.number: TrialState.RUNNING}
+    assert [t.intermediate_values for t in view.get_trials(states=(TrialState.PRUNED,))] == [{1: 0.4}]
+    assert study.trials[paused.number].state == TrialState.RUNNING  # the storage is untouched
+    off = spec_from_mapping({**_spec({"type": "none"})})
+    assert not isinstance(make_sampler(off.search), PausedAsPruned)
