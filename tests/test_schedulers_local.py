@@ -115,10 +115,14 @@ def test_a_killed_driver_resumes_its_brackets_from_the_storage(tmp_path: Path) -
         if t.number in paused_then and t.state == TrialState.COMPLETE:  # promoted after the resume
             assert t.user_attrs["metrics"]["resumed_from_epoch"] >= 1.0
         if ATTR_REPLACES in t.user_attrs:  # the rerun of a trial running at the kill: its rungs carried over,
-            old = int(t.user_attrs[ATTR_REPLACES])  # and it went on from its checkpoint
-            assert rungs.items() >= (trials[old].user_attrs.get(ATTR_RUNGS) or {}).items()
+            old = trials[int(t.user_attrs[ATTR_REPLACES])]  # and it went on from its checkpoint
+            old_rungs = old.user_attrs.get(ATTR_RUNGS) or {}
+            assert rungs.items() >= old_rungs.items()
             resumed = t.user_attrs.get("metrics", {}).get("resumed_from_epoch")
-            assert resumed is None or resumed >= 1.0
+            if resumed is not None and old_rungs:
+                # it checkpointed every epoch: it lost at most the epoch in progress at the kill (whose
+                # report may have reached the driver before its checkpoint reached the disk)
+                assert resumed >= max(map(int, old_rungs)) - 1
 
 
 def test_the_compss_engine_pauses_and_promotes_through_its_answer_files(tmp_path: Path) -> None:
