@@ -6,7 +6,9 @@ On examples/digits.yaml's space (lr log-uniform, batch size, optimizer, momentum
 seeds are affordable. Arms: the seed's approach, a fixed grid (lr in 5 decades, momentum 0.5/0.9;
 90 points) whose results are collected per batch of 2 (each batch waits for its slowest trial); and
 the asynchronous driver with random, TPE, GP and CMA-ES, each without pruning, with ASHA and with the
-median pruner (CMA-ES and GP without pruning). Every arm gets the grid's wall-clock budget (virtual).
+median pruner (CMA-ES and GP without pruning), and random and TPE with the schedulers that pause and
+resume trials from checkpoints (``+promo``: promotion-type ASHA, ``+hb``: Hyperband; docs/schedulers.md;
+``+promo_nl``: the same with TPE's constant liar off). Every arm gets the grid's wall-clock budget (virtual).
 
 Reported per arm, medians over seeds, for two targets: the grid's best value (strict: the grid's
 maximum over 90 noisy results is partly luck) and a fixed "good model" accuracy (``--target``,
@@ -16,6 +18,7 @@ with plotly (the report's plotting library) when ``--plot`` names a PNG (needs k
 
     python bench/search_efficiency.py [--seeds 5] [--trials 200] [--plot docs/img/search_efficiency.png]
     python bench/search_efficiency.py --real [--seeds 3]   # the real CNN on digits, ~4 min per seed here
+    python bench/search_efficiency.py --arms tpe+asha,tpe+promo,tpe+hb   # some arms only
 """
 
 from __future__ import annotations
@@ -39,6 +42,21 @@ GRID = {**SPACE, "lr": {"type": "categorical", "choices": [3.0e-4, 1.0e-3, 3.0e-
         "momentum": {"type": "categorical", "choices": [0.5, 0.9], "when": {"optimizer": "sgd"}}}
 PRUNERS = {"none": {"type": "none"}, "asha": {"type": "asha", "min_resource": 1, "reduction_factor": 3},
            "median": {"type": "median", "startup_trials": 5, "warmup_steps": 3}}
+# search.scheduler arms (docs/schedulers.md): trials pause at rungs and resume from checkpoints
+SCHEDULERS = {"promo": {"type": "asha", "min_resource": 1, "reduction_factor": 3},
+              "hb": {"type": "hyperband", "min_resource": 1, "reduction_factor": 3}}
+
+
+def _search(algorithm: str, pruner: str, seed: int) -> dict[str, Any]:
+    """The search section of an arm: ``pruner`` names a pruner (stopping) or a scheduler (promo, hb)."""
+    search: dict[str, Any] = {"algorithm": algorithm, "max_concurrent": 2, "seed": seed}
+    if pruner.removesuffix("_nl") in SCHEDULERS:
+        search["scheduler"] = SCHEDULERS[pruner.removesuffix("_nl")]
+        if pruner.endswith("_nl") and algorithm == "tpe":
+            search["sampler_options"] = {"constant_liar": False}
+    else:
+        search["pruner"] = PRUNERS[pruner]
+    return search
 
 
 def run(algorithm: str, pruner: str, seed: int, n_trials: int) -> list[tuple[float, float | None, float]]:
@@ -49,7 +67,7 @@ def run(algorithm: str, pruner: str, seed: int, n_trials: int) -> list[tuple[flo
 
     os.environ["HPOFLOW_BENCH_SEED"] = str(seed)
     grid = algorithm == "grid"
-    search: dict[str, Any] = {"algorithm": algorithm, "max_concurrent": 2, "seed": seed, "pruner": PRUNERS[pruner]}
+    search = _search(algorithm, pruner, seed)
     if not grid:
         search["n_trials"] = n_trials
     spec = {"study": {"name": "eff", "metric": "val_accuracy", "direction": "maximize"},
@@ -76,7 +94,7 @@ def run_real(algorithm: str, pruner: str, seed: int, n_trials: int, timeout_s: f
     from hpoflow.api import optimize
 
     grid = algorithm == "grid"
-    search: dict[str, Any] = {"algorithm": algorithm, "max_concurrent": 2, "seed": seed, "pruner": PRUNERS[pruner]}
+    search = _search(algorithm, pruner, seed)
     if not grid:
         search["n_trials"] = n_trials
     if timeout_s is not None:
@@ -99,8 +117,12 @@ def run_real(algorithm: str, pruner: str, seed: int, n_trials: int, timeout_s: f
     return [(sub - t0 + dur, v, dur) for sub, v, dur in rows]
 
 
-def real(seeds: int) -> None:
-    """Grid (batches of 2) against TPE+ASHA and random on the real CNN, each given the grid's budget."""
+REAL_ARMS = [("tpe", "asha"), ("tpe", "promo"), ("random", "none")]
+
+
+def real(seeds: int, arms: list[tuple[str, str]] | None = None) -> None:
+    """Grid (batches of 2) against TPE+ASHA (stopping), TPE with promotion-type ASHA and random on the real
+    CNN, each given the grid's budget."""
     from hpoflow.engines.local import LocalEngine
 
     engine = LocalEngine(cores=[0, 1])
@@ -114,7 +136,7 @@ def real(seeds: int) -> None:
             budget, target = max(t for t, _ in points), curve[-1][1]
             grid_ttt.append(time_to(curve, target, budget))
             line = [f"seed {seed}: grid budget {budget:.0f} s, best {target:.4f} at {grid_ttt[-1]:.0f} s"]
-            for alg, pr in (("tpe", "asha"), ("random", "none")):
+            for alg, pr in arms or REAL_ARMS:
                 name = f"{alg}+{pr}" if pr != "none" else alg
                 c = anytime([(t, v) for t, v, _ in run_real(alg, pr, seed, 1000, budget, engine)])
                 r = out.setdefault(name, {"ttt": [], "best": []})
@@ -168,16 +190,21 @@ def main() -> None:
     ap.add_argument("--plot", help="write the anytime-best plot to this PNG")
     ap.add_argument("--target", type=float, default=0.98, help="the fixed target accuracy")
     ap.add_argument("--quick", action="store_true", help="2 seeds, few arms (a smoke run)")
+    ap.add_argument("--arms", help="comma-separated arms instead of all, e.g. tpe+asha,tpe+promo,random "
+                    "(promo: promotion-type ASHA, hb: Hyperband, both search.scheduler)")
     ap.add_argument("--real", action="store_true", help="the real built-in CNN on digits (local engine): grid "
                     "against TPE+ASHA and random, each given the grid's wall-clock budget")
     a = ap.parse_args()
+    chosen = [(s.split("+")[0], s.split("+")[1] if "+" in s else "none") for s in a.arms.split(",")] if a.arms else None
     if a.real:
-        real(a.seeds)
+        real(a.seeds, chosen)
         return
-    arms = [(alg, p) for alg in ("random", "tpe") for p in ("none", "asha", "median")] + [("gp", "none"),
-                                                                                         ("cmaes", "none")]
+    arms = [(alg, p) for alg in ("random", "tpe") for p in ("none", "asha", "median", "promo", "hb")]
+    arms += [("gp", "none"), ("cmaes", "none")]
+    if chosen:
+        arms = chosen
     if a.quick:
-        a.seeds, a.trials, arms = 2, 60, [("random", "none"), ("tpe", "asha")]
+        a.seeds, a.trials, arms = 2, 60, [("random", "none"), ("tpe", "asha"), ("tpe", "promo")]
     results: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[list[tuple[float, float]]]] = {}
     grid_ttt: dict[str, list[float]] = {"grid_best": [], "fixed": []}

@@ -62,6 +62,7 @@ __all__ = [
     "MODELS",
     "PRUNERS",
     "SAMPLERS",
+    "SCHEDULERS",
     "STRATEGIES",
     "NoOptions",
     "Options",
@@ -281,6 +282,9 @@ SAMPLERS: Registry[type[BaseSampler]] = Registry(
                "options model that subclasses hpoflow.search.options.SamplerOptions sees the study's concurrency")
 PRUNERS: Registry[type[BasePruner]] = Registry(
     "pruner", "a subclass of optuna.pruners.BasePruner, built as cls(**options.kwargs())")
+SCHEDULERS: Registry[Callable[[Any, str], Any]] = Registry(
+    "scheduler", "a callable (options: its options model, direction: str) -> "
+                 "hpoflow.search.schedulers.PromotionScheduler (trials that pause and resume from checkpoints)")
 STRATEGIES: Registry[type[Strategy]] = Registry(
     "strategy", "a subclass of hpoflow.train.strategies.Strategy, built as cls(options: dict, env)", "strategies")
 LAUNCHERS: Registry[Callable[[LaunchJob], list[list[str]]]] = Registry(
@@ -327,6 +331,13 @@ for _name, _cls, _opts in [("none", "NopPruner", "Nop"), ("median", "MedianPrune
                            ("percentile", "PercentilePruner", "Percentile"),
                            ("asha", "SuccessiveHalvingPruner", "Asha"), ("hyperband", "HyperbandPruner", "Hyperband")]:
     PRUNERS.register(_name, f"optuna.pruners:{_cls}", f"hpoflow.search.options:{_opts}PrunerOptions")
+SCHEDULERS.register("none", "hpoflow.search.schedulers:asha", "hpoflow.search.options:NoSchedulerOptions",
+                    summary="no scheduler: trials run to their end")
+SCHEDULERS.register("asha", "hpoflow.search.schedulers:asha", "hpoflow.search.options:AshaSchedulerOptions",
+                    summary="promotion-type ASHA: pause at rungs, resume the top 1/eta from checkpoints")
+SCHEDULERS.register("hyperband", "hpoflow.search.schedulers:hyperband",
+                    "hpoflow.search.options:HyperbandSchedulerOptions",
+                    summary="promotion-type ASHA in each Hyperband bracket")
 for _name, _cls in [("allreduce", "AllReduce"), ("parameter_server", "ParameterServer"), ("easgd", "EASGD"),
                     ("local_sgd", "LocalSGD"), ("zero1", "ZeRO1"), ("fsdp", "FSDP")]:
     STRATEGIES.register(_name, f"hpoflow.train.strategies:{_cls}", f"hpoflow.train.options:{_cls}Options")

@@ -184,7 +184,7 @@ class KitEngine(Engine):
         out, self._done = self._done, []
         return out
 
-    def answer(self, number: int, prune: bool) -> None:
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         pass
 
     def cancel(self, number: int, reason: str) -> None:

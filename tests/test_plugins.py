@@ -59,7 +59,7 @@ class QuadraticEngine(Engine):
             self._running.discard(ev.number)
         return out
 
-    def answer(self, number: int, prune: bool) -> None:
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         pass
 
     def cancel(self, number: int, reason: str) -> None:

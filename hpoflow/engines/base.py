@@ -12,9 +12,12 @@ Contract, for every engine:
   Each submitted trial produces exactly one ``TrialResult``, after all of its ``TrialReport``s.
 - A trial never raises through the engine: failures (exceptions in user code, a rank that died or
   hung, a timeout) come back as a ``TrialResult`` with status ``failed`` and the error and stderr tail.
-- ``answer(number, prune)`` replies to a report that asked for a pruning decision. An engine may hold
-  the reply until its next ``poll`` (the local and compss engines do for elastic trials: by then the
-  driver has submitted what it could, and the reply adds the number of ranks to continue with).
+- ``answer(number, prune, pause=False)`` replies to a report that asked for a pruning decision. An
+  engine may hold the reply until its next ``poll`` (the local and compss engines do for elastic
+  trials: by then the driver has submitted what it could, and the reply adds the number of ranks to
+  continue with). ``pause=True`` (a scheduler, docs/schedulers.md) asks the trial to checkpoint at this
+  step and stop: its result is ``cancelled`` ("paused ..."), and a later ``submit`` of the same trial
+  number with its checkpoint directory resumes it from there.
 - ``cancel(number, reason)`` stops a running trial; its result arrives later with status
   ``cancelled`` (or whatever it had already finished with).
 - ``pause(number, reason)`` asks a running trial to stop at its next step with a checkpoint (a
@@ -89,7 +92,7 @@ class Engine(abc.ABC):
     def poll(self, timeout: float | None) -> list[Event]: ...
 
     @abc.abstractmethod
-    def answer(self, number: int, prune: bool) -> None: ...
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None: ...
 
     @abc.abstractmethod
     def cancel(self, number: int, reason: str) -> None: ...

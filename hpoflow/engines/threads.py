@@ -97,7 +97,7 @@ class ThreadEngine(Engine):
                     self._reporters.pop(ev.number, None)
         return out
 
-    def answer(self, number: int, prune: bool) -> None:
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:  # no pause: threads do not stop
         r = self._reporters.get(number)
         if r is not None:
             r._answers.put(prune)

@@ -27,11 +27,12 @@ from optuna.trial import FrozenTrial, TrialState
 from hpoflow.errors import HpoflowError
 from hpoflow.fileio import write_atomic
 from hpoflow.report.tables import best_rows, status_dict
+from hpoflow.run.ledger import ATTR_SEGMENTS
 
 __all__ = ["PANELS", "Interval", "Panel", "busy_fraction", "intervals", "lanes", "write_pngs", "write_report"]
 
 _STATE_COLOURS = {"COMPLETE": "#2a9d8f", "PRUNED": "#e9c46a", "FAIL": "#e76f51", "RUNNING": "#8ab17d",
-                  "WAITING": "#adb5bd"}
+                  "WAITING": "#adb5bd", "PAUSED": "#8d99ae"}
 
 
 def _plotly() -> Any:
@@ -45,7 +46,9 @@ def _plotly() -> Any:
 
 @dataclass(frozen=True)
 class Interval:
-    """One trial in time: from submit to result (wall-clock seconds since the epoch)."""
+    """One run of a trial in time: from submit to result (wall-clock seconds since the epoch). A trial a
+    scheduler paused has one interval per run (docs/schedulers.md): state ``PAUSED`` for a run that ended
+    in a pause at step ``paused_at``; ``resumed``: the run was a promotion, from a checkpoint."""
 
     number: int
     state: str
@@ -54,6 +57,8 @@ class Interval:
     run_s: float  # time in the training function (the busy part)
     max_ranks: int = 0  # elastic trials: the most ranks it ran on (0: a fixed-size trial)
     resizes: int = 0
+    paused_at: int = 0
+    resumed: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,17 @@ def _timings(t: FrozenTrial) -> dict[str, float]:
 
 def intervals(study: optuna.Study) -> list[Interval]:
     """Finished trials with the timings their engine recorded (``started_at``, ``launch_s``,
-    ``duration_s`` or ``engine_duration_s``, ``run_s``), submit order."""
+    ``duration_s`` or ``engine_duration_s``, ``run_s``), and the runs of trials a scheduler paused
+    (``hpoflow_segments``), submit order."""
     out = []
     for t in study.get_trials(deepcopy=False):
+        segments = t.user_attrs.get(ATTR_SEGMENTS)
+        segments = segments if isinstance(segments, list) else []
+        for k, seg in enumerate(segments):
+            if isinstance(seg, dict) and {"start", "end"} <= set(seg):
+                out.append(Interval(t.number, "PAUSED", float(seg["start"]), float(seg["end"]),
+                                    float(seg.get("run_s", float(seg["end"]) - float(seg["start"]))),
+                                    paused_at=int(seg.get("step", 0)), resumed=k > 0))
         tm = _timings(t)
         if "started_at" not in tm or "duration_s" not in tm:
             continue
@@ -84,22 +97,23 @@ def intervals(study: optuna.Study) -> list[Interval]:
         held = float(tm.get("engine_duration_s", tm["duration_s"]))
         out.append(Interval(t.number, t.state.name, submit, submit + held,
                             float(tm.get("run_s", tm["duration_s"])), int(tm.get("max_ranks", 0)),
-                            int(tm.get("resizes", 0))))
+                            int(tm.get("resizes", 0)), resumed=bool(segments)))
     return sorted(out, key=lambda i: (i.submit, i.number))
 
 
-def lanes(items: list[Interval]) -> dict[int, int]:
-    """A lane (slot) for each trial: the lowest lane free at its submit (the schedule as it ran)."""
+def lanes(items: list[Interval]) -> list[int]:
+    """A lane (slot) for each interval, in the order of ``items``: the lowest lane free at its submit
+    (the schedule as it ran)."""
     free_at: list[float] = []
-    out = {}
+    out = []
     for it in items:
         for lane, t in enumerate(free_at):
             if t <= it.submit + 1e-3:  # a slot freed and refilled in the same millisecond
                 free_at[lane] = it.end
-                out[it.number] = lane
+                out.append(lane)
                 break
         else:
-            out[it.number] = len(free_at)
+            out.append(len(free_at))
             free_at.append(it.end)
     return out
 
@@ -137,7 +151,7 @@ def _timeline(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
     items = intervals(study)
     if not items:
         return Panel("slot timeline", note="no trial has recorded timings yet")
-    lane = lanes(items)
+    lane = dict(zip(map(id, items), lanes(items), strict=True))
     slots = int(ctx.get("slots") or (max(lane.values()) + 1))
     t0 = min(i.submit for i in items)
     fig = go.Figure()
@@ -145,10 +159,10 @@ def _timeline(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
         sel = [i for i in items if i.state == state]
         fig.add_trace(go.Bar(
             name=state.lower(), orientation="h", base=[i.submit - t0 for i in sel], x=[i.end - i.submit for i in sel],
-            y=[f"slot {lane[i.number]}" for i in sel], marker_color=_STATE_COLOURS.get(state, "#6c757d"),
-            # an elastic trial that grew is hatched and says how far (docs/elastic.md)
-            marker_pattern_shape=["/" if i.resizes else "" for i in sel],
-            text=[f"{i.number} (up to {i.max_ranks} ranks)" if i.resizes else str(i.number) for i in sel],
+            y=[f"slot {lane[id(i)]}" for i in sel], marker_color=_STATE_COLOURS.get(state, "#6c757d"),
+            # an elastic trial that grew is hatched and says how far (docs/elastic.md); a promoted run is dotted
+            marker_pattern_shape=["/" if i.resizes else "." if i.resumed else "" for i in sel],
+            text=[_label(i) for i in sel],
             hovertemplate="trial %{text}: %{base:.1f} s + %{x:.1f} s<extra></extra>"))
     busy = busy_fraction(items, slots)
     fig.update_layout(barmode="overlay", xaxis_title="seconds since the first submit",
@@ -157,8 +171,19 @@ def _timeline(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
     grown = [i for i in items if i.resizes]
     elastic = (f"; {len(grown)} elastic trial(s) grew onto idle cores (hatched; a slot here is a trial's, whatever "
                "its size)") if grown else ""
+    n_paused, n_resumed = sum(i.state == "PAUSED" for i in items), sum(i.resumed for i in items)
+    sched = (f"; {n_paused} run(s) paused at a rung (grey, 'pause@step'), {n_resumed} promoted run(s) resumed from "
+             "a checkpoint (dotted)") if n_paused or n_resumed else ""
     return Panel("slot timeline", fig, note=f"busy fraction {busy:.3f}: time in training functions / (slots x "
-                                          "makespan), makespan from the first submit to the last result" + elastic)
+                                          "makespan), makespan from the first submit to the last result" + elastic
+                                          + sched)
+
+
+def _label(i: Interval) -> str:
+    text = f"{i.number} (up to {i.max_ranks} ranks)" if i.resizes else str(i.number)
+    if i.state == "PAUSED":
+        text += f" pause@{i.paused_at}"
+    return text + (" (promoted)" if i.resumed else "")
 
 
 _COSTS = (("samples_per_s", "samples/s"), ("step_time_s", "step time (s)"), ("comm_fraction", "communication fraction"),

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from hpoflow.fileio import write_atomic
 from hpoflow.run.lease import LeaseInfo, lease_rows, read_leases
-from hpoflow.run.ledger import ATTR_DRIVER, ATTR_IMPORTED, is_counted
+from hpoflow.run.ledger import ATTR_DRIVER, ATTR_IMPORTED, ATTR_PAUSED, ATTR_RUNGS, ATTR_SEGMENTS, is_counted
 from hpoflow.term import render_table
 
 __all__ = [
@@ -96,18 +96,22 @@ def _driver(t: FrozenTrial) -> str | None:
 
 def write_trials_csv(study: optuna.Study, path: Path) -> None:
     """One row per trial that counts (``hpoflow.run.ledger``); ``driver`` is the host:pid of the driver
-    that ran it (several drivers may share a study)."""
+    that ran it (several drivers may share a study). With a scheduler (docs/schedulers.md): ``rungs``
+    (``step:value`` at each rung reached), ``pauses`` (how often it paused) and ``paused_at`` (its last
+    pause's step)."""
     trials = _counted(study)
     leases = read_leases(study)
     params = sorted({k for t in trials for k in t.params})
     metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - set(_TIMING_KEYS))
     timings = sorted({k for t in trials for k in _timings(t)} - {"duration_s"})
     system = sorted({k for t in trials for k in (t.user_attrs.get("system") or {})})
+    sched = any(ATTR_RUNGS in t.user_attrs for t in trials)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
                 *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings],
-                *[f"system_{k}" for k in system], "driver", "error"])
+                *[f"system_{k}" for k in system], "driver", "error",
+                *(["rungs", "pauses", "paused_at"] if sched else [])])
     for t in trials:
         m = t.user_attrs.get("metrics") or {}
         tm = _timings(t)
@@ -115,8 +119,16 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
         w.writerow([t.number, t.state.name, t.values[0] if t.values and len(t.values) == 1 else "",
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], *[sy.get(k, "") for k in system],
-                    _driver_label(_driver(t), leases), t.user_attrs.get("error", "")])
+                    _driver_label(_driver(t), leases), t.user_attrs.get("error", ""), *(_sched(t) if sched else [])])
     write_atomic(path, buf.getvalue())
+
+
+def _sched(t: FrozenTrial) -> list[Any]:
+    """A trial's rungs, pauses and last pause (a scheduler's attrs, ``hpoflow.run.ledger``)."""
+    rungs = t.user_attrs.get(ATTR_RUNGS) or {}
+    text = " ".join(f"{k}:{v:.6g}" for k, v in sorted(rungs.items(), key=lambda kv: int(kv[0])))
+    paused = t.user_attrs.get(ATTR_PAUSED)
+    return [text, len(t.user_attrs.get(ATTR_SEGMENTS) or []), "" if paused is None else paused]
 
 
 def _driver_label(driver_id: str | None, leases: Mapping[str, LeaseInfo]) -> str:

@@ -21,8 +21,9 @@ from typing import Literal
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["ATTR_CHECKPOINTS", "ATTR_DRIVER", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED", "ATTR_REPLACES",
-           "ATTR_UNUSED", "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
+__all__ = ["ATTR_BRACKET", "ATTR_CHECKPOINTS", "ATTR_DRIVER", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED",
+           "ATTR_NEXT_ATTEMPT", "ATTR_PAUSED", "ATTR_REPLACES", "ATTR_RUNGS", "ATTR_SEGMENTS", "ATTR_UNUSED",
+           "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
 
 ATTR_REPLACES = "hpoflow_replaces"  # user attr: the number of the interrupted trial this one reruns
 _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
@@ -32,6 +33,14 @@ ATTR_IMPORTED = "hpoflow_warm_start"  # user attr: a completed trial imported fr
 ATTR_UNUSED = "hpoflow_asked_unused"  # user attr: closed without running (a duplicate, see Tally.verdict): not counted
 ATTR_CHECKPOINTS = "checkpoint_dir"  # user attr: a rerun resumes from the replaced trial's checkpoints
 ATTR_DRIVER = "hpoflow_driver"  # user attr: the id of the driver running the trial (hpoflow.run.lease)
+# Schedulers that pause and resume trials (hpoflow.search.schedulers; docs/schedulers.md). A paused
+# trial stays RUNNING in the storage (it counts in flight against n_trials, holds no slot, and is no
+# dead driver's trial: any driver of the study may promote it); finished, the attr keeps its last pause.
+ATTR_PAUSED = "hpoflow_paused"  # user attr: the step (rung) the trial is paused at; None while it runs
+ATTR_RUNGS = "hpoflow_rungs"  # user attr: {step: value} the trial reported at each rung it reached
+ATTR_BRACKET = "hpoflow_bracket"  # user attr: the trial's Hyperband bracket (0 for ASHA)
+ATTR_NEXT_ATTEMPT = "hpoflow_next_attempt"  # user attr: the attempt number its next run (a promotion) takes
+ATTR_SEGMENTS = "hpoflow_segments"  # user attr: [{start, end, step, outcome}] of its runs that paused
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -95,6 +104,16 @@ class Tally:
     @property
     def finished(self) -> int:
         return len(self._counted)
+
+    @property
+    def trials(self) -> list[FrozenTrial]:
+        """Every trial of the study as of the last refresh."""
+        return self._trials
+
+    @property
+    def paused(self) -> dict[int, FrozenTrial]:
+        """The RUNNING trials a scheduler paused (no process runs them), by number."""
+        return {n: t for n, t in self.running.items() if t.user_attrs.get(ATTR_PAUSED) is not None}
 
     @property
     def n_complete(self) -> int:

@@ -13,6 +13,8 @@ drivers work on it at the same time:
   (``reseed_rng``, as Optuna does for threads): drivers started from one spec share its seed and
   would otherwise draw the same configurations.
 - ``give_back(trial)``: a trial asked but never run returns to the queue.
+- A trial a scheduler paused (``ATTR_PAUSED``) is RUNNING but nobody's: it is never rerun as a dead
+  driver's, and any driver may promote it (``hpoflow.search.schedulers``).
 
 A driver alone on its study (no other lease alive) admits a trial from a read of the leases rather
 than of every trial (``_alone``); per trial that is two small reads and one user attr, plus a lease
@@ -32,7 +34,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.run.lease import Lease, LeaseInfo, LeaseWatch, read_leases
-from hpoflow.run.ledger import ATTR_DRIVER, ATTR_GRID, ATTR_REPLACES, ATTR_UNUSED, Tally, claims
+from hpoflow.run.ledger import ATTR_DRIVER, ATTR_GRID, ATTR_PAUSED, ATTR_REPLACES, ATTR_UNUSED, Tally, claims
 
 __all__ = ["SharedStudy"]
 
@@ -180,6 +182,8 @@ class SharedStudy:
             owner = owner if isinstance(owner, str) else None
             if number in mine or owner == self.lease.id or not self.watch.orphaned(number, owner, now, running):
                 continue
+            if t.user_attrs.get(ATTR_PAUSED) is not None:  # paused by a scheduler: nothing runs it; any
+                continue  # driver promotes it from its checkpoint (hpoflow.search.schedulers)
             info: LeaseInfo | None = self.watch.leases.get(owner or "")
             _log.warning("trial %d was left running by %s, which is gone; rerunning it", number,
                          f"driver {info.label} ({info.run_dir})" if info is not None else "a driver")

@@ -13,6 +13,10 @@ Several drivers may share one study (Optuna-style workers, each with its own run
 budget is counted from the storage at every start, and only dead drivers' trials are rerun
 (``hpoflow.run.shared``). A driver whose part is done waits for the others' last trials, to rerun
 them if their driver dies.
+
+With ``search.scheduler`` (``hpoflow.search.scheduling``), a trial may pause at a rung (the answer to
+its report says so: it checkpoints and stops; its slot is free) and a free slot goes first to a paused
+trial that earned promotion, resumed from its checkpoint; ask-ahead is off then.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_ENQUEUED, ATTR_GRID
 from hpoflow.run.retry import StorageUnavailable, is_disk_error
 from hpoflow.run.rundir import disk_why
 from hpoflow.run.shared import SharedStudy
+from hpoflow.search.scheduling import Scheduling, carried
 from hpoflow.search.space import Grid, suggest
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
@@ -133,6 +138,7 @@ class _InFlight:
     trial: optuna.trial.Trial
     request: TrialRequest
     params: dict[str, Any]
+    first_attempt: int = 0  # the attempt this run started with (a promoted trial's is above 0)
 
 
 class Driver:
@@ -168,6 +174,7 @@ class Driver:
         self._ask_s: list[float] = []  # seconds each ask (sample + suggest + precheck) took
         self._trial_s: list[float] = []  # durations of finished trials
         self.asked_ahead = 0  # trials asked while every slot was busy
+        self.scheduling = Scheduling(spec, study, self.shared) if spec.search.scheduler.enabled else None
 
     # -- public ---------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
@@ -211,6 +218,9 @@ class Driver:
                     for number in list(self._inflight):
                         stop(number, f"study stopped ({self._stop_reason})")
                 self._tick(t0)
+                while (not cancelling and summary.stopped_by == "budget" and len(self._inflight) < slots
+                       and self._promote()):
+                    pass
                 while not cancelling and summary.stopped_by == "budget" and self._can_start(slots):
                     started = self._start_one()
                     if started is None:  # another driver's trial took the room first
@@ -226,6 +236,9 @@ class Driver:
                         self.asked_ahead += 1
                 overhead += time.monotonic() - t0
                 if not self._inflight:
+                    if (self.scheduling is not None and not cancelling and summary.stopped_by == "budget"
+                            and not self._room(1) and not self.scheduling.active()):
+                        self.scheduling.close_paused()  # nothing runs or may start, none is promotable
                     if cancelling or summary.stopped_by != "budget" or self._study_over():
                         break
                     time.sleep(_IDLE_S)  # other drivers' trials hold the rest of the budget: rerun them if they die
@@ -322,6 +335,7 @@ class Driver:
         directory it was writing to (kept from the first trial of a chain of reruns; ``run_dir``: the
         run directory of the driver that ran it)."""
         attrs = {k: v for k, v in user_attrs.items() if k in (ATTR_GRID, ATTR_CHECKPOINTS)}
+        attrs.update(carried(user_attrs))
         trial_dir = (run_dir or self.run_dir) / "trials" / str(number)
         attrs.setdefault(ATTR_CHECKPOINTS, str(trial_dir / "checkpoints"))
         return attrs
@@ -349,7 +363,8 @@ class Driver:
         """Every slot busy, budget left, nothing asked ahead yet, and asking is worth hiding: always with
         ``ask_ahead: true``; with ``auto`` once the median ask took over 1 % of the median trial."""
         mode = self.spec.search.ask_ahead
-        if mode is False or self._ready is not None or len(self._inflight) < slots or not self._room(1):
+        if (mode is False or self.scheduling is not None or self._ready is not None
+                or len(self._inflight) < slots or not self._room(1)):
             return False
         if mode is True:
             return True
@@ -395,20 +410,7 @@ class Driver:
         if not self.shared.admit(trial, self.n_trials, grid=self.grid is not None):
             return None
         params = suggest(trial, self.spec.space)
-        train = resolve_training(self.spec.training, params)
-        r = self.spec.resources
-        request = TrialRequest(
-            number=trial.number, params=params, train=train.model_dump(mode="json"),
-            metric=self.spec.study.metric, direction=self.spec.study.direction,
-            trial_dir=str(self.run_dir / "trials" / str(trial.number)),
-            processes=r.processes, cpus_per_process=r.cpus_per_process,
-            gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout,
-            pruning=self.spec.search.pruner.type != "none", python_path=self.python_path,
-            seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),
-            elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
-            elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
-            plugins=tuple(self.spec.plugins),
-        )
+        request = self._request(trial, params)
         fl = _InFlight(trial, request, params)
         verdict = self.precheck(request) if self.precheck else None
         self._ask_s.append(time.monotonic() - t_ask)
@@ -422,6 +424,39 @@ class Driver:
                 self._on_result(TrialResult(trial.number, "pruned", error=f"oracle: {verdict.reason}"))
                 return True
         self._ready = fl
+        return True
+
+    def _request(self, trial: optuna.trial.Trial, params: dict[str, Any], attempt: int = 0) -> TrialRequest:
+        """What the engine runs for ``trial``: its training config, resources and checkpoint directory."""
+        train = resolve_training(self.spec.training, params)
+        r = self.spec.resources
+        return TrialRequest(
+            number=trial.number, params=params, train=train.model_dump(mode="json"),
+            metric=self.spec.study.metric, direction=self.spec.study.direction,
+            trial_dir=str(self.run_dir / "trials" / str(trial.number)),
+            processes=r.processes, cpus_per_process=r.cpus_per_process,
+            gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout,
+            pruning=self.spec.search.pruner.type != "none" or self.scheduling is not None,
+            python_path=self.python_path, attempt=attempt,
+            seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),
+            elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
+            elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
+            plugins=tuple(self.spec.plugins),
+        )
+
+    def _promote(self) -> bool:
+        """Resume a paused trial that earned promotion (``search.scheduler``) from its checkpoint, in a
+        free slot; False if there is none."""
+        if self.scheduling is None:
+            return False
+        picked = self.scheduling.promotion(set(self._inflight))
+        if picked is None:
+            return False
+        trial, attempt = picked
+        params = suggest(trial, self.spec.space)  # the values it has: nothing is sampled again
+        fl = _InFlight(trial, self._request(trial, params, attempt), params, first_attempt=attempt)
+        self._inflight[trial.number] = fl
+        self.engine.submit(fl.request)
         return True
 
     def _on_report(self, ev: TrialReport) -> None:
@@ -443,6 +478,10 @@ class Driver:
             if ev.wants_answer and not prune:
                 prune = fl.trial.should_prune()
         if ev.wants_answer:
+            if self.scheduling is not None and not prune and value is not None and \
+                    self.scheduling.at_report(fl.trial, fl.request, ev.step, value):
+                self.engine.answer(ev.number, False, pause=True)  # checkpoint here and stop: promoted later
+                return
             self.engine.answer(ev.number, prune)
 
     def _taken_over(self, fl: _InFlight) -> None:
@@ -458,13 +497,16 @@ class Driver:
         if fl is None:
             return
         mr = self.spec.resources.max_retries
-        if res.status == "failed" and res.retryable and fl.request.attempt < mr and self._stop_reason is None:
+        if (res.status == "failed" and res.retryable and fl.request.attempt - fl.first_attempt < mr
+                and self._stop_reason is None):
             retry = replace(fl.request, attempt=fl.request.attempt + 1)
             fl.request = retry
             fl.trial.set_user_attr("attempts", retry.attempt + 1)
             self.engine.submit(retry)
             return
         del self._inflight[res.number]
+        if self.scheduling is not None and self.scheduling.paused(fl.trial, fl.request, res):
+            return  # paused at a rung with a checkpoint: RUNNING in the study, holding no slot
         if "duration_s" in res.timings and res.status in ("complete", "pruned"):  # failures are no guide
             self._trial_s.append(float(res.timings["duration_s"]))
         try:

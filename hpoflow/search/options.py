@@ -16,10 +16,12 @@ from hpoflow.registry import NoOptions, Options
 
 __all__ = [
     "AshaPrunerOptions",
+    "AshaSchedulerOptions",
     "CmaEsOptions",
     "GPOptions",
     "GridOptions",
     "HyperbandPrunerOptions",
+    "HyperbandSchedulerOptions",
     "MedianPrunerOptions",
     "NopPrunerOptions",
     "PercentilePrunerOptions",
@@ -143,3 +145,25 @@ class HyperbandPrunerOptions(Options):
 
     def kwargs(self) -> dict[str, Any]:
         return {**super().kwargs(), "max_resource": self.max_resource or "auto"}
+
+
+class NoSchedulerOptions(NoOptions):
+    """No scheduler: trials run to their end (or a pruner stops them)."""
+
+
+class AshaSchedulerOptions(Options):
+    """Promotion-type ASHA (``hpoflow.search.schedulers``): pause at rungs, promote the top 1/eta.
+    ``max_resource`` defaults to the trial's ``training.epochs``."""
+
+    min_resource: int = Field(default=1, ge=1, description="The first rung's step (epochs).")
+    max_resource: int | None = Field(default=None, ge=1, description="The last step (default: training.epochs).")
+    reduction_factor: int = Field(default=3, ge=2, description="eta: the top 1/eta of a rung is promoted.")
+    min_early_stopping_rate: int = Field(default=0, ge=0, description="s: the first rung is min_resource * eta**s.")
+
+
+class HyperbandSchedulerOptions(Options):
+    """Promotion-type ASHA in each Hyperband bracket (a trial's bracket: its number modulo the brackets)."""
+
+    min_resource: int = Field(default=1, ge=1)
+    max_resource: int | None = Field(default=None, ge=1)
+    reduction_factor: int = Field(default=3, ge=2)

@@ -8,20 +8,30 @@ for ``PRUNERS``.
 Grid search is not Optuna's ``GridSampler`` (it ends the grid with ``study.stop()``, which breaks
 ask/tell with trials in flight); the driver enqueues grid points itself and a seeded
 ``RandomSampler`` stands behind it, so the enqueued values are used verbatim.
+
+With a scheduler (``search.scheduler``), the sampler sees a trial paused at a rung as PRUNED with
+its intermediate values (``PausedAsPruned``), as it sees a trial a pruner stopped: a paused trial is
+RUNNING in the storage until it is promoted or closed, and a sampler that waits for finished trials
+(TPE's startup, its model) would otherwise sample at random for most of the study.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+from collections.abc import Container, Sequence
 from typing import Any
 
 import optuna
+from optuna.distributions import BaseDistribution
+from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.registry import PRUNERS, SAMPLERS, resolve
+from hpoflow.run.ledger import ATTR_PAUSED
 from hpoflow.search.options import SamplerOptions
 from hpoflow.spec import PrunerSpec, SearchSpec
 
-__all__ = ["make_pruner", "make_sampler"]
+__all__ = ["PausedAsPruned", "make_pruner", "make_sampler"]
 
 
 def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers.BaseSampler:
@@ -39,7 +49,64 @@ def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers
     kwargs = options.sampler_kwargs(search.max_concurrent) if isinstance(options, SamplerOptions) \
         else options.kwargs()
     sampler: optuna.samplers.BaseSampler = _build(SAMPLERS.get(search.algorithm), kwargs, seed)
-    return sampler
+    return PausedAsPruned(sampler) if search.scheduler.enabled else sampler
+
+
+class _PausedView:
+    """A study as a sampler reads it, with every paused trial shown PRUNED (its intermediate values kept)."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+    def _get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None,
+                    use_cache: bool = False) -> list[FrozenTrial]:
+        out = []
+        for t in self._study._get_trials(deepcopy=False, states=None, use_cache=use_cache):
+            if t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_PAUSED) is not None:
+                t = copy.copy(t)
+                t.state = TrialState.PRUNED
+            if states is None or t.state in states:
+                out.append(copy.deepcopy(t) if deepcopy else t)
+        return out
+
+    def get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+        return self._get_trials(deepcopy=deepcopy, states=states)
+
+
+class PausedAsPruned(optuna.samplers.BaseSampler):
+    """Wraps a sampler so that it reads trials paused by a scheduler as PRUNED (module docstring)."""
+
+    def __init__(self, inner: optuna.samplers.BaseSampler) -> None:
+        self.inner = inner
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return self.inner.infer_relative_search_space(_view(study), trial)
+
+    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        return self.inner.sample_relative(_view(study), trial, search_space)
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
+        return self.inner.sample_independent(_view(study), trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.inner.before_trial(_view(study), trial)
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                    values: Sequence[float] | None) -> None:
+        self.inner.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.inner.reseed_rng()
+
+
+def _view(study: optuna.Study) -> optuna.Study:
+    view: optuna.Study = _PausedView(study)  # type: ignore[assignment]  # duck-typed: reads only
+    return view
 
 
 def make_pruner(p: PrunerSpec) -> optuna.pruners.BasePruner:

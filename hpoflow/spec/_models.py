@@ -22,6 +22,7 @@ from hpoflow.registry import (
     MODELS,
     PRUNERS,
     SAMPLERS,
+    SCHEDULERS,
     STRATEGIES,
     Registry,
     check_class,
@@ -42,6 +43,7 @@ __all__ = [
     "Param",
     "PrunerSpec",
     "ResourcesSpec",
+    "SchedulerSpec",
     "SearchSpec",
     "StudySection",
     "StudySpec",
@@ -317,6 +319,38 @@ class PrunerSpec(_Strict):
         return self.type != "none"
 
 
+class SchedulerSpec(_Strict):
+    """Trials that pause at rungs with a checkpoint and resume later with more budget (docs/schedulers.md).
+
+    Written flat in YAML (``{type: asha, min_resource: 1, reduction_factor: 3}``): the keys beside
+    ``type`` are the scheduler's options, validated by its options model in ``hpoflow.registry.SCHEDULERS``.
+    """
+
+    type: str = "none"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_flat(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"type": data, "options": {}}
+        if isinstance(data, dict) and "options" not in data:
+            return {"type": data.get("type", "none"), "options": {k: v for k, v in data.items() if k != "type"}}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerSpec:
+        _checked_name(SCHEDULERS, self.type, "type")
+        full = SCHEDULERS.check(self.type, self.options, at="")
+        if full != self.options:
+            object.__setattr__(self, "options", full)  # frozen: normalise once, here
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+
 class SearchSpec(_Strict):
     algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, ...) or "
                                                       "any Optuna sampler class by import path")
@@ -338,6 +372,7 @@ class SearchSpec(_Strict):
         default=None, description="Run directory of an earlier, compatible study (same metric and direction) whose "
                                   "completed trials the sampler learns from before the first trial.")
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     ask_ahead: Literal["auto", True, False] = Field(
         default="auto", description="Ask the sampler for the next trial while every slot is busy, so a freed slot "
         "never waits for it; auto: with 2 or more slots, once asking takes over 1 % of a trial's time (slow "
@@ -370,6 +405,11 @@ class SearchSpec(_Strict):
             full = SAMPLERS.check(self.algorithm, self.sampler_options, at="sampler_options")
             if full != self.sampler_options:
                 object.__setattr__(self, "sampler_options", full)
+        if self.scheduler.enabled and self.pruner.enabled:
+            raise PydanticCustomError(
+                "scheduler_and_pruner", "pruner: a scheduler ({s}) decides at rungs which trials go on, and the "
+                "pruner '{p}' would stop trials too. Fix: remove search.pruner (or set it to none)",
+                {"s": self.scheduler.type, "p": self.pruner.type})
         if self.n_trials is None and self.algorithm != "grid":
             raise PydanticCustomError(
                 "missing_n_trials",
@@ -670,6 +710,11 @@ class StudySpec(_Strict):
     def _check_multi_objective(self) -> StudySpec:
         if not self.study.multi:
             return self
+        if self.search.scheduler.enabled:
+            raise PydanticCustomError(
+                "multi_objective_scheduler", "search.scheduler: a scheduler ranks trials by one value, but "
+                "study.metrics has {n} objectives. Fix: remove search.scheduler, or keep one metric",
+                {"n": len(self.study.objectives)})
         if self.search.pruner.type != "none":
             raise PydanticCustomError(
                 "multi_objective_pruning", "search.pruner: Optuna does not prune trials of a study with several "

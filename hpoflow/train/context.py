@@ -187,6 +187,8 @@ class TrialContext:
         wants = self.pruning and self.metric in clean and math.isfinite(clean[self.metric])
         self._prune = self.channel.report(int(step), clean, wants or self.elastic)
         self._resize = self.channel.resize_to if self.elastic else 0
+        if wants and self.channel.pause_asked and not self._prune:  # a scheduler pauses the trial at this
+            self.pause_request.set()  # step (docs/schedulers.md): should_stop() tells every rank
 
     def should_stop(self) -> bool:
         """Whether the trial should stop here: pruned, paused (the engine needs the trial to stop now,

@@ -12,8 +12,10 @@ file, fsync, rename: ``hpoflow.fileio``) except the report log, which is append-
 - ``reports.jsonl``: rank 0 appends one line per report (``seq``, ``step``, ``metrics``,
   ``wants_answer``) and fsyncs it. A reader uses only complete lines (ending in ``\\n``), so a line
   being written is never half read.
-- ``answer-<seq>.json``: the engine's decision for report ``seq`` (``{"prune": bool}``, and for an
-  elastic trial ``"world"``: the number of ranks to continue with, 0 for no change).
+- ``answer-<seq>.json``: the engine's decision for report ``seq`` (``{"prune": bool}``, for an
+  elastic trial ``"world"``: the number of ranks to continue with, 0 for no change, and
+  ``"pause": true`` when a scheduler pauses the trial at this step: checkpoint here and stop, to be
+  resumed later with more budget; docs/schedulers.md).
 - ``STOP``: written by the engine to cancel the attempt; rank processes watch it and kill their
   process group.
 - ``PAUSE``: written by the engine to pause the attempt (stop at the next step with a checkpoint); each
@@ -46,9 +48,11 @@ __all__ = ["Channel", "FileChannel", "NullChannel", "PipeChannel", "ReportReader
 class Channel(abc.ABC):
     """Rank 0's line to its engine. An answer to a report carries the pruning decision and, for an
     elastic trial, ``world``: the number of ranks the engine wants the trial to continue with (0: as it
-    is), kept in ``resize_to`` until the next answer."""
+    is), kept in ``resize_to`` until the next answer; ``pause``: a scheduler wants the trial to stop
+    here with a checkpoint (``pause_asked``, until the next answer)."""
 
     resize_to: int = 0
+    pause_asked: bool = False
 
     @abc.abstractmethod
     def report(self, step: int, metrics: dict[str, float], wants_answer: bool) -> bool:
@@ -58,8 +62,10 @@ class Channel(abc.ABC):
         """Take an answer (a bool, or ``{"prune": bool, "world": int}``); the prune decision."""
         if isinstance(answer, dict):
             self.resize_to = max(0, int(answer.get("world") or 0))
+            self.pause_asked = bool(answer.get("pause"))
             return bool(answer.get("prune"))
         self.resize_to = 0
+        self.pause_asked = False
         return bool(answer)
 
     @abc.abstractmethod

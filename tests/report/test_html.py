@@ -147,3 +147,33 @@ def test_the_progress_line_says_when_an_elastic_trial_changed_size() -> None:
     lines = out.getvalue().splitlines()
     assert "elastic" not in lines[0]
     assert "in 2.0s (elastic: up to 4 ranks, 2 resize(s))" in lines[1]
+
+
+def test_the_timeline_shows_pauses_and_promotions() -> None:
+    """A trial a scheduler paused (docs/schedulers.md) has one bar per run: grey 'pause@step' runs, and
+    the promoted runs after them dotted, each in the slot it ran in."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from hpoflow.report.html import PANELS, lanes
+
+    study = optuna.create_study(direction="maximize")
+    segments = [{"start": 100.0, "end": 102.0, "run_s": 1.9, "step": 1, "outcome": "paused"},
+                {"start": 104.0, "end": 107.0, "run_s": 2.9, "step": 3, "outcome": "paused"}]
+    study.add_trial(optuna.trial.create_trial(
+        value=0.9, params={"x": 0.5}, distributions={"x": FloatDistribution(0.0, 1.0)},
+        user_attrs={"hpoflow_segments": segments,
+                    "timings": {"started_at": 110.1, "launch_s": 0.1, "duration_s": 5.0, "run_s": 4.8}}))
+    study.add_trial(optuna.trial.create_trial(
+        value=0.5, params={"x": 0.1}, distributions={"x": FloatDistribution(0.0, 1.0)},
+        user_attrs={"timings": {"started_at": 102.1, "launch_s": 0.1, "duration_s": 2.0, "run_s": 1.9}}))
+    items = intervals(study)
+    assert [(i.number, i.state, i.paused_at, i.resumed) for i in items] == [
+        (0, "PAUSED", 1, False), (1, "COMPLETE", 0, False), (0, "PAUSED", 3, True), (0, "COMPLETE", 0, True)]
+    assert lanes(items) == [0, 0, 0, 0]  # one slot was enough: the paused trial held none
+    timeline = next(p for p in PANELS if p.__name__ == "_timeline")
+    panel = timeline(study, {"slots": 2})
+    assert panel is not None and panel.figure is not None
+    texts = [t for bar in panel.figure.data for t in bar.text]
+    assert "0 pause@1" in texts and "0 pause@3 (promoted)" in texts and "0 (promoted)" in texts
+    assert "2 run(s) paused at a rung" in panel.note and "2 promoted run(s)" in panel.note

@@ -328,15 +328,15 @@ class LocalEngine(Engine):
             times.append(deadline)
         return max(0.0, min(times) - now) if times else None
 
-    def answer(self, number: int, prune: bool) -> None:
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         t = self._trials.get(number)
         if t is None or 0 in t.outcomes:
             return
-        if t.request.elastic:  # answered at the next poll, with its size (_flush_answers)
+        if t.request.elastic and not pause:  # answered at the next poll, with its size (_flush_answers)
             t.deferred = prune
             return
         try:
-            t.workers[0].conn.send(("prune", prune))
+            t.workers[0].conn.send(("prune", {"prune": prune, "pause": True} if pause else prune))
         except (BrokenPipeError, OSError):
             pass
 

@@ -13,6 +13,10 @@ ones back at once (the lender pays ``resize_s``). The work left runs at ``speedu
 
 A trial still running ``resources.timeout`` virtual seconds after it started (over every resize of an
 elastic trial, as on the real engines) fails, not retryable.
+Pause and resume (schedulers, docs/schedulers.md): ``answer(number, False, pause=True)`` stops the
+trial at the epoch it reported (result ``cancelled``, "paused ..."), and the engine keeps the epochs
+done as if checkpointed; a later ``submit`` of the same trial number goes on from there (its duration
+is the remaining epochs' share of the cost model's).
 
 Results carry virtual timings: ``started_at`` (the engine's epoch plus virtual seconds), ``duration_s``
 and ``slot_seconds``; ``stats()`` gives the makespan and busy fraction (slot-seconds used / slots x
@@ -90,6 +94,7 @@ class SimulatedEngine(Engine):
         self._held_total = 0  # slots held (or reserved to grow into) by running trials
         self._resizes = 0
         self._finished = 0
+        self._paused: dict[int, int] = {}  # trial number -> epochs done when it paused (its "checkpoint")
         elastic = self.options.elastic
         if elastic is not None:
             from hpoflow.registry import ELASTIC
@@ -131,6 +136,10 @@ class SimulatedEngine(Engine):
         except Exception as exc:  # a cost function that raises: the trial fails, as in any engine
             cost = TrialCost(0.0, {}, error=f"cost model: {type(exc).__name__}: {exc}")
         sim = _Sim(request, cost, self.clock, need, need, max(0.0, cost.duration_s), at=self.clock)
+        resumed = self._paused.pop(request.number, 0)
+        if resumed and cost.error is None:  # resumed from its pause: the epochs done are not trained again
+            sim.epoch = min(resumed, sim.epochs - 1)
+            sim.done = sim.boundary(sim.epoch)
         self._running[request.number] = sim
         self._held_total += need
         self._schedule(sim)
@@ -162,7 +171,7 @@ class SimulatedEngine(Engine):
                 return events
         return []
 
-    def answer(self, number: int, prune: bool) -> None:
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         sim = self._running.get(number)
         if sim is None or not sim.waiting:
             return
@@ -170,6 +179,10 @@ class SimulatedEngine(Engine):
         sim.waiting = False
         if prune:
             self._finish(sim, "pruned")
+        elif pause:
+            self._paused[number] = sim.epoch
+            self._finish(sim, "cancelled", error=f"paused (scheduler) at epoch {sim.epoch}: checkpointed, "
+                         "resumes from there")
         else:
             self._schedule(sim)
 

@@ -156,13 +156,13 @@ class SlurmEngine(Engine):
             step = self.options.poll_interval_s
             time.sleep(step if deadline is None else max(0.0, min(step, deadline - now)))
 
-    def answer(self, number: int, prune: bool) -> None:
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         t = self._trials.get(number)
         if t is None or t.pending_answer is None:
             return
         seq, t.pending_answer = t.pending_answer, None
         with contextlib.suppress(OSError):
-            write_json_atomic(t.files.answer(seq), {"prune": bool(prune)})
+            write_json_atomic(t.files.answer(seq), {"prune": bool(prune), "pause": bool(pause)})
 
     def cancel(self, number: int, reason: str) -> None:
         t = self._trials.get(number)

@@ -1,0 +1,124 @@
+"""The driver's side of a scheduler (``search.scheduler``): what it writes in the storage when a trial
+reaches a rung, pauses, is promoted, or is closed at the end (``hpoflow.search.schedulers`` decides).
+
+Kept out of ``driver.py``: the driver calls ``at_report`` for every report that wants an answer,
+``paused`` for a result that is the pause it asked for, ``promotion`` when a slot is free, and
+``close_paused`` when nothing is left to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from hpoflow.registry import SCHEDULERS
+from hpoflow.run.ledger import ATTR_BRACKET, ATTR_DRIVER, ATTR_NEXT_ATTEMPT, ATTR_PAUSED, ATTR_RUNGS, ATTR_SEGMENTS
+from hpoflow.run.shared import SharedStudy
+from hpoflow.search.schedulers import PromotionScheduler
+from hpoflow.spec import StudySpec
+from hpoflow.trial import TrialRequest, TrialResult
+
+__all__ = ["Scheduling", "carried"]
+
+_log = logging.getLogger("hpoflow")
+
+
+class Scheduling:
+    """One driver's use of the study's scheduler."""
+
+    def __init__(self, spec: StudySpec, study: optuna.Study, shared: SharedStudy) -> None:
+        s = spec.search.scheduler
+        self.study = study
+        self.shared = shared
+        self.policy: PromotionScheduler = SCHEDULERS.get(s.type)(SCHEDULERS.options(s.type, s.options),
+                                                                 spec.study.direction)
+        self._asked: dict[int, int] = {}  # trial number -> the step this driver asked it to pause at
+        self.n_paused = 0  # this run's pauses
+        self.n_promoted = 0  # this run's promotions (a paused trial resumed)
+        self.n_went_on = 0  # rungs passed without a pause (in the top 1/eta on arrival)
+
+    def at_report(self, trial: optuna.trial.Trial, request: TrialRequest, step: int, value: float) -> bool:
+        """A report that wants an answer: records the rung value if ``step`` is a rung of the trial;
+        True when the trial should pause here (the driver answers pause)."""
+        if not math.isfinite(value):
+            return False
+        epochs = int(request.train.get("epochs") or 0) or step + 1
+        attrs = trial.user_attrs
+        bracket = self.policy.at_rung(trial.number, attrs, step, epochs)
+        if bracket is None:
+            return False
+        rungs = dict(attrs.get(ATTR_RUNGS) or {})
+        rungs[str(step)] = float(value)
+        if attrs.get(ATTR_BRACKET) != bracket:
+            trial.set_user_attr(ATTR_BRACKET, bracket)
+        trial.set_user_attr(ATTR_RUNGS, rungs)
+        self.shared.refresh()
+        if self.policy.goes_on(self.shared.tally.trials, trial.number, bracket, step, float(value)):
+            self.n_went_on += 1
+            return False
+        self._asked[trial.number] = step
+        return True
+
+    def paused(self, trial: optuna.trial.Trial, request: TrialRequest, res: TrialResult) -> bool:
+        """A result of a trial this driver asked to pause: if it paused (a checkpoint at the rung), the
+        trial stays RUNNING, marked paused at that step, and True; otherwise False (the driver handles
+        it as any result: an interrupted trial is rerun)."""
+        step = self._asked.pop(trial.number, None)
+        if step is None or res.status != "cancelled" or not (res.error or "").startswith("paused"):
+            return False
+        tm = res.timings
+        start = float(tm.get("started_at", 0.0)) - float(tm.get("launch_s", 0.0))  # its submit, as the report's
+        duration = float(tm.get("duration_s", 0.0))
+        segments = list(trial.user_attrs.get(ATTR_SEGMENTS) or [])
+        segments.append({"start": round(start, 3), "end": round(start + duration, 3), "step": step,
+                         "run_s": round(float(tm.get("run_s", duration)), 3), "outcome": "paused"})
+        trial.set_user_attr(ATTR_SEGMENTS, segments)
+        trial.set_user_attr(ATTR_NEXT_ATTEMPT, request.attempt + 1)
+        trial.set_user_attr(ATTR_PAUSED, step)  # last: from here any driver may promote it
+        self.n_paused += 1
+        return True
+
+    def promotion(self, busy: set[int]) -> tuple[optuna.trial.Trial, int] | None:
+        """A paused trial to resume now (claimed: no longer paused, this driver's), with the attempt
+        number its run takes; None if none is promotable."""
+        self.shared.refresh()
+        t = self.policy.next_promotion(self.shared.tally.trials, busy)
+        if t is None:
+            return None
+        trial = optuna.trial.Trial(self.study, t._trial_id)
+        try:
+            trial.set_user_attr(ATTR_DRIVER, self.shared.lease.id)
+            trial.set_user_attr(ATTR_PAUSED, None)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return None
+        self.n_promoted += 1
+        _log.info("trial %d promoted from rung %s", t.number, t.user_attrs.get(ATTR_PAUSED))
+        return trial, int(t.user_attrs.get(ATTR_NEXT_ATTEMPT, 1))
+
+    def active(self) -> bool:
+        """Whether any trial of the study (any driver's) runs now, paused ones aside."""
+        tally = self.shared.tally
+        return len(tally.running) > len(tally.paused)
+
+    def close_paused(self) -> int:
+        """Nothing runs, nothing may start, none is promotable: the paused trials stopped at their rung
+        for good (PRUNED, with the value of their last report). Returns how many were closed."""
+        self.shared.refresh()
+        closed = 0
+        for t in list(self.shared.tally.paused.values()):
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                self.study.tell(t.number, state=TrialState.PRUNED, skip_if_finished=True)
+                closed += 1
+        self.shared.refresh()
+        return closed
+
+
+def carried(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler's attrs a rerun of an interrupted trial keeps (its rungs and bracket)."""
+    return {k: v for k, v in attrs.items() if k in (ATTR_RUNGS, ATTR_BRACKET)}
+
