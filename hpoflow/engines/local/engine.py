@@ -21,9 +21,8 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from multiprocessing.connection import wait
 from multiprocessing.reduction import send_handle
 from pathlib import Path
@@ -32,8 +31,10 @@ from typing import Any
 from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.engines.local._pool import Worker, WorkerPool
+from hpoflow.engines.local._slots import RunningTrial as _Trial
+from hpoflow.engines.local._slots import give_back, plan_placement
 from hpoflow.engines.local.options import LocalOptions
-from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
+from hpoflow.engines.logcap import LogPump, cap_bytes
 from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
@@ -48,53 +49,6 @@ PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then i
 __all__ = ["LocalEngine", "plan_placement"]
 
 _LOG_DRAIN_S = 5.0  # how long a result waits for its rank logs' pipes to drain (normally milliseconds)
-
-def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[GpuId]
-                   ) -> list[Placement] | None:
-    """Cores and GPUs for each rank of ``request`` from the free ones, or ``None`` if they don't fit."""
-    need_c = request.processes * request.cpus_per_process
-    need_g = request.processes * request.gpus_per_process
-    if need_c > len(free_cores) or need_g > len(free_gpus):
-        return None
-    out = []
-    for r in range(request.processes):
-        c0, g0 = r * request.cpus_per_process, r * request.gpus_per_process
-        out.append(Placement(r, tuple(free_cores[c0 : c0 + request.cpus_per_process]),
-                             tuple(free_gpus[g0 : g0 + request.gpus_per_process])))
-    return out
-
-
-@dataclass
-class _Trial:
-    request: TrialRequest
-    placement: list[Placement]
-    workers: list[Worker]
-    submitted: float
-    deadline: float | None
-    submitted_wall: float = 0.0
-    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
-    first_report: float | None = None
-    first_report_wall: float | None = None
-    cancel_reason: str | None = None
-    failure: str | None = None
-    retryable: bool = False
-    store: str = ""  # the rendezvous file store of a multi-rank trial
-    logs: list[LogStream] = field(default_factory=list)  # its ranks' output, on the way to their logs
-    # Elastic trials run in segments, one per size (see ``_restart``), and their prune decision waits
-    # for the next poll (the engine adds the size to the answer then).
-    segments: Segments | None = None
-    deferred: bool | None = None
-    paused_at: float | None = None  # pause(): when the engine asked the ranks to stop at a step
-    signalled_at: float = 0.0
-
-    @property
-    def done(self) -> bool:
-        return len(self.outcomes) == len(self.workers)
-
-    def usage(self) -> list[dict[str, float]]:
-        """The ranks' system usage, in rank order."""
-        return [o.usage for _, o in sorted(self.outcomes.items()) if o.usage]
-
 
 class LocalEngine(Engine):
     """Runs trials as ranks on warm worker processes of this machine; see the module docstring.
@@ -503,16 +457,7 @@ class LocalEngine(Engine):
         if t.store:
             with contextlib.suppress(OSError):
                 os.unlink(t.store)
-        cores, gpus = Counter(self.free_cores), Counter(self.free_gpus)
-        for p in t.placement:
-            cores.update(p.cores)
-            gpus.update(p.gpus)
-        # never more of one id than the engine has: a core listed twice in ``cores`` is two slots (a
-        # bench oversubscribing the cores does that), and releasing twice frees nothing twice
-        cores &= Counter(self.cores)
-        gpus &= Counter(self.gpus)
-        self.free_cores = sorted(cores.elements())
-        # the engine's own order: indices and UUIDs (GpuId) may mix in CUDA_VISIBLE_DEVICES and do not sort
-        self.free_gpus = [g for g in dict.fromkeys(self.gpus) for _ in range(gpus[g])]
+        self.free_cores, self.free_gpus = give_back(self.free_cores, self.free_gpus, t.placement, self.cores,
+                                                    self.gpus)
         for w in t.workers:
             self._pool.release(w)
