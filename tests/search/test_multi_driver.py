@@ -167,7 +167,7 @@ def test_a_driver_killed_mid_study_has_its_trials_rerun_by_the_others(tmp_path: 
     os.killpg(victim.pid, signal.SIGKILL)  # the driver and its workers, at once, mid-trial
     codes = drivers.wait()
     assert codes["a"] == -signal.SIGKILL and codes["b"] == 0 and codes["c"] == 0, (
-        drivers.stderr("b"), drivers.stderr("c"))
+        f"codes {codes}\n--- b:\n{drivers.stderr('b')}\n--- c:\n{drivers.stderr('c')}")  # a str: shown whole
     assert not any("Traceback" in drivers.stderr(d) for d in ("b", "c"))
     study = load(storage, name, tmp_path)
     done = assert_exact(study, 12)
