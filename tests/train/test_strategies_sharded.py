@@ -427,3 +427,13 @@ def test_a_paused_sharded_trial_stops_mid_epoch_and_resumes_bitwise(
     assert resumed.metrics["resumed_from_epoch"] == 1.0
     assert {k: resumed.metrics[k] for k in COMPARED} == {k: reference.metrics[k] for k in COMPARED}
     assert _weights(tmp_path / "paused") == _weights(tmp_path / "ref")
+
+
+def test_a_sharded_state_is_refused_on_another_world_size_with_the_fix() -> None:
+    from hpoflow.train.strategies._sharded_state import check_same_world
+
+    check_same_world("fsdp", {"ranks": 2}, 2)
+    check_same_world("zero1", {}, 4)  # saved before the world size was recorded: taken as it is
+    with pytest.raises(ValueError, match=r"zero1 state was sharded over 2 ranks, but this trial has 4\. Fix: resume "
+                                         r"with the same resources\.processes"):
+        check_same_world("zero1", {"ranks": 2}, 4)

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from hpoflow.train.strategies._base import CommMeter, OptimizerLike, Strategy
-from hpoflow.train.strategies._sharded_state import load_sharded_state, sharded_state
+from hpoflow.train.strategies._sharded_state import check_same_world, load_sharded_state, sharded_state
 
 __all__ = ["FSDP", "fsdp_units"]
 
@@ -192,11 +192,7 @@ class FSDP(Strategy):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        if int(state.get("ranks", self.env.world_size)) != self.env.world_size:
-            raise ValueError(
-                f"checkpoint: fsdp state was sharded over {state.get('ranks')} ranks, but this trial has "
-                f"{self.env.world_size}. Fix: resume with the same resources.processes, or delete the "
-                "checkpoint directory to start over")
+        check_same_world("fsdp", state, self.env.world_size)
 
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self._root is None:

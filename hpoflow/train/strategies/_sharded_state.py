@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-__all__ = ["load_sharded_state", "sharded_state"]
+__all__ = ["check_same_world", "load_sharded_state", "sharded_state"]
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
@@ -74,3 +74,13 @@ def load_sharded_state(state: Mapping[str, Any], model: nn.Module, optimizer: to
     msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
     set_state_dict(model, optimizer, model_state_dict=_rebuild(state["model"], msd, "model"),
                    optim_state_dict=_rebuild(state["optimizer"], osd, "optimizer"), options=_OPTIONS)
+
+
+def check_same_world(strategy: str, state: Mapping[str, Any], world: int) -> None:
+    """``ValueError`` (rule, values, fix) when a strategy state saved with ``"ranks"`` (its shards' world
+    size) is loaded into a trial of another world size."""
+    if int(state.get("ranks", world)) != world:
+        raise ValueError(
+            f"checkpoint: {strategy} state was sharded over {state.get('ranks')} ranks, but this trial has "
+            f"{world}. Fix: resume with the same resources.processes, or delete the checkpoint directory to "
+            "start over")

@@ -22,6 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hpoflow.train.collectives import ring_allreduce_bytes
 from hpoflow.train.strategies._allreduce import AllReduce
+from hpoflow.train.strategies._sharded_state import check_same_world
 
 __all__ = ["ZeRO1"]
 
@@ -68,11 +69,7 @@ class ZeRO1(AllReduce):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        if int(state.get("ranks", self.env.world_size)) != self.env.world_size:
-            raise ValueError(
-                f"checkpoint: zero1 state was sharded over {state.get('ranks')} ranks, but this trial has "
-                f"{self.env.world_size}. Fix: resume with the same resources.processes, or delete the "
-                "checkpoint directory to start over")
+        check_same_world("zero1", state, self.env.world_size)
 
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The model (replicated) and this rank's local optimizer: the state of its share only."""
