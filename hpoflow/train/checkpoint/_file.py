@@ -137,12 +137,9 @@ def read_checkpoint(path: Path) -> Any:
 
 
 # -- state ------------------------------------------------------------------------------------------
-def snapshot(obj: Any, where: str = "state") -> Any:
-    """A deep copy of ``obj`` that shares nothing with training: tensors are detached CPU copies,
-    containers are new. Only what ``weights_only`` loads is accepted (else ``TypeError``)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+def plain_atom(obj: Any) -> Any:
+    """``obj`` as a plain atom (bool, int, float, str, None; a subclass or a NumPy scalar as the plain
+    type), or ``NotImplemented``."""
     if type(obj) in _ATOMS:
         return obj
     for atom in (bool, int, float, str):  # subclasses (enums, torch's version string) as the plain type
@@ -150,6 +147,18 @@ def snapshot(obj: Any, where: str = "state") -> Any:
             return atom(obj)
     if isinstance(obj, np.generic) and not isinstance(obj, np.ndarray):
         return obj.item()  # numpy scalar -> the Python number it holds
+    return NotImplemented
+
+
+def snapshot(obj: Any, where: str = "state") -> Any:
+    """A deep copy of ``obj`` that shares nothing with training: tensors are detached CPU copies,
+    containers are new. Only what ``weights_only`` loads is accepted (else ``TypeError``)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+    atom = plain_atom(obj)
+    if atom is not NotImplemented:
+        return atom
     if isinstance(obj, Mapping):
         return {k: snapshot(v, f"{where}[{k!r}]") for k, v in obj.items()}
     if isinstance(obj, list):

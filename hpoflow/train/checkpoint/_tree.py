@@ -17,14 +17,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from hpoflow.train.checkpoint._base import CorruptCheckpoint
+from hpoflow.train.checkpoint._file import plain_atom
 
 __all__ = ["flatten", "from_json_tensor", "json_tensor", "unflatten"]
 
-_ATOMS = (bool, int, float, str, type(None))
 
 
 def _refuse(obj: Any, where: str) -> TypeError:
@@ -35,16 +34,6 @@ def _refuse(obj: Any, where: str) -> TypeError:
         "instead of the object")
 
 
-def _atom(obj: Any) -> Any:
-    """``obj`` as a plain atom, or ``NotImplemented``."""
-    if type(obj) in _ATOMS:
-        return obj
-    for atom in (bool, int, float, str):  # subclasses (enums, torch's version string) as the plain type
-        if isinstance(obj, atom):
-            return atom(obj)
-    if isinstance(obj, np.generic) and not isinstance(obj, np.ndarray):
-        return obj.item()
-    return NotImplemented
 
 
 def flatten(state: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
@@ -63,13 +52,13 @@ def flatten(state: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
             name = name_for(path)
             tensors[name] = obj
             return {"T": name}
-        atom = _atom(obj)
+        atom = plain_atom(obj)
         if atom is not NotImplemented:
             return atom
         if isinstance(obj, Mapping):
             items = []
             for k, v in obj.items():
-                key = _atom(k)
+                key = plain_atom(k)
                 if key is NotImplemented:
                     raise _refuse(k, f"{where} key {k!r}")
                 items.append([key, walk(v, f"{path}.{k}" if path else str(k), f"{where}[{k!r}]")])
