@@ -117,10 +117,13 @@ def imports_torch(function: str, python_path: tuple[str, ...] = ()) -> bool:
     """Whether ``function`` (``module:function``) will import torch, read from source: in its own
     module, the imports at module level and in the function's body and in the bodies of the module's
     functions it names (transitively); in every module those import that is the user's own (a source
-    file outside the interpreter's and the site directories), all their imports, transitively (not
-    under ``if TYPE_CHECKING``). Nothing is imported or run: files are found like the import system
-    finds them (``python_path`` first, then ``sys.path``) and parsed. A module that cannot be found
-    answers False (the trial reports the import error itself)."""
+    file under a ``python_path`` directory or beside the function's module, and not in a
+    ``site-packages``/``dist-packages`` directory, nor the interpreter's or the site directories), all
+    their imports, transitively (not under ``if TYPE_CHECKING``). Libraries reached otherwise (on
+    ``PYTHONPATH``, through a ``.pth`` file: how HPC modules provide them) are not followed. Nothing is
+    imported or run: files are found like the import system finds them (``python_path`` first, then
+    ``sys.path``) and parsed. A module that cannot be found answers False (the trial reports the import
+    error itself)."""
     module, _, attr = function.partition(":")
     return _imports_torch(module, attr, python_path)
 
@@ -133,6 +136,7 @@ def _imports_torch(module: str, attr: str, python_path: tuple[str, ...]) -> bool
     entry = _source_of(module, search)
     if entry is None:
         return False
+    roots = tuple(os.path.join(os.path.realpath(d), "") for d in (*python_path, os.path.dirname(entry)) if d)
     todo = _imports_of(entry, module, attr)
     while todo:
         name = todo.pop()
@@ -150,8 +154,17 @@ def _imports_torch(module: str, attr: str, python_path: tuple[str, ...]) -> bool
             if any(m.partition(".")[0] in _TORCH_LIBRARIES for m in _imports_of(origin, name, "")):
                 return True
             continue
+        if not _users_own(origin, roots):
+            continue  # a library from elsewhere (PYTHONPATH, a .pth file)
         todo.extend(_imports_of(origin, name))
     return False
+
+
+def _users_own(origin: str, roots: tuple[str, ...]) -> bool:
+    """Whether the source file ``origin`` is under one of ``roots`` and not inside a library directory
+    there (a project's ``.venv``, a ``--target`` directory)."""
+    return any(origin.startswith(r) and not {"site-packages", "dist-packages"} & set(origin[len(r):].split(os.sep))
+               for r in roots)
 
 
 @functools.lru_cache(maxsize=1)

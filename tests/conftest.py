@@ -53,6 +53,22 @@ def descendants() -> set[int]:
     return out
 
 
+@pytest.fixture
+def forget_plugin_kit() -> Any:
+    """Every registry as it was before the test, and tests.plugin_kit unimported after it: a test that
+    imports the kit (its registrations) does not leak kit_* names into the lists other tests check."""
+    from hpoflow import registry
+
+    kinds = [r for r in vars(registry).values() if isinstance(r, registry.Registry)]
+    saved = [dict(r._entries) for r in kinds]
+    try:
+        yield
+    finally:
+        for r, entries in zip(kinds, saved, strict=True):
+            r._entries = entries
+        sys.modules.pop("tests.plugin_kit", None)
+
+
 @pytest.fixture(scope="session")
 def calibration_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     """One real 2-process gloo calibration of this machine per test run (it takes ~10 s), shared

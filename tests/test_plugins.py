@@ -187,21 +187,8 @@ def test_any_optuna_sampler_or_pruner_by_import_path(tmp_path: Path) -> None:
 
 # -- one throw-away plug-in of each kind (tests/plugin_kit.py), named by the spec's plugins: ----------
 @pytest.fixture(autouse=True)
-def _forget_the_kit() -> Iterator[None]:
+def _forget_the_kit(forget_plugin_kit: None) -> None:
     """The registries as they were before the test: the kit's registrations do not leak into others."""
-    import sys
-
-    from hpoflow import registry
-
-    kinds = [getattr(registry, n) for n in ("ENGINES", "SAMPLERS", "PRUNERS", "STRATEGIES", "LAUNCHERS", "MODELS",
-                                            "ELASTIC", "COST_MODELS", "CHECKPOINT_FORMATS")]
-    saved = [dict(r._entries) for r in kinds]
-    try:
-        yield
-    finally:
-        for r, entries in zip(kinds, saved, strict=True):
-            r._entries = entries
-        sys.modules.pop("tests.plugin_kit", None)
 
 
 def _kit_spec(tmp_path: Path, **extra: Any) -> Path:

@@ -132,8 +132,9 @@ class RetryingStorage(BaseStorage, BaseHeartbeat):
         self._clock = clock
         self._lock = threading.Lock()
         self._gave_up_at: float | None = None  # when a call last gave up; for retry_s after, calls try once
-        self._outage_at: float | None = None  # when the outage being waited out was announced (one line per
-        # outage, however many threads wait it out: the driver's calls and its lease renewals)
+        self._outage_at: float | None = None  # when the outage was announced: one line per outage (from a
+        # failure to the next success), however many threads wait it out (the driver's calls and its lease
+        # renewals) and however often it is waited out again after a call gave up
 
     # -- the retry loop ---------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T], on_retry_error: Callable[[Exception], T] | None = None) -> T:
@@ -169,7 +170,7 @@ class RetryingStorage(BaseStorage, BaseHeartbeat):
                 left = self.retry_s - (now - t0)
                 if left <= 0:
                     with self._lock:
-                        self._gave_up_at, self._outage_at = now, None
+                        self._gave_up_at = now  # the outage goes on (announced) until a call succeeds
                     raise self._unavailable(cause, now - t0) from None
                 self._sleep(min(delay, left))
                 delay = min(2 * delay, _MAX_DELAY_S)

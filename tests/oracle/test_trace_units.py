@@ -63,7 +63,7 @@ def test_parameters_in_16_bits_have_no_autocast_copies() -> None:
     assert pure.activation_bytes < autocast.activation_bytes  # the residual stream is 16-bit too
 
 
-def test_a_model_registered_for_training_is_measured_through_the_registry() -> None:
+def test_a_model_registered_for_training_is_measured_through_the_registry(forget_plugin_kit: None) -> None:
     import tests.plugin_kit  # noqa: F401  registers kit_tiny
 
     f = model_facts("kit_tiny", (1, 8, 8), 10, options={"hidden": 16})

@@ -117,7 +117,9 @@ def test_one_outage_waited_out_by_two_threads_is_announced_once(tmp_path: Path,
                      "failed: Connection refused", "storage reachable again after 0.0 s"]
 
 
-def test_past_storage_retry_s_the_call_gives_up_and_later_calls_do_not_wait(tmp_path: Path) -> None:
+def test_past_storage_retry_s_the_call_gives_up_and_later_calls_do_not_wait(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="hpoflow")
     _, flaky, clock, study = _proxy(tmp_path, retry_s=10)
     flaky.fail["get_all_trials"] = 100
     with pytest.raises(StorageUnavailable) as info:
@@ -137,6 +139,9 @@ def test_past_storage_retry_s_the_call_gives_up_and_later_calls_do_not_wait(tmp_
     clock.now += 10  # storage_retry_s after giving up, outages are waited out again
     flaky.fail["get_all_trials"] = 1
     assert study.get_trials() == [] and clock.sleeps == [0.25]
+    lines = [r.getMessage() for r in caplog.records]  # one outage, from the first failure to the success
+    assert [line.split(":")[0] for line in lines] == ["storage unreachable, retrying for up to 10 s",
+                                                      "storage reachable again after 20.2 s"], lines
 
 
 def test_a_trial_whose_creation_reply_was_lost_is_not_created_twice(tmp_path: Path) -> None:
