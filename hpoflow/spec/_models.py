@@ -284,6 +284,16 @@ def _checked_name(registry: Registry[Any], name: str, at: str) -> None:
         raise PydanticCustomError("unknown_plugin", "{at}: {msg}", {"at": at, "msg": registry.unknown(name)})
 
 
+def _check_plugin(spec: BaseModel, registry: Registry[Any], name_key: str, options_at: str) -> None:
+    """The plug-in named by ``spec.<name_key>`` exists and ``spec.options`` are its options; the spec
+    keeps all of them, defaults included (frozen: normalised once, here)."""
+    name = getattr(spec, name_key)
+    _checked_name(registry, name, name_key)
+    full = registry.check(name, spec.options, at=options_at)  # type: ignore[attr-defined]
+    if full != spec.options:  # type: ignore[attr-defined]
+        object.__setattr__(spec, "options", full)
+
+
 class PrunerSpec(_Strict):
     """Early stopping of unpromising trials from their intermediate reports (Optuna pruners).
 
@@ -308,10 +318,7 @@ class PrunerSpec(_Strict):
         if self.type not in PRUNERS and is_class_path(self.type):
             check_class(self.type, self.options, "optuna.pruners:BasePruner", "options")
             return self
-        _checked_name(PRUNERS, self.type, "type")
-        full = PRUNERS.check(self.type, self.options, at="")
-        if full != self.options:
-            object.__setattr__(self, "options", full)  # frozen: normalise once, here
+        _check_plugin(self, PRUNERS, "type", "")
         return self
 
     @property
@@ -340,10 +347,7 @@ class SchedulerSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> SchedulerSpec:
-        _checked_name(SCHEDULERS, self.type, "type")
-        full = SCHEDULERS.check(self.type, self.options, at="")
-        if full != self.options:
-            object.__setattr__(self, "options", full)  # frozen: normalise once, here
+        _check_plugin(self, SCHEDULERS, "type", "")
         return self
 
     @property
@@ -443,10 +447,7 @@ class CheckpointSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_format(self) -> CheckpointSpec:
-        _checked_name(CHECKPOINT_FORMATS, self.format, "format")
-        full = CHECKPOINT_FORMATS.check(self.format, self.options, at="options")
-        if full != self.options:
-            object.__setattr__(self, "options", full)  # frozen: normalise once, here
+        _check_plugin(self, CHECKPOINT_FORMATS, "format", "options")
         return self
 
     @property
