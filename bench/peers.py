@@ -229,18 +229,22 @@ def main() -> None:
         figures[f"{kind}_pss_ratio"] = round(
             figures[f"{kind}_hpoflow_peak_pss_gb"] / figures[f"{kind}_optuna_peak_pss_gb"], 3)
     # every digits trial does the same work: the first trial on each slot against the later ones
-    spreads = []
+    # next to it, the noise floor: how far a typical later trial is from the median of the later ones
+    spreads, noise = [], []
     for r in runs["digits"]["hpoflow"]:
         durs = r["durations"]
         first, later = durs[: a.slots], durs[a.slots :]
         if later:
             spreads.append(max(abs(f / median(later) - 1.0) for f in first))
+            noise.append(median([abs(x / median(later) - 1.0) for x in later]))
     figures["digits_first_vs_later_duration"] = round(median(spreads), 3) if spreads else None
+    figures["digits_later_vs_later_duration"] = round(median(noise), 3) if noise else None
     f = figures
     print(f"digits: wall hpoflow {f['digits_hpoflow_wall_s']} s vs optuna threads {f['digits_optuna_wall_s']} s "
           f"(ratio {f['digits_wall_ratio']}, goal <= 1); peak summed PSS {f['digits_hpoflow_peak_pss_gb']} vs "
           f"{f['digits_optuna_peak_pss_gb']} GB (ratio {f['digits_pss_ratio']}, goal <= 1.2); first trial on a "
-          f"slot vs later: {f['digits_first_vs_later_duration']} (goal < 0.10)")
+          f"slot vs later: {f['digits_first_vs_later_duration']} (goal < 0.10; a later trial's typical distance "
+          f"from their median: {f['digits_later_vs_later_duration']})")
     print(f"short: overhead per trial and slot hpoflow {f['short_hpoflow_overhead_ms_per_trial_slot']} ms vs optuna "
           f"threads {f['short_optuna_overhead_ms_per_trial_slot']} ms (goal <= 10); fixed start-up "
           f"{f['short_hpoflow_fixed_s']} vs {f['short_optuna_fixed_s']} s; wall {f['short_hpoflow_wall_s']} vs "
