@@ -44,7 +44,7 @@ from hpoflow.run.shared import SharedStudy
 from hpoflow.search.scheduling import Scheduling, carried
 from hpoflow.search.space import Grid, suggest
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
-from hpoflow.trial import TrialReport, TrialRequest, TrialResult, Verdict
+from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, Verdict
 
 __all__ = ["Driver", "DriverListener", "DriverSummary"]
 
@@ -139,6 +139,7 @@ class _InFlight:
     request: TrialRequest
     params: dict[str, Any]
     first_attempt: int = 0  # the attempt this run started with (a promoted trial's is above 0)
+    reported: set[int] = field(default_factory=set)  # steps told to the study (a retry reports them again)
 
 
 class Driver:
@@ -246,6 +247,8 @@ class Driver:
                 wait = 0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
                 events = self.engine.poll(wait)
                 t1 = time.monotonic()
+                if self._ready is not None and not cancelling and summary.stopped_by == "budget":
+                    self._start_early(events, slots)
                 for ev in events:
                     if isinstance(ev, TrialReport):
                         self._on_report(ev)
@@ -469,7 +472,9 @@ class Driver:
         prune = False
         if value is not None and math.isfinite(value):
             try:
-                fl.trial.report(value, ev.step)
+                if ev.step not in fl.reported:  # Optuna keeps a step's first value, and warns at a second
+                    fl.trial.report(value, ev.step)
+                    fl.reported.add(ev.step)
             except (NotImplementedError, ValueError):  # multi-objective or a repeated step
                 pass
             except optuna.exceptions.UpdateFinishedTrialError:
@@ -491,6 +496,16 @@ class Driver:
             _log.warning("trial %d was finished by another driver (this one did not beat for search.lease_s); "
                          "stopping it here", fl.trial.number)
             self.engine.cancel(fl.trial.number, "taken over by another driver")
+
+    def _start_early(self, events: list[Event], slots: int) -> None:
+        """Results that free slots: submit the trial asked ahead before the finished trials' bookkeeping
+        (their storage writes, one of them fsynced, and their result files), so a slot does not idle
+        through it. Only for complete and pruned results: a failure may be retried in its slot, or stop
+        the study (``max_failures``), and a pause is the scheduler's (which asks nothing ahead)."""
+        freed = sum(1 for ev in events if isinstance(ev, TrialResult) and ev.number in self._inflight
+                    and ev.status in ("complete", "pruned"))
+        if freed and len(self._inflight) - freed < slots and self._room(0):
+            self._start_one()
 
     def _on_result(self, res: TrialResult) -> None:
         fl = self._inflight.get(res.number)

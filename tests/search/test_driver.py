@@ -382,6 +382,75 @@ def test_ask_ahead_asks_while_every_slot_is_busy_and_keeps_the_budget_exact(tmp_
     assert all(t.state == TrialState.COMPLETE for t in study.trials)
 
 
+def test_a_trial_asked_ahead_is_submitted_before_the_finished_trial_is_recorded(tmp_path: Path) -> None:
+    """A result frees a slot: the trial asked ahead goes to it first, and the finished trial's storage
+    writes (one of them fsynced) come after, so the slot does not idle through them."""
+    from hpoflow.trial import TrialResult
+
+    spec = make(n_trials=10, max_concurrent=2, ask_ahead=True)
+    study = optuna.create_study(direction="maximize", sampler=_SlowSampler(0.01))
+
+    class Recording(ThreadEngine):
+        def __init__(self) -> None:
+            super().__init__(lambda p, r: _sleep_then(0.05, p["x"]), slots=2)
+            self.results: set[int] = set()  # trials whose result the driver has polled
+            self.pending_at_submit: list[set[int]] = []  # polled, not yet told, at each submit
+
+        def poll(self, timeout: float | None) -> list[Any]:
+            events = super().poll(timeout)
+            self.results.update(ev.number for ev in events if isinstance(ev, TrialResult))
+            return events
+
+        def submit(self, request: Any) -> None:
+            told = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
+            self.pending_at_submit.append(self.results - told)
+            super().submit(request)
+
+    engine = Recording()
+    driver = Driver(spec, study, engine, tmp_path)
+    driver.run()
+    engine.close()
+    assert count_finished(study) == 10 and len(study.trials) == 10 and engine.max_in_flight == 2
+    early = [p for p in engine.pending_at_submit[2:] if p]
+    # every submit after the first two that took a trial asked ahead happened while the result that
+    # freed its slot was not yet in the study (the sampler is slow, so that is every one or nearly)
+    assert driver.asked_ahead >= 5 and len(early) >= driver.asked_ahead - 1
+
+
+def test_a_retried_attempt_reporting_its_steps_again_raises_no_optuna_warning(tmp_path: Path) -> None:
+    """A rank lost mid-trial (a killed worker) is retried in the same trial from its start: its
+    reports repeat steps the study has. Optuna keeps a step's first value and warns at a second; the
+    driver tells each step once, so the user sees no warning."""
+    import warnings
+
+    from hpoflow.trial import TrialResult
+
+    class LosesFirstAttempt(ThreadEngine):
+        def _run(self, request: Any, reporter: Reporter) -> None:
+            if request.attempt == 0:
+                reporter.report(1, score=0.1)
+                reporter.report(2, score=0.2)
+                self._events.put(TrialResult(request.number, "failed", error="worker lost", retryable=True))
+                return
+            super()._run(request, reporter)
+
+    def objective(p: dict[str, Any], r: Reporter) -> float:
+        for step in (1, 2, 3):
+            r.report(step, score=0.5 * step)
+        return 0.9
+
+    spec = make({"resources": {"max_retries": 1}}, n_trials=1, max_concurrent=1)
+    study = optuna.create_study(direction="maximize")
+    engine = LosesFirstAttempt(objective, slots=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an Optuna UserWarning would fail the trial's bookkeeping here
+        Driver(spec, study, engine, tmp_path).run()
+    engine.close()
+    (t,) = study.trials
+    assert t.state == TrialState.COMPLETE and t.user_attrs["attempts"] == 2
+    assert t.intermediate_values == {1: 0.1, 2: 0.2, 3: 1.5}  # each step's first report kept
+
+
 def test_ask_ahead_auto_turns_on_for_a_slow_sampler_and_stays_off_for_one_slot(tmp_path: Path) -> None:
     slow = make(n_trials=8, max_concurrent=2)  # ask_ahead: auto
     driver, _, _ = run_driver(slow, lambda p, r: _sleep_then(0.02, p["x"]), 2, tmp_path / "a",
