@@ -27,8 +27,11 @@ What it leaves out: integer and categorical hyperparameters (the caller rounds a
 categorical extension, PB2-Mix, is not here); ARD lengthscales (one lengthscale over the normalised
 box, as the paper); gradient-based optimisation of the kernel hyperparameters and of the acquisition
 (a grid and a random local search instead: numpy only, deterministic for a given ``rng``); the exploit
-step, the quantiles and the lineage (the PBT scheduler's). Only the most recent ``MAX_POINTS`` intervals
-are modelled (the GP's cost is cubic in them; older ones are forgotten by the kernel anyway).
+step, the quantiles and the lineage (the PBT scheduler's); Ray Tune's extra model input (the reward
+before the interval). The reward change is taken as given: with intervals of unequal length the caller
+divides it by the length. Only the most recent ``MAX_POINTS`` intervals are modelled (the GP's cost is
+cubic in them; older ones are forgotten by the kernel anyway): one call takes well under a second at
+that size on a 2-core machine.
 
 Fewer than ``MIN_POINTS`` usable history points: no model; the answer is a random point near
 ``current``: each normalised coordinate moved uniformly by at most ``FALLBACK_RADIUS`` and clipped to
