@@ -4,8 +4,9 @@ embedded, no CDN).
 Optuna's visualisation module draws what it already has (optimisation history, learning curves,
 parameter importances, parallel coordinates, slices); this module adds what none has: the slot
 timeline (each trial a bar from submit to result, one lane per slot, the study's busy fraction),
-cost panels from what trials measured (samples/s, step time, communication fraction by world size
-and strategy), and system usage per trial when recorded. A panel that cannot be drawn says why.
+a PBT/PB2 study's lineage and hyperparameter schedules (``_lineage``), cost panels from what trials
+measured (samples/s, step time, communication fraction by world size and strategy), and system usage
+per trial when recorded. A panel that cannot be drawn says why.
 
 Reads the study (read-only: usable while it runs); writes only its own output file, atomically.
 Needs the ``report`` extra (plotly).
@@ -26,6 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.errors import HpoflowError
 from hpoflow.fileio import write_atomic
+from hpoflow.report import _lineage
 from hpoflow.report.tables import best_rows, status_dict
 from hpoflow.run.ledger import ATTR_SEGMENTS
 
@@ -186,6 +188,16 @@ def _label(i: Interval) -> str:
     return text + (" (promoted)" if i.resumed else "")
 
 
+def _population(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel | None:
+    """A PBT/PB2 study's lineage and hyperparameter schedules (``hpoflow.report._lineage``)."""
+    items = _lineage.intervals(study)
+    if not items:
+        return None  # not a population study: no trial has a lineage
+    _plotly()
+    fig, note = _lineage.figure(study, items)
+    return Panel("population: lineage and hyperparameter schedules", fig, note=note)
+
+
 _COSTS = (("samples_per_s", "samples/s"), ("step_time_s", "step time (s)"), ("comm_fraction", "communication fraction"),
           ("bytes_per_step", "bytes per step"))
 
@@ -291,6 +303,7 @@ PANELS: list[Callable[[optuna.Study, Mapping[str, Any]], Panel | None]] = [
     _optuna_plot("plot_intermediate_values", "learning curves (intermediate values; pruned trials stop early)",
                  "no trial reported intermediate values"),
     _timeline,
+    _population,
     _optuna_plot("plot_param_importances", "parameter importances", "not enough complete trials"),
     _optuna_plot("plot_parallel_coordinate", "parallel coordinates", "nothing to draw"),
     _optuna_plot("plot_slice", "slices", "nothing to draw"),
