@@ -55,6 +55,9 @@ __all__ = [
 
 PLACEHOLDER = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 Scalar = bool | int | float | str | None
+# optimizer param-group keys the built-in trainer may change between epochs of one run (training.schedule,
+# a PBT member's resume with new values)
+SCHEDULABLE = ("lr", "momentum", "weight_decay")
 
 
 def unprintable(name: str) -> str:
@@ -726,6 +729,38 @@ class StudySpec(_Strict):
                 "multi_objective_sampler", "search.algorithm: {a} optimises one objective, but study.metrics has "
                 "{n}. Fix: use tpe, nsga2, nsga3, gp or random", {"a": self.search.algorithm,
                                                                   "n": len(self.study.objectives)})
+        return self
+
+    @model_validator(mode="after")
+    def _check_pbt(self) -> StudySpec:
+        """``search.scheduler: {type: pbt}`` (docs/schedulers.md): explored hyperparameters are float/int
+        parameters of the space; every member trains a fixed ``training.epochs``; with the built-in
+        trainer an explored hyperparameter feeds only what a resume may change (``SCHEDULABLE``)."""
+        s = self.search.scheduler
+        if s.type != "pbt":
+            return self
+        names = s.options.get("hyperparams") or [k for k, p in self.space.items()
+                                                 if isinstance(p, FloatParam | IntParam)]
+        for name in names:
+            if not isinstance(self.space.get(name), FloatParam | IntParam):
+                raise PydanticCustomError(
+                    "pbt_hyperparam", "search.scheduler.hyperparams: PBT explores float and int parameters of the "
+                    "space, but '{n}' is {what}. Fix: name float/int parameters of space:",
+                    {"n": name, "what": "not in the space" if name not in self.space else "categorical"})
+        epochs = self.training.get("epochs", 10)
+        if not isinstance(epochs, int) or isinstance(epochs, bool):
+            raise PydanticCustomError(
+                "pbt_epochs", "training.epochs: PBT trains every member a fixed number of epochs, but got {e}. Fix: "
+                "write a whole number", {"e": epochs})
+        if self.training.get("function"):
+            return self
+        for key, value in self.training.items():
+            m = PLACEHOLDER.match(value) if isinstance(value, str) else None
+            if m and m.group(1) in names and key not in SCHEDULABLE:
+                raise PydanticCustomError(
+                    "pbt_resume_key", "training.{k}: PBT changes '{n}' when a member resumes from a checkpoint, "
+                    "which the built-in trainer allows only for {ok}. Fix: leave '{n}' out of "
+                    "search.scheduler.hyperparams", {"k": key, "n": m.group(1), "ok": ", ".join(SCHEDULABLE)})
         return self
 
     @model_validator(mode="after")
