@@ -22,8 +22,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 __all__ = ["ATTR_BRACKET", "ATTR_CHECKPOINTS", "ATTR_DRIVER", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED",
-           "ATTR_LINEAGE", "ATTR_NEXT_ATTEMPT", "ATTR_PAUSED", "ATTR_REPLACES", "ATTR_RUNGS", "ATTR_SEGMENTS", "ATTR_UNUSED",
-           "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
+           "ATTR_LINEAGE", "ATTR_NEXT_ATTEMPT", "ATTR_PAUSED", "ATTR_REPLACES", "ATTR_RUNGS", "ATTR_SEGMENTS",
+           "ATTR_UNUSED", "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
 
 ATTR_REPLACES = "hpoflow_replaces"  # user attr: the number of the interrupted trial this one reruns
 _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES

@@ -20,7 +20,7 @@ from hpoflow.errors import SpecError
 from hpoflow.run.ledger import ATTR_LINEAGE, is_counted
 from hpoflow.search.options import PbtSchedulerOptions
 from hpoflow.search.pbt import PbtPolicy, explore_pbt, fit
-from hpoflow.spec import FloatParam, IntParam, spec_from_mapping
+from hpoflow.spec import FloatParam, IntParam, Param, spec_from_mapping
 from hpoflow.trial import TrialRequest
 
 EPOCHS = 8
@@ -107,7 +107,7 @@ def test_pbt_runs_members_in_intervals_with_exploits_and_a_complete_lineage(tmp_
         assert t.params["units"] in range(8, 65, 8)
     # the first 4 trials are the sampled roots; every member reaches the last epoch
     assert sorted(_lineage(by[n])["interval"] for n in range(4)) == [0, 0, 0, 0]
-    ends = {}
+    ends: dict[int, int] = {}
     for t in done:
         lin = _lineage(t)
         ends[lin["member"]] = max(ends.get(lin["member"], 0), lin["end"])
@@ -131,7 +131,7 @@ def test_a_rerun_of_the_same_command_adds_nothing_to_a_finished_pbt_study(tmp_pa
 
 def test_pbt_explore_perturbs_or_resamples_within_the_space() -> None:
     policy = PbtPolicy(PbtSchedulerOptions(resample_probability=0.0, perturb=[2.0]), "maximize")
-    space = {"lr": FloatParam(type="float", low=1e-4, high=1e-1, log=True),
+    space: dict[str, Param] = {"lr": FloatParam(type="float", low=1e-4, high=1e-1, log=True),
              "units": IntParam(type="int", low=8, high=64, step=8), "m": FloatParam(type="float", low=0.0, high=0.9)}
     out = explore_pbt(policy, space, ["lr", "units", "m"], {"lr": 0.08, "units": 24, "m": 0.3},
                       np.random.default_rng(0))
