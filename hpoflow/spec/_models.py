@@ -7,11 +7,13 @@ trial holds) and ``engine``/``storage`` (where trials run and where the study li
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 import unicodedata
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import did_you_mean
@@ -499,10 +501,36 @@ class TrainConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32", description="fp32, or mixed precision: bf16 or fp16 autocast on the rank's device (fp16 "
                                     "with a loss scaler); weights, gradients and optimizer state stay fp32.")
+    schedule: dict[str, list[tuple[int, float]]] = Field(
+        default_factory=dict,
+        description="Values of lr, momentum, weight_decay by epoch, each applied from the start of its epoch: "
+                    "{lr: [[0, 0.1], [4, 0.05]]} (epochs increasing from 0); what best.yaml of a PBT study "
+                    "replays (docs/schedulers.md). Built-in trainer.")
     # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec,
         description="Periodic checkpoints a trial resumes from after a crash: every, keep, async, format, options.")
+
+    @field_validator("schedule")
+    @classmethod
+    def _check_schedule(cls, v: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+        for key, points in v.items():
+            if key not in SCHEDULABLE:
+                raise PydanticCustomError(
+                    "schedule_key", "the built-in trainer changes only {ok} between epochs, but got '{k}'. Fix: "
+                    "schedule one of those", {"k": key, "ok": ", ".join(SCHEDULABLE)})
+            epochs = [e for e, _ in points]
+            if not points or epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):
+                raise PydanticCustomError(
+                    "schedule_epochs", "{k} is a list of [epoch, value] with epochs increasing from 0, but got epochs "
+                    "{e}. Fix: start at [0, value] and increase", {"k": key, "e": epochs})
+            bad = [x for _, x in points if not math.isfinite(x) or x < 0 or (key == "lr" and x == 0)
+                   or (key == "momentum" and x >= 1)]
+            if bad:
+                rule = {"lr": "> 0", "momentum": "in [0, 1)"}.get(key, ">= 0")
+                raise PydanticCustomError("schedule_value", "every value of {k} must be {r}, but got {b}. Fix: "
+                                          "correct it", {"k": key, "r": rule, "b": bad[0]})
+        return v
 
     @model_validator(mode="after")
     def _check_plugins(self) -> TrainConfig:
