@@ -8,9 +8,10 @@ next interval with fixed parameters (``enqueue_trial``): it resumes from a check
 ``interval`` more epochs (its ``training.epochs`` is the interval's end):
 
 - **exploit**: if the member's value is in the bottom ``quantile`` of the population's latest
-  interval values (as known now: no barrier), it takes a random member of the top ``quantile`` as
-  donor: the new trial resumes from the donor's latest checkpoint, with the donor's parameters, seed
-  and epoch count; otherwise it resumes from its own with the same parameters;
+  interval values (as known now: no barrier), it takes a random member of the top ``quantile`` that
+  is not behind it (its latest interval ends at the same epoch or later) as donor: the new trial
+  resumes from the donor's latest checkpoint, with the donor's parameters, seed and epoch count;
+  otherwise it resumes from its own with the same parameters;
 - **explore** (after an exploit only): each explored hyperparameter is resampled from the space with
   ``resample_probability`` or multiplied by a random factor of ``perturb`` (``pbt``), or chosen by
   ``hpoflow.search.pb2.explore`` (``pb2``); then clipped to the space, ints and steps rounded.
@@ -298,6 +299,9 @@ class PbtScheduling:
         failed = t.state != TrialState.COMPLETE
         if failed and not top:
             top = sorted(latest, key=lambda k: -latest[k] if self.policy.maximize else latest[k])[:1]
+        # a donor is not behind: a member never trains an epoch range again, so it needs at most
+        # ceil(epochs / interval) intervals and the population fits the budget
+        top = [k for k in top if int(best[k].user_attrs[ATTR_LINEAGE]["end"]) >= int(lin["end"])]
         if (m in bottom or failed) and top and m not in top:
             donor = best[int(top[int(rng.integers(len(top)))])]
             dlin = donor.user_attrs[ATTR_LINEAGE]
