@@ -7,6 +7,7 @@ trial holds) and ``engine``/``storage`` (where trials run and where the study li
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import re
@@ -775,6 +776,10 @@ class StudySpec(_Strict):
                     "pbt_hyperparam", "search.scheduler.hyperparams: PBT explores float and int parameters of the "
                     "space, but '{n}' is {what}. Fix: name float/int parameters of space:",
                     {"n": name, "what": "not in the space" if name not in self.space else "categorical"})
+        if s.options.get("explore") == "pb2" and importlib.util.find_spec("hpoflow.search.pb2") is None:
+            raise PydanticCustomError(
+                "pb2_missing", "search.scheduler.explore: pb2 needs hpoflow.search.pb2 (PB2's explore step), which "
+                "this installation does not have. Fix: use explore: pbt", {})
         epochs = self.training.get("epochs", 10)
         if not isinstance(epochs, int) or isinstance(epochs, bool):
             raise PydanticCustomError(

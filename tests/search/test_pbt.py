@@ -4,6 +4,7 @@ no epoch trained twice."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -162,3 +163,11 @@ def test_bad_pbt_options_are_one_line_naming_the_key(options: dict[str, Any], ke
     with pytest.raises(SpecError) as err:
         spec_from_mapping(spec)
     assert key in str(err.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hpoflow.search.pb2") is not None, reason="PB2's explore step is here")
+def test_explore_pb2_without_its_module_is_one_line_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as err:
+        optimize(_spec(10, explore="pb2"), tmp_path / "run", engine=_engine())
+    assert "search.scheduler.explore" in str(err.value) and "Fix: use explore: pbt" in str(err.value)
+    assert not (tmp_path / "run").exists()
