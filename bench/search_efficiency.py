@@ -9,10 +9,10 @@ the asynchronous driver with random, TPE, GP and CMA-ES, each without pruning, w
 median pruner (CMA-ES and GP without pruning), and random and TPE with the schedulers that pause and
 resume trials from checkpoints (``+promo``: promotion-type ASHA, ``+hb``: Hyperband; docs/schedulers.md;
 ``+promo_nl``: the same with TPE's constant liar off), and with population-based training (``+pbt``,
-``+pb2``: 16 members, intervals of 3 epochs; on the surface a member's accuracy after epoch e is the
-surface's for its current lr and momentum at e, so an exploit carries the donor's progress in epochs, not
-its weights; ``+pb2`` is skipped with its reason while ``hpoflow.search.pb2`` is absent). Every arm gets
-the grid's wall-clock budget (virtual).
+``+pb2``: 16 members, intervals of 3 epochs; ``+pbt48``: 48 members, about the grid's budget; on the
+surface a member's accuracy after epoch e is the surface's for its current lr and momentum at e, so an
+exploit carries the donor's progress in epochs, not its weights; ``+pb2`` is skipped with its reason
+while ``hpoflow.search.pb2`` is absent). Every arm gets the grid's wall-clock budget (virtual).
 
 Reported per arm, medians over seeds, for two targets: the grid's best value (strict: the grid's
 maximum over 90 noisy results is partly luck) and a fixed "good model" accuracy (``--target``,
@@ -52,7 +52,9 @@ SCHEDULERS = {"promo": {"type": "asha", "min_resource": 1, "reduction_factor": 3
               "hb": {"type": "hyperband", "min_resource": 1, "reduction_factor": 3},
               # population-based training: 16 members, intervals of 3 epochs, lr and momentum explored
               "pbt": {"type": "pbt", "population": 16, "interval": 3},
-              "pb2": {"type": "pbt", "population": 16, "interval": 3, "explore": "pb2"}}
+              "pb2": {"type": "pbt", "population": 16, "interval": 3, "explore": "pb2"},
+              # a population that spends about the grid's budget (48 members x 15 epochs)
+              "pbt48": {"type": "pbt", "population": 48, "interval": 3}}
 
 
 def _search(algorithm: str, pruner: str, seed: int) -> dict[str, Any]:
@@ -82,7 +84,7 @@ def run(algorithm: str, pruner: str, seed: int, n_trials: int) -> list[tuple[flo
             "space": GRID if grid else SPACE, "search": search,
             "training": {"model": "cnn", "epochs": 15}, "oracle": {"enabled": False}}
     eng = SimulatedEngine(SimulatedOptions.model_validate({"slots": 2, "function": "bench_objectives:digits_surface"}),
-                          cost=_interval_cost if pruner in ("pbt", "pb2") else None)
+                          cost=_interval_cost if SCHEDULERS.get(pruner, {}).get("type") == "pbt" else None)
     with tempfile.TemporaryDirectory() as d:
         res = optimize(spec, Path(d) / "run", engine=eng)
         out = []
