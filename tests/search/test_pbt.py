@@ -21,7 +21,7 @@ from hpoflow.errors import SpecError
 from hpoflow.run.ledger import ATTR_LINEAGE, is_counted
 from hpoflow.search.options import PbtSchedulerOptions
 from hpoflow.search.pbt import PbtPolicy, explore_pbt, fit
-from hpoflow.spec import FloatParam, IntParam, Param, spec_from_mapping
+from hpoflow.spec import FloatParam, IntParam, Param, TrainConfig, spec_from_mapping
 from hpoflow.trial import TrialRequest
 
 EPOCHS = 8
@@ -171,3 +171,27 @@ def test_explore_pb2_without_its_module_is_one_line_before_anything_is_written(t
         optimize(_spec(10, explore="pb2"), tmp_path / "run", engine=_engine())
     assert "search.scheduler.explore" in str(err.value) and "Fix: use explore: pbt" in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("schedule", "words"), [({"lrr": [[0, 0.1]]}, "changes only lr, momentum, weight_decay"),
+                                                 ({"lr": [[1, 0.1]]}, "epochs increasing from 0"),
+                                                 ({"lr": [[0, 0.1], [0, 0.2]]}, "epochs increasing from 0"),
+                                                 ({"momentum": [[0, 1.5]]}, "must be in [0, 1)"),
+                                                 ({"lr": [[0, 0.0]]}, "must be > 0")])
+def test_a_bad_training_schedule_is_one_line_naming_it(schedule: dict[str, Any], words: str) -> None:
+    spec = _spec(10)
+    spec["search"]["scheduler"] = {"type": "none"}
+    spec["training"]["schedule"] = schedule
+    with pytest.raises(SpecError) as err:
+        spec_from_mapping(spec)
+    assert "training.schedule" in str(err.value) and words in str(err.value)
+
+
+def test_the_fingerprint_lets_a_resume_change_only_what_a_schedule_may() -> None:
+    from hpoflow.train.builtin import at_epoch, config_fingerprint
+
+    cfg = TrainConfig(lr=0.1, momentum=0.5, schedule={"lr": [(0, 0.1), (3, 0.05)]})
+    assert config_fingerprint(cfg) == config_fingerprint(cfg.model_copy(update={"lr": 0.2, "momentum": 0.9,
+                                                                                 "epochs": 3, "schedule": {}}))
+    assert config_fingerprint(cfg) != config_fingerprint(cfg.model_copy(update={"batch_size": 16}))
+    assert at_epoch(cfg, 2).lr == 0.1 and at_epoch(cfg, 3).lr == 0.05 and at_epoch(cfg, 9).momentum == 0.5
