@@ -215,7 +215,7 @@ class PbtScheduling:
         """Whether an ``ask`` now gives a trial PBT wants run: a root while the population is not full,
         else an enqueued interval (enqueued here if one is due)."""
         self.shared.refresh()
-        if len(self._members(self.shared.tally.trials)) < self.policy.population:
+        if self._n_members(self.shared.tally.trials) < self.policy.population:
             return True
         return self.sync() > 0 or bool(self.shared.tally.waiting)
 
@@ -223,7 +223,7 @@ class PbtScheduling:
         """Nothing of PBT's runs or waits in the study, and no member has an interval left."""
         self.shared.refresh()
         tally = self.shared.tally
-        if len(self._members(tally.trials)) < self.policy.population or tally.running or tally.waiting:
+        if self._n_members(tally.trials) < self.policy.population or tally.running or tally.waiting:
             return False
         return self.sync() == 0
 
@@ -232,11 +232,10 @@ class PbtScheduling:
         within ``budget`` (finished, running and waiting intervals count); returns how many."""
         tally = self.shared.tally
         trials = tally.trials
-        members = self._members(trials)
-        if len(members) < self.policy.population:
+        if self._n_members(trials) < self.policy.population:
             return 0  # roots first: an enqueued interval would be asked before them
         room = self._budget - (tally.finished + len(tally.running) + len(tally.waiting))
-        exists = {(m, i) for m, i in members}
+        exists = self._members(trials)
         latest: dict[int, FrozenTrial] = {}  # member -> its latest finished interval
         best: dict[int, FrozenTrial] = {}  # member -> its latest complete interval
         for t in self._lineage(trials):
@@ -282,6 +281,9 @@ class PbtScheduling:
         """(member, interval) of every interval the study holds (running, waiting or finished)."""
         return {(int(t.user_attrs[ATTR_LINEAGE]["member"]), int(t.user_attrs[ATTR_LINEAGE]["interval"]))
                 for t in self._lineage(trials)}
+
+    def _n_members(self, trials: list[FrozenTrial]) -> int:
+        return len({m for m, _ in self._members(trials)})
 
     def _checkpoints(self, number: int) -> Path:
         t = self.shared.tally.trial(number)

@@ -780,6 +780,12 @@ class StudySpec(_Strict):
             raise PydanticCustomError(
                 "pb2_missing", "search.scheduler.explore: pb2 needs hpoflow.search.pb2 (PB2's explore step), which "
                 "this installation does not have. Fix: use explore: pbt", {})
+        population = int(s.options.get("population", 8))
+        if len(self.search.enqueue) > population:
+            raise PydanticCustomError(
+                "pbt_enqueue", "search.enqueue: with PBT the known configurations are roots of the population, "
+                "at most population ({p}), but got {n}. Fix: enqueue at most {p}, or raise population",
+                {"p": population, "n": len(self.search.enqueue)})
         epochs = self.training.get("epochs", 10)
         if not isinstance(epochs, int) or isinstance(epochs, bool):
             raise PydanticCustomError(
