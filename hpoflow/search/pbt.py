@@ -334,7 +334,10 @@ class PbtScheduling:
             if isinstance(p, FloatParam | IntParam):
                 bounds[n] = (float(p.low), float(p.high), bool(p.log))
         t_now = float(donor.user_attrs[ATTR_LINEAGE]["end"])
-        new = self._pb2.explore(self._history(trials, names), bounds, {n: float(current[n]) for n in names}, rng, t_now)
+        pending = [{n: float(t.params[n]) for n in names if n in t.params}  # the members running an interval
+                   for t in self._lineage(trials) if t.state == TrialState.RUNNING]
+        new = self._pb2.explore(self._history(trials, names), bounds, {n: float(current[n]) for n in names}, rng,
+                                t_now, pending=pending)
         for n in names:
             current[n] = fit(self.space[n], float(new.get(n, current[n])))
         return current
