@@ -8,7 +8,11 @@ seeds are affordable. Arms: the seed's approach, a fixed grid (lr in 5 decades, 
 the asynchronous driver with random, TPE, GP and CMA-ES, each without pruning, with ASHA and with the
 median pruner (CMA-ES and GP without pruning), and random and TPE with the schedulers that pause and
 resume trials from checkpoints (``+promo``: promotion-type ASHA, ``+hb``: Hyperband; docs/schedulers.md;
-``+promo_nl``: the same with TPE's constant liar off). Every arm gets the grid's wall-clock budget (virtual).
+``+promo_nl``: the same with TPE's constant liar off), and with population-based training (``+pbt``,
+``+pb2``: 16 members, intervals of 3 epochs; ``+pbt48``: 48 members, about the grid's budget; on the
+surface a member's accuracy after epoch e is the surface's for its current lr and momentum at e, so an
+exploit carries the donor's progress in epochs, not its weights; ``+pb2`` is skipped with its reason
+while ``hpoflow.search.pb2`` is absent). Every arm gets the grid's wall-clock budget (virtual).
 
 Reported per arm, medians over seeds, for two targets: the grid's best value (strict: the grid's
 maximum over 90 noisy results is partly luck) and a fixed "good model" accuracy (``--target``,
@@ -19,6 +23,7 @@ with plotly (the report's plotting library) when ``--plot`` names a PNG (needs k
     python bench/search_efficiency.py [--seeds 5] [--trials 200] [--plot docs/img/search_efficiency.png]
     python bench/search_efficiency.py --real [--seeds 3]   # the real CNN on digits, ~4 min per seed here
     python bench/search_efficiency.py --arms tpe+asha,tpe+promo,tpe+hb   # some arms only
+    python bench/search_efficiency.py --arms tpe+promo,tpe+pbt,tpe+pb2   # PBT, PB2 (docs/schedulers.md)
 """
 
 from __future__ import annotations
@@ -44,7 +49,12 @@ PRUNERS = {"none": {"type": "none"}, "asha": {"type": "asha", "min_resource": 1,
            "median": {"type": "median", "startup_trials": 5, "warmup_steps": 3}}
 # search.scheduler arms (docs/schedulers.md): trials pause at rungs and resume from checkpoints
 SCHEDULERS = {"promo": {"type": "asha", "min_resource": 1, "reduction_factor": 3},
-              "hb": {"type": "hyperband", "min_resource": 1, "reduction_factor": 3}}
+              "hb": {"type": "hyperband", "min_resource": 1, "reduction_factor": 3},
+              # population-based training: 16 members, intervals of 3 epochs, lr and momentum explored
+              "pbt": {"type": "pbt", "population": 16, "interval": 3},
+              "pb2": {"type": "pbt", "population": 16, "interval": 3, "explore": "pb2"},
+              # a population that spends about the grid's budget (48 members x 15 epochs)
+              "pbt48": {"type": "pbt", "population": 48, "interval": 3}}
 
 
 def _search(algorithm: str, pruner: str, seed: int) -> dict[str, Any]:
@@ -73,7 +83,8 @@ def run(algorithm: str, pruner: str, seed: int, n_trials: int) -> list[tuple[flo
     spec = {"study": {"name": "eff", "metric": "val_accuracy", "direction": "maximize"},
             "space": GRID if grid else SPACE, "search": search,
             "training": {"model": "cnn", "epochs": 15}, "oracle": {"enabled": False}}
-    eng = SimulatedEngine(SimulatedOptions.model_validate({"slots": 2, "function": "bench_objectives:digits_surface"}))
+    eng = SimulatedEngine(SimulatedOptions.model_validate({"slots": 2, "function": "bench_objectives:digits_surface"}),
+                          cost=_interval_cost if SCHEDULERS.get(pruner, {}).get("type") == "pbt" else None)
     with tempfile.TemporaryDirectory() as d:
         res = optimize(spec, Path(d) / "run", engine=eng)
         out = []
@@ -85,6 +96,29 @@ def run(algorithm: str, pruner: str, seed: int, n_trials: int) -> list[tuple[flo
             value = t.value if t.state.name == "COMPLETE" else None
             out.append((end, value, tm["duration_s"]))
     return out
+
+
+def _interval_cost(request: Any) -> Any:
+    """The surface for one PBT interval trial: its curve up to its ``training.epochs`` (the interval's end),
+    its value the curve's there, its duration that many epochs' (the engine resumes it at its start)."""
+    from bench_objectives import digits_surface
+
+    from hpoflow.engines.simulated.costs import TrialCost
+
+    out = digits_surface(dict(request.params), request.number)
+    end = int(request.train.get("epochs") or 15)
+    curve = list(out["curve"])[:end]  # type: ignore[call-overload]
+    return TrialCost(float(out["duration_s"]) * end / 15, {"val_accuracy": curve[-1]},  # type: ignore[arg-type]
+                     [{"val_accuracy": v} for v in curve])
+
+
+def _skip(alg: str, pr: str) -> str:
+    """Why an arm cannot run here ('' if it can): PB2 needs hpoflow.search.pb2."""
+    import importlib.util
+
+    if pr == "pb2" and importlib.util.find_spec("hpoflow.search.pb2") is None:
+        return f"{alg}+pb2 skipped: explore pb2 needs hpoflow.search.pb2, which is not installed here"
+    return ""
 
 
 def run_real(algorithm: str, pruner: str, seed: int, n_trials: int, timeout_s: float | None,
@@ -117,7 +151,7 @@ def run_real(algorithm: str, pruner: str, seed: int, n_trials: int, timeout_s: f
     return [(sub - t0 + dur, v, dur) for sub, v, dur in rows]
 
 
-REAL_ARMS = [("tpe", "asha"), ("tpe", "promo"), ("random", "none")]
+REAL_ARMS = [("tpe", "asha"), ("tpe", "promo"), ("random", "none"), ("tpe", "pbt"), ("tpe", "pb2")]
 
 
 def real(seeds: int, arms: list[tuple[str, str]] | None = None) -> None:
@@ -136,7 +170,7 @@ def real(seeds: int, arms: list[tuple[str, str]] | None = None) -> None:
             budget, target = max(t for t, _ in points), curve[-1][1]
             grid_ttt.append(time_to(curve, target, budget))
             line = [f"seed {seed}: grid budget {budget:.0f} s, best {target:.4f} at {grid_ttt[-1]:.0f} s"]
-            for alg, pr in arms or REAL_ARMS:
+            for alg, pr in [a for a in arms or REAL_ARMS if not _skip(*a)]:
                 name = f"{alg}+{pr}" if pr != "none" else alg
                 c = anytime([(t, v) for t, v, _ in run_real(alg, pr, seed, 1000, budget, engine)])
                 r = out.setdefault(name, {"ttt": [], "best": []})
@@ -200,9 +234,13 @@ def main() -> None:
         real(a.seeds, chosen)
         return
     arms = [(alg, p) for alg in ("random", "tpe") for p in ("none", "asha", "median", "promo", "hb")]
-    arms += [("gp", "none"), ("cmaes", "none")]
+    arms += [("gp", "none"), ("cmaes", "none"), ("tpe", "pbt"), ("tpe", "pb2")]
     if chosen:
         arms = chosen
+    for alg, pr in list(arms):
+        if _skip(alg, pr):
+            print(_skip(alg, pr), flush=True)
+            arms.remove((alg, pr))
     if a.quick:
         a.seeds, a.trials, arms = 2, 60, [("random", "none"), ("tpe", "asha"), ("tpe", "promo")]
     results: dict[str, dict[str, Any]] = {}

@@ -338,6 +338,8 @@ SCHEDULERS.register("asha", "hpoflow.search.schedulers:asha", "hpoflow.search.op
 SCHEDULERS.register("hyperband", "hpoflow.search.schedulers:hyperband",
                     "hpoflow.search.options:HyperbandSchedulerOptions",
                     summary="promotion-type ASHA in each Hyperband bracket")
+SCHEDULERS.register("pbt", "hpoflow.search.pbt:pbt", "hpoflow.search.options:PbtSchedulerOptions",
+                    summary="population-based training (PBT or PB2): exploit a top member's checkpoint, explore")
 for _name, _cls in [("allreduce", "AllReduce"), ("parameter_server", "ParameterServer"), ("easgd", "EASGD"),
                     ("local_sgd", "LocalSGD"), ("zero1", "ZeRO1"), ("fsdp", "FSDP")]:
     STRATEGIES.register(_name, f"hpoflow.train.strategies:{_cls}", f"hpoflow.train.options:{_cls}Options")

@@ -20,7 +20,17 @@ from rich.table import Table
 
 from hpoflow.fileio import write_atomic
 from hpoflow.run.lease import LeaseInfo, lease_rows, read_leases
-from hpoflow.run.ledger import ATTR_DRIVER, ATTR_IMPORTED, ATTR_PAUSED, ATTR_RUNGS, ATTR_SEGMENTS, is_counted
+from hpoflow.run.ledger import (
+    ATTR_DRIVER,
+    ATTR_IMPORTED,
+    ATTR_LINEAGE,
+    ATTR_PAUSED,
+    ATTR_RUNGS,
+    ATTR_SEGMENTS,
+    is_counted,
+)
+from hpoflow.search.pbt import lineage_chain, schedule_of
+from hpoflow.spec import SCHEDULABLE
 from hpoflow.term import render_table
 
 __all__ = [
@@ -106,12 +116,14 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
     timings = sorted({k for t in trials for k in _timings(t)} - {"duration_s"})
     system = sorted({k for t in trials for k in (t.user_attrs.get("system") or {})})
     sched = any(ATTR_RUNGS in t.user_attrs for t in trials)
+    pbt = any(isinstance(t.user_attrs.get(ATTR_LINEAGE), dict) for t in trials)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
                 *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings],
                 *[f"system_{k}" for k in system], "driver", "error",
-                *(["rungs", "pauses", "paused_at"] if sched else [])])
+                *(["rungs", "pauses", "paused_at"] if sched else []),
+                *(["member", "interval", "parent"] if pbt else [])])
     for t in trials:
         m = t.user_attrs.get("metrics") or {}
         tm = _timings(t)
@@ -119,7 +131,8 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
         w.writerow([t.number, t.state.name, t.values[0] if t.values and len(t.values) == 1 else "",
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], *[sy.get(k, "") for k in system],
-                    _driver_label(_driver(t), leases), t.user_attrs.get("error", ""), *(_sched(t) if sched else [])])
+                    _driver_label(_driver(t), leases), t.user_attrs.get("error", ""), *(_sched(t) if sched else []),
+                    *(_lineage_cols(t) if pbt else [])])
     write_atomic(path, buf.getvalue())
 
 
@@ -129,6 +142,15 @@ def _sched(t: FrozenTrial) -> list[Any]:
     text = " ".join(f"{k}:{v:.6g}" for k, v in sorted(rungs.items(), key=lambda kv: int(kv[0])))
     paused = t.user_attrs.get(ATTR_PAUSED)
     return [text, len(t.user_attrs.get(ATTR_SEGMENTS) or []), "" if paused is None else paused]
+
+
+def _lineage_cols(t: FrozenTrial) -> list[Any]:
+    """A PBT trial's member, interval and parent (``hpoflow_lineage``); blanks for any other trial."""
+    lin = t.user_attrs.get(ATTR_LINEAGE)
+    if not isinstance(lin, dict):
+        return ["", "", ""]
+    parent = lin.get("parent")
+    return [lin.get("member", ""), lin.get("interval", ""), "" if parent is None else parent]
 
 
 def _driver_label(driver_id: str | None, leases: Mapping[str, LeaseInfo]) -> str:
@@ -155,15 +177,40 @@ def write_best_yaml(study: optuna.Study, spec_data: Mapping[str, Any], path: Pat
     rerun.setdefault("study", {})["name"] = f"{rerun.get('study', {}).get('name', 'study')}-best"
     rerun["search"] = {"algorithm": "grid", "n_trials": 1}
     rerun.pop("storage", None)
+    lineage = _replay(study, best, rerun)
     doc = {
         "study": study.study_name,
         "best_trial": best.number,
         "best_value": best.value,
         "best_params": best.params,
         "metrics": best.user_attrs.get("metrics", {}),
+        **lineage,
         "rerun_spec": rerun,
     }
     write_atomic(path, yaml.safe_dump(doc, sort_keys=False))
+
+
+def _replay(study: optuna.Study, best: FrozenTrial, rerun: dict[str, Any]) -> dict[str, Any]:
+    """A PBT study's best trial (``hpoflow_lineage``): its lineage from the root, each explored value's
+    schedule, and in ``rerun`` the whole run as one trial: ``training.schedule`` of every optimizer key
+    fed by a parameter, the lineage's seed and the final ``epochs`` (docs/schedulers.md, "Replay")."""
+    lin = best.user_attrs.get(ATTR_LINEAGE)
+    if not isinstance(lin, dict):
+        return {}
+    chain = lineage_chain({t.number: t for t in study.get_trials(deepcopy=False)}, best.number)
+    schedules = schedule_of(chain, sorted({k for t in chain for k in t.params}))
+    training = rerun.setdefault("training", {})
+    replay = {}
+    for key in SCHEDULABLE:
+        value = training.get(key)
+        name = value[2:-1] if isinstance(value, str) and value.startswith("${") and value.endswith("}") else None
+        if name in schedules:
+            replay[key] = schedules[name]
+    if replay:
+        training["schedule"] = replay
+    training["seed"] = int(lin["seed"])
+    training["epochs"] = int(lin["end"])
+    return {"lineage": [t.number for t in chain], "schedules": {k: v for k, v in schedules.items() if len(v) > 1}}
 
 
 def status_dict(study: optuna.Study, storage_label: str, budget: int | None = None) -> dict[str, Any]:

@@ -22,8 +22,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 __all__ = ["ATTR_BRACKET", "ATTR_CHECKPOINTS", "ATTR_DRIVER", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED",
-           "ATTR_NEXT_ATTEMPT", "ATTR_PAUSED", "ATTR_REPLACES", "ATTR_RUNGS", "ATTR_SEGMENTS", "ATTR_UNUSED",
-           "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
+           "ATTR_LINEAGE", "ATTR_NEXT_ATTEMPT", "ATTR_PAUSED", "ATTR_REPLACES", "ATTR_RUNGS", "ATTR_SEGMENTS",
+           "ATTR_UNUSED", "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
 
 ATTR_REPLACES = "hpoflow_replaces"  # user attr: the number of the interrupted trial this one reruns
 _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
@@ -40,6 +40,8 @@ ATTR_PAUSED = "hpoflow_paused"  # user attr: the step (rung) the trial is paused
 ATTR_RUNGS = "hpoflow_rungs"  # user attr: {step: value} the trial reported at each rung it reached
 ATTR_BRACKET = "hpoflow_bracket"  # user attr: the trial's Hyperband bracket (0 for ASHA)
 ATTR_NEXT_ATTEMPT = "hpoflow_next_attempt"  # user attr: the attempt number its next run (a promotion) takes
+# user attr of a PBT interval trial (hpoflow.search.pbt): {member, interval, parent, donor, start, end, seed}
+ATTR_LINEAGE = "hpoflow_lineage"
 ATTR_SEGMENTS = "hpoflow_segments"  # user attr: [{start, end, step, outcome}] of its runs that paused
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 

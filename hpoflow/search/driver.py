@@ -3,26 +3,25 @@
 It keeps ``min(max_concurrent, engine capacity)`` trials running and consumes every event in the
 order it happens, so no slot waits for a batch. Ask-ahead (``search.ask_ahead``): while every slot is
 busy it asks the sampler for the next trial, so a freed slot gets it at once instead of waiting for a
-slow sampler (``auto``: once the median ask takes over 1 % of the median trial).
-Budgets: ``n_trials`` is exact (finished trials:
-complete, pruned or failed; a trial interrupted by a stop or a crash does not count and is rerun
-with the same parameters), ``timeout`` stops new trials and lets running ones finish,
-``max_failures`` stops the study. Imports neither torch nor pycompss.
+slow sampler (``auto``: once the median ask takes over 1 % of the median trial). Budgets:
+``n_trials`` is exact (finished trials: complete, pruned or failed; a trial interrupted by a stop or a
+crash does not count and is rerun with the same parameters), ``timeout`` stops new trials and lets
+running ones finish, ``max_failures`` stops the study. Imports neither torch nor pycompss.
 
 Several drivers may share one study (Optuna-style workers, each with its own run directory): the
 budget is counted from the storage at every start, and only dead drivers' trials are rerun
 (``hpoflow.run.shared``). A driver whose part is done waits for the others' last trials, to rerun
 them if their driver dies.
 
-With ``search.scheduler`` (``hpoflow.search.scheduling``), a trial may pause at a rung (the answer to
-its report says so: it checkpoints and stops; its slot is free) and a free slot goes first to a paused
-trial that earned promotion, resumed from its checkpoint; ask-ahead is off then.
+With ``search.scheduler`` (``hpoflow.search.scheduling``), a trial may pause at a rung (it checkpoints
+and stops; its slot is free) and a free slot goes first to a paused trial that earned promotion,
+resumed from its checkpoint; with ``type: pbt`` (``hpoflow.search.pbt``) each trial is one interval of
+a member, resumed from its parent's checkpoint. Ask-ahead is off with a scheduler.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -36,101 +35,29 @@ from optuna.trial import TrialState
 
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
-from hpoflow.fileio import write_atomic
-from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_ENQUEUED, ATTR_GRID
+from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_GRID
 from hpoflow.run.retry import StorageUnavailable, is_disk_error
 from hpoflow.run.rundir import disk_why
 from hpoflow.run.shared import SharedStudy
+from hpoflow.search.pbt import PbtScheduling
 from hpoflow.search.scheduling import Scheduling, carried
 from hpoflow.search.space import Grid, suggest
-from hpoflow.spec import StudySpec, parse_constraint, resolve_training
+from hpoflow.search.summary import (
+    DriverListener,
+    DriverSummary,
+    constraint_values,
+    enqueue_known,
+    median_recent,
+    objective_values,
+    write_result,
+)
+from hpoflow.spec import StudySpec, resolve_training
 from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, Verdict
 
 __all__ = ["Driver", "DriverListener", "DriverSummary"]
 
 _log = logging.getLogger("hpoflow")
 _IDLE_S = 0.25  # how often a driver with nothing in flight looks at the study again
-
-
-class DriverListener:
-    """What the driver tells as a study runs (progress displays, tracking tools). Every method is a
-    no-op here: a listener overrides the events it cares about. Called from the driver's thread."""
-
-    def on_start(self, n_total: int, n_done: int) -> None:
-        """The study starts: ``n_total`` is the budget, ``n_done`` the trials that already count."""
-
-    def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
-        """Trial ``number`` was submitted with ``params``."""
-
-    def on_trial_report(self, number: int, step: int, metrics: dict[str, float]) -> None:
-        """An intermediate report of a running trial."""
-
-    def on_trial_end(self, result: TrialResult, params: dict[str, Any], best: float | None) -> None:
-        """A trial ended (``best``: the study's best value so far, one objective only)."""
-
-    def on_finish(self, summary: DriverSummary) -> None:
-        """The study's run ended."""
-
-
-@dataclass
-class DriverSummary:
-    """The whole study's counts (earlier runs of a resumed study included); ``results`` and the
-    times are this run's. ``n_trials`` is the budget."""
-
-    n_trials: int
-    n_complete: int = 0
-    n_pruned: int = 0
-    n_failed: int = 0
-    # budget | timeout | max_failures | fail_fast | signal | preempted | grid_exhausted | storage
-    stopped_by: str = "budget"
-    reason: str = ""  # why the study stopped early, in one line
-    errors: list[str] = field(default_factory=list)  # the first distinct errors of failed trials
-    elapsed_s: float = 0.0
-    driver_overhead_s: float = 0.0
-    results: list[TrialResult] = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal (a walltime
-        warning included); 1 stopped by the storage (an outage past storage_retry_s, a full disk); 3 no
-        trial of the study completed; 1 stopped early by max_failures or fail_fast; 0 otherwise."""
-        if self.stopped_by in ("signal", "preempted"):
-            return 130
-        if self.stopped_by == "storage":
-            return 1
-        if self.n_complete == 0:
-            return 3
-        return 1 if self.stopped_by in ("max_failures", "fail_fast") else 0
-
-    def outcome_message(self) -> str:
-        """One line (plus the first distinct errors) for a study that did not end well; '' if it did."""
-        if self.stopped_by == "signal":
-            return "stopped by a signal; rerun the same command to resume"
-        if self.stopped_by == "preempted":
-            return ("stopped by a walltime warning (SIGUSR1): the running trials paused with a checkpoint; rerun "
-                    "the same command (or resubmit the job) to resume")
-        if self.stopped_by == "storage":
-            return f"stopped: {self.reason}"
-        errors = "".join(f"\n  - {e}" for e in self.errors)
-        if self.n_complete == 0:
-            why = f": {self.reason}" if self.reason else ""
-            return (f"no trial completed ({self.n_failed} failed, {self.n_pruned} pruned){why}; first distinct "
-                    f"errors (details in trials.csv and trials/<n>/rank<r>.log):{errors}")
-        if self.stopped_by == "max_failures":
-            return f"stopped: search.max_failures reached; first distinct errors:{errors}"
-        if self.stopped_by == "fail_fast":
-            return f"stopped: {self.reason}"
-        return ""
-
-    def note_error(self, error: str | None) -> None:
-        text = (error or "").strip()
-        head = text.splitlines()[0][:300] if text else "failed without an error message"
-        if head not in self.errors and len(self.errors) < 5:
-            self.errors.append(head)
-
-    @property
-    def n_finished(self) -> int:
-        return self.n_complete + self.n_pruned + self.n_failed
 
 
 @dataclass
@@ -175,7 +102,11 @@ class Driver:
         self._ask_s: list[float] = []  # seconds each ask (sample + suggest + precheck) took
         self._trial_s: list[float] = []  # durations of finished trials
         self.asked_ahead = 0  # trials asked while every slot was busy
-        self.scheduling = Scheduling(spec, study, self.shared) if spec.search.scheduler.enabled else None
+        pbt = spec.search.scheduler.type == "pbt"
+        self.scheduling = Scheduling(spec, study, self.shared) if spec.search.scheduler.enabled and not pbt else None
+        self.pbt = PbtScheduling(spec, study, self.shared, run_dir, budget) if pbt else None
+        if self.pbt is not None:  # population x intervals at most (hpoflow.search.pbt)
+            self.n_trials = self.summary.n_trials = min(budget, self.pbt.budget)
 
     # -- public ---------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
@@ -203,7 +134,7 @@ class Driver:
         self.shared.lease.start()  # before the first ask: other drivers see this one's trials as alive
         try:
             self._reconcile()
-            self._enqueue_known()
+            enqueue_known(self.study, self.spec.search.enqueue)
             if self.listener:
                 self.listener.on_start(self.n_trials, self.tally.finished)
             while True:
@@ -325,14 +256,6 @@ class Driver:
         mine = {*self._inflight, *([self._ready.trial.number] if self._ready is not None else [])}
         self.shared.rerun_orphans(now, mine, lambda t, rd: self._carry_over(t.number, t.user_attrs, rd))
 
-    def _enqueue_known(self) -> None:
-        """``search.enqueue``: known configurations, evaluated first; each once per study (a resumed
-        study does not enqueue again what it already holds)."""
-        done = {t.user_attrs.get(ATTR_ENQUEUED) for t in self.study.get_trials(deepcopy=False)}
-        for i, point in enumerate(self.spec.search.enqueue):
-            if i not in done:
-                self.study.enqueue_trial(point, user_attrs={ATTR_ENQUEUED: i}, skip_if_exists=False)
-
     def _carry_over(self, number: int, user_attrs: dict[str, Any], run_dir: Path | None = None) -> dict[str, Any]:
         """User attrs for the rerun of an interrupted trial: its grid point, and the checkpoint
         directory it was writing to (kept from the first trial of a chain of reruns; ``run_dir``: the
@@ -356,31 +279,30 @@ class Driver:
         other drivers' trials hold the rest of the budget?"""
         self.shared.refresh()
         mf = self.spec.search.max_failures
-        return self.tally.finished >= self.n_trials or (mf is not None and self._failures >= mf)
+        return (self.tally.finished >= self.n_trials or (mf is not None and self._failures >= mf)
+                or (self.pbt is not None and self.pbt.over()))
 
     def _can_start(self, slots: int) -> bool:
         # a trial asked ahead is within the budget already
-        return len(self._inflight) < slots and self._room(0 if self._ready is not None else 1)
+        return (len(self._inflight) < slots and self._room(0 if self._ready is not None else 1)
+                and (self.pbt is None or self.pbt.may_ask()))  # pbt: a new member or an interval due
 
     def _should_ask_ahead(self, slots: int) -> bool:
         """Every slot busy, budget left, nothing asked ahead yet, and asking is worth hiding: always with
         ``ask_ahead: true``; with ``auto`` once the median ask took over 1 % of the median trial."""
         mode = self.spec.search.ask_ahead
-        if (mode is False or self.scheduling is not None or self._ready is not None
+        if (mode is False or self.scheduling is not None or self.pbt is not None or self._ready is not None
                 or len(self._inflight) < slots or not self._room(1)):
             return False
         if mode is True:
             return True
         if slots < 2 or not self._ask_s or not self._trial_s:  # one slot: keep sequential search sequential
             return False
-        return _median(self._ask_s) > 0.01 * _median(self._trial_s)
+        return median_recent(self._ask_s) > 0.01 * median_recent(self._trial_s)
 
     def _update_best(self, value: float | None) -> None:
-        if value is None:
-            return
-        better = self._best is None or (
-            value > self._best if self.spec.study.direction == "maximize" else value < self._best)
-        if better:
+        if value is not None and (self._best is None or (
+                value > self._best if self.spec.study.direction == "maximize" else value < self._best)):
             self._best = value
 
     def _start_one(self) -> bool | None:
@@ -413,6 +335,8 @@ class Driver:
         if not self.shared.admit(trial, self.n_trials, grid=self.grid is not None):
             return None
         params = suggest(trial, self.spec.space)
+        if self.pbt is not None:  # its member and interval; its checkpoints copied from its parent's
+            self.pbt.adopt(trial, resolve_training(self.spec.training, params).seed)
         request = self._request(trial, params)
         fl = _InFlight(trial, request, params)
         verdict = self.precheck(request) if self.precheck else None
@@ -432,6 +356,8 @@ class Driver:
     def _request(self, trial: optuna.trial.Trial, params: dict[str, Any], attempt: int = 0) -> TrialRequest:
         """What the engine runs for ``trial``: its training config, resources and checkpoint directory."""
         train = resolve_training(self.spec.training, params)
+        if self.pbt is not None:
+            train = self.pbt.configure(trial, train)
         r = self.spec.resources
         return TrialRequest(
             number=trial.number, params=params, train=train.model_dump(mode="json"),
@@ -533,7 +459,7 @@ class Driver:
     def _tell(self, fl: _InFlight, res: TrialResult) -> None:
         """Record a finished trial in the study (and its result file), and count it."""
         trial = fl.trial
-        values, missing = self._objective_values(res)
+        values, missing = objective_values(self.spec, res)
         if res.status == "complete" and missing:
             res = replace(res, status="failed", error=missing)
         trial.set_user_attr("metrics", res.metrics)
@@ -548,7 +474,7 @@ class Driver:
             self.shared.interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
         summary = self.summary
-        for key, violation in self._constraints(res).items():
+        for key, violation in constraint_values(self.spec, res).items():
             trial.set_constraint(key, violation)
         if res.status == "complete" and values is not None:
             self.study.tell(trial, values if len(values) > 1 else values[0])
@@ -567,54 +493,15 @@ class Driver:
         if self.listener:
             self.listener.on_trial_end(res, fl.params, self._best)
 
-    def _constraints(self, res: TrialResult) -> dict[str, float]:
-        """``study.constraints`` of a finished trial as Optuna's constraint values (<= 0: feasible), from
-        its metrics and ``system_`` usage; a figure the trial did not measure counts as infeasible."""
-        measured = {**res.metrics, **{f"system_{k}": v for k, v in res.system.items()}}
-        out = {}
-        for text in self.spec.study.constraints:
-            name, op, bound = parse_constraint(text)
-            value = measured.get(name)
-            if value is None or not math.isfinite(value):
-                out[text] = 1.0
-            else:
-                out[text] = value - bound if op == "<=" else bound - value
-        return out
-
-    def _objective_values(self, res: TrialResult) -> tuple[list[float] | None, str | None]:
-        """The values to tell for a complete trial (one per objective), or why it has none."""
-        objectives = self.spec.study.objectives
-        if len(objectives) == 1:
-            ok = res.value is not None and math.isfinite(res.value)
-            return ([float(res.value)] if ok and res.value is not None else None), None
-        values = []
-        for name, _ in objectives:
-            v = res.metrics.get(name)
-            if v is None or not math.isfinite(v):
-                return None, (f"objective {name!r} (study.metrics) is {'missing' if v is None else v} in the "
-                              f"trial's result; it returned {sorted(res.metrics)}. Fix: return every objective")
-            values.append(float(v))
-        return values, None
-
     def _check_fail_fast(self) -> None:
-        """Stop when the study's first ``search.fail_fast`` finished trials all failed with one error:
-        the rest would fail the same way (a typo, a missing file, an import error)."""
-        k = self.spec.search.fail_fast
-        s = self.summary
-        if k and s.n_complete == 0 and s.n_pruned == 0 and s.n_failed >= k and len(s.errors) == 1:
-            s.reason = (f"the first {s.n_failed} trials all failed with the same error: {s.errors[0]} "
-                        "(search.fail_fast; set it to 0 to keep going)")
+        """Stop when the study's first ``search.fail_fast`` finished trials all failed with one error."""
+        if self.summary.fail_fast(self.spec.search.fail_fast):
             self.request_stop("fail_fast")
 
     def _write_result(self, request: TrialRequest, res: TrialResult) -> bool:
-        """Write the trial's result.json; False (and the study stops) when the disk is full: the storage
-        still gets the result. Not fsynced: the storage's write that finishes the trial is the one
-        durable write per trial (docs/performance.md, "One fsync per trial")."""
-        d = Path(request.trial_dir)
-        payload = {"params": request.params, "attempt": request.attempt, **res.to_dict()}
+        """Write the trial's result.json (``write_result``); False (and the study stops) when the disk is full."""
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            write_atomic(d / "result.json", json.dumps(payload, indent=1, default=str), durable=False)
+            write_result(request, res)
         except OSError as exc:
             if not is_disk_error(exc):
                 raise
@@ -624,8 +511,3 @@ class Driver:
                 self.request_stop("storage")
             return False
         return True
-
-
-def _median(xs: list[float]) -> float:
-    ordered = sorted(xs[-200:])  # recent ones: samplers slow down as the study grows
-    return ordered[len(ordered) // 2]

@@ -8,9 +8,10 @@ with ``sampler_kwargs(max_concurrent)``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hpoflow.registry import NoOptions, Options
 
@@ -167,3 +168,27 @@ class HyperbandSchedulerOptions(Options):
     min_resource: int = Field(default=1, ge=1)
     max_resource: int | None = Field(default=None, ge=1)
     reduction_factor: int = Field(default=3, ge=2)
+
+
+class PbtSchedulerOptions(Options):
+    """Population-based training (``hpoflow.search.pbt``): members train in intervals; at each interval's
+    end a member in the bottom ``quantile`` copies a top member's checkpoint (exploit) and changes its
+    hyperparameters (explore)."""
+
+    population: int = Field(default=8, ge=2, description="Members trained side by side.")
+    interval: int = Field(default=2, ge=1, description="Epochs per interval (one Optuna trial each).")
+    quantile: float = Field(default=0.25, gt=0, le=0.5, description="Bottom/top fraction for exploit.")
+    resample_probability: float = Field(default=0.25, ge=0, le=1,
+                                        description="PBT explore: chance to resample a hyperparameter.")
+    perturb: list[float] = Field(default=[0.8, 1.2], min_length=1,
+                                 description="PBT explore: factors one of which multiplies a hyperparameter.")
+    explore: Literal["pbt", "pb2"] = Field(default="pbt", description="pbt: PBT's rules; pb2: PB2's GP bandit.")
+    hyperparams: list[str] | None = Field(
+        default=None, min_length=1, description="Space parameters explored (default: every float/int one).")
+
+    @field_validator("perturb")
+    @classmethod
+    def _positive(cls, v: list[float]) -> list[float]:
+        if any(not (f > 0 and math.isfinite(f)) for f in v):
+            raise ValueError(f"every perturb factor must be a finite number > 0, but got {v}")
+        return v

@@ -17,7 +17,15 @@ import optuna
 from optuna.trial import TrialState
 
 from hpoflow.registry import SCHEDULERS
-from hpoflow.run.ledger import ATTR_BRACKET, ATTR_DRIVER, ATTR_NEXT_ATTEMPT, ATTR_PAUSED, ATTR_RUNGS, ATTR_SEGMENTS
+from hpoflow.run.ledger import (
+    ATTR_BRACKET,
+    ATTR_DRIVER,
+    ATTR_LINEAGE,
+    ATTR_NEXT_ATTEMPT,
+    ATTR_PAUSED,
+    ATTR_RUNGS,
+    ATTR_SEGMENTS,
+)
 from hpoflow.run.shared import SharedStudy
 from hpoflow.search.schedulers import PromotionScheduler
 from hpoflow.spec import StudySpec
@@ -119,6 +127,6 @@ class Scheduling:
 
 
 def carried(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's attrs a rerun of an interrupted trial keeps (its rungs and bracket)."""
-    return {k: v for k, v in attrs.items() if k in (ATTR_RUNGS, ATTR_BRACKET)}
+    """The scheduler's attrs a rerun of an interrupted trial keeps (its rungs and bracket, a PBT lineage)."""
+    return {k: v for k, v in attrs.items() if k in (ATTR_RUNGS, ATTR_BRACKET, ATTR_LINEAGE)}
 

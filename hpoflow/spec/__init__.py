@@ -17,6 +17,7 @@ from hpoflow.spec._load import (
     spec_from_mapping,
 )
 from hpoflow.spec._models import (
+    SCHEDULABLE,
     CategoricalParam,
     CheckpointSpec,
     FloatParam,
@@ -38,6 +39,7 @@ from hpoflow.spec._models import (
 __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
+    "SCHEDULABLE",
     "CategoricalParam",
     "CheckpointSpec",
     "ElasticRange",

@@ -7,11 +7,14 @@ trial holds) and ``engine``/``storage`` (where trials run and where the study li
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import math
 import re
 import unicodedata
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import did_you_mean
@@ -55,6 +58,9 @@ __all__ = [
 
 PLACEHOLDER = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 Scalar = bool | int | float | str | None
+# optimizer param-group keys the built-in trainer may change between epochs of one run (training.schedule,
+# a PBT member's resume with new values)
+SCHEDULABLE = ("lr", "momentum", "weight_decay")
 
 
 def unprintable(name: str) -> str:
@@ -496,10 +502,36 @@ class TrainConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32", description="fp32, or mixed precision: bf16 or fp16 autocast on the rank's device (fp16 "
                                     "with a loss scaler); weights, gradients and optimizer state stay fp32.")
+    schedule: dict[str, list[tuple[int, float]]] = Field(
+        default_factory=dict,
+        description="Values of lr, momentum, weight_decay by epoch, each applied from the start of its epoch: "
+                    "{lr: [[0, 0.1], [4, 0.05]]} (epochs increasing from 0); what best.yaml of a PBT study "
+                    "replays (docs/schedulers.md). Built-in trainer.")
     # -- checkpoints (hpoflow.train.checkpoint; docs/checkpointing.md) ---------------------------
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec,
         description="Periodic checkpoints a trial resumes from after a crash: every, keep, async, format, options.")
+
+    @field_validator("schedule")
+    @classmethod
+    def _check_schedule(cls, v: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+        for key, points in v.items():
+            if key not in SCHEDULABLE:
+                raise PydanticCustomError(
+                    "schedule_key", "the built-in trainer changes only {ok} between epochs, but got '{k}'. Fix: "
+                    "schedule one of those", {"k": key, "ok": ", ".join(SCHEDULABLE)})
+            epochs = [e for e, _ in points]
+            if not points or epochs[0] != 0 or any(b <= a for a, b in itertools.pairwise(epochs)):
+                raise PydanticCustomError(
+                    "schedule_epochs", "{k} is a list of [epoch, value] with epochs increasing from 0, but got epochs "
+                    "{e}. Fix: start at [0, value] and increase", {"k": key, "e": epochs})
+            bad = [x for _, x in points if not math.isfinite(x) or x < 0 or (key == "lr" and x == 0)
+                   or (key == "momentum" and x >= 1)]
+            if bad:
+                rule = {"lr": "> 0", "momentum": "in [0, 1)"}.get(key, ">= 0")
+                raise PydanticCustomError("schedule_value", "every value of {k} must be {r}, but got {b}. Fix: "
+                                          "correct it", {"k": key, "r": rule, "b": bad[0]})
+        return v
 
     @model_validator(mode="after")
     def _check_plugins(self) -> TrainConfig:
@@ -726,6 +758,48 @@ class StudySpec(_Strict):
                 "multi_objective_sampler", "search.algorithm: {a} optimises one objective, but study.metrics has "
                 "{n}. Fix: use tpe, nsga2, nsga3, gp or random", {"a": self.search.algorithm,
                                                                   "n": len(self.study.objectives)})
+        return self
+
+    @model_validator(mode="after")
+    def _check_pbt(self) -> StudySpec:
+        """``search.scheduler: {type: pbt}`` (docs/schedulers.md): explored hyperparameters are float/int
+        parameters of the space; every member trains a fixed ``training.epochs``; with the built-in
+        trainer an explored hyperparameter feeds only what a resume may change (``SCHEDULABLE``)."""
+        s = self.search.scheduler
+        if s.type != "pbt":
+            return self
+        names = s.options.get("hyperparams") or [k for k, p in self.space.items()
+                                                 if isinstance(p, FloatParam | IntParam)]
+        for name in names:
+            if not isinstance(self.space.get(name), FloatParam | IntParam):
+                raise PydanticCustomError(
+                    "pbt_hyperparam", "search.scheduler.hyperparams: PBT explores float and int parameters of the "
+                    "space, but '{n}' is {what}. Fix: name float/int parameters of space:",
+                    {"n": name, "what": "not in the space" if name not in self.space else "categorical"})
+        if s.options.get("explore") == "pb2" and importlib.util.find_spec("hpoflow.search.pb2") is None:
+            raise PydanticCustomError(
+                "pb2_missing", "search.scheduler.explore: pb2 needs hpoflow.search.pb2 (PB2's explore step), which "
+                "this installation does not have. Fix: use explore: pbt", {})
+        population = int(s.options.get("population", 8))
+        if len(self.search.enqueue) > population:
+            raise PydanticCustomError(
+                "pbt_enqueue", "search.enqueue: with PBT the known configurations are roots of the population, "
+                "at most population ({p}), but got {n}. Fix: enqueue at most {p}, or raise population",
+                {"p": population, "n": len(self.search.enqueue)})
+        epochs = self.training.get("epochs", 10)
+        if not isinstance(epochs, int) or isinstance(epochs, bool):
+            raise PydanticCustomError(
+                "pbt_epochs", "training.epochs: PBT trains every member a fixed number of epochs, but got {e}. Fix: "
+                "write a whole number", {"e": epochs})
+        if self.training.get("function"):
+            return self
+        for key, value in self.training.items():
+            m = PLACEHOLDER.match(value) if isinstance(value, str) else None
+            if m and m.group(1) in names and key not in SCHEDULABLE:
+                raise PydanticCustomError(
+                    "pbt_resume_key", "training.{k}: PBT changes '{n}' when a member resumes from a checkpoint, "
+                    "which the built-in trainer allows only for {ok}. Fix: leave '{n}' out of "
+                    "search.scheduler.hyperparams", {"k": key, "n": m.group(1), "ok": ", ".join(SCHEDULABLE)})
         return self
 
     @model_validator(mode="after")

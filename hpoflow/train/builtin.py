@@ -54,7 +54,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from hpoflow.errors import NonFiniteLoss
-from hpoflow.spec import TrainConfig
+from hpoflow.spec import SCHEDULABLE, TrainConfig
 from hpoflow.train.context import TrialContext
 from hpoflow.train.data import load_dataset
 from hpoflow.train.largebatch import LARS, LrSchedule
@@ -236,8 +236,9 @@ def _finish(ctx: TrialContext, model: nn.Module) -> float:
 
 def config_fingerprint(cfg: TrainConfig) -> str:
     """SHA-256 of what determines a trial's trajectory: the config without ``epochs`` (a resume may
-    train longer) and ``checkpoint`` (how often to save does not change the result)."""
-    data = cfg.model_dump(mode="json", exclude={"epochs", "checkpoint"})
+    train longer), ``checkpoint`` (how often to save does not change the result), and the optimizer
+    values a resume may change (``SCHEDULABLE`` and ``schedule``: a PBT member resumes with new ones)."""
+    data = cfg.model_dump(mode="json", exclude={"epochs", "checkpoint", "schedule", *SCHEDULABLE})
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -278,8 +279,9 @@ def _restore(ctx: TrialContext, saved: dict[str, Any], model: nn.Module, optimiz
     if saved.get("config") != fingerprint:
         raise ValueError(
             f"checkpoint: the checkpoint in {ctx.checkpoints.directory} (step {ctx.resumed_step}) was written "
-            "by a trial with a different training config (only epochs and checkpoint may change on a "
-            "resume). Fix: delete that directory to start over, or resume with the same config")
+            "by a trial with a different training config (only epochs, checkpoint, schedule and "
+            f"{', '.join(SCHEDULABLE)} may change on a resume). Fix: delete that directory to start over, or "
+            "resume with the same config")
     strategy.load_training_state(saved, model, optimizer)
     strategy.load_state_dict(saved["strategy"])
     p = saved["progress"]
@@ -295,6 +297,25 @@ def _partial_epoch(saved: dict[str, Any] | None) -> tuple[int, EpochStats | None
     e = saved.get("epoch_stats") or {}
     return batch, EpochStats(float(e.get("loss_sum", 0.0)), int(e.get("correct", 0)), int(e.get("seen", 0)),
                              float(e.get("seconds", 0.0)))
+
+
+def at_epoch(cfg: TrainConfig, epoch: int) -> TrainConfig:
+    """``cfg`` with the values ``training.schedule`` gives from ``epoch`` on (the last point at or before it)."""
+    update = {}
+    for key, points in cfg.schedule.items():
+        values = [v for e, v in points if e <= epoch]
+        if values:
+            update[key] = values[-1]
+    return cfg.model_copy(update=update) if update else cfg
+
+
+def _set_hyperparams(opt: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """``momentum`` and ``weight_decay`` of ``cfg`` on every param group that has them (a restored
+    optimizer state brings its own; lr is set at every step by the ``LrSchedule``)."""
+    for group in opt.param_groups:
+        for key in ("momentum", "weight_decay"):
+            if key in group:
+                group[key] = getattr(cfg, key)
 
 
 def _batch_for(ctx: TrialContext, world: int) -> tuple[int, int]:
@@ -357,6 +378,9 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
 
         for epoch in range(progress.epoch, cfg.epochs):
             sampler.set_epoch(epoch)
+            now = at_epoch(cfg, epoch)  # training.schedule; a resumed PBT member's new values
+            schedule = LrSchedule.from_config(now, base, steps_per_epoch)
+            _set_hyperparams(opt_base, now)
             stats, step, paused = train_epoch(ctx, net, strategy, opt, loader, schedule, progress.step,
                                               start_batch, partial, ctx.restore_checkpoint_rng if start_batch else None,
                                               amp)

@@ -16,7 +16,11 @@ elastic trial, as on the real engines) fails, not retryable.
 Pause and resume (schedulers, docs/schedulers.md): ``answer(number, False, pause=True)`` stops the
 trial at the epoch it reported (result ``cancelled``, "paused ..."), and the engine keeps the epochs
 done as if checkpointed; a later ``submit`` of the same trial number goes on from there (its duration
-is the remaining epochs' share of the cost model's).
+is the remaining epochs' share of the cost model's). A trial with a checkpoint directory
+(``TrialRequest.checkpoint_dir``) that completes writes its epochs done there (``virtual.json``, its
+"checkpoint"); a trial submitted with a directory holding one starts after those epochs: so a PBT
+trial whose directory the driver filled with a copy of its parent's (``hpoflow.search.pbt``) resumes
+from the parent's virtual state, as on the real engines.
 
 Results carry virtual timings: ``started_at`` (the engine's epoch plus virtual seconds), ``duration_s``
 and ``slot_seconds``; ``stats()`` gives the makespan and busy fraction (slot-seconds used / slots x
@@ -26,6 +30,7 @@ makespan).
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import time
 from collections.abc import Callable
@@ -136,7 +141,7 @@ class SimulatedEngine(Engine):
         except Exception as exc:  # a cost function that raises: the trial fails, as in any engine
             cost = TrialCost(0.0, {}, error=f"cost model: {type(exc).__name__}: {exc}")
         sim = _Sim(request, cost, self.clock, need, need, max(0.0, cost.duration_s), at=self.clock)
-        resumed = self._paused.pop(request.number, 0)
+        resumed = self._paused.pop(request.number, 0) or _virtual_checkpoint(request.checkpoint_dir)
         if resumed and cost.error is None:  # resumed from its pause: the epochs done are not trained again
             sim.epoch = min(resumed, sim.epochs - 1)
             sim.done = sim.boundary(sim.epoch)
@@ -289,6 +294,8 @@ class SimulatedEngine(Engine):
         timings = {"duration_s": duration, "started_at": self.epoch_wall + sim.start, "launch_s": 0.0,
                    "run_s": duration, "slot_seconds": sim.slot_seconds}
         if status == "complete":
+            if req.checkpoint_dir:  # its virtual checkpoint, that a PBT trial copied from it resumes from
+                _write_virtual_checkpoint(req.checkpoint_dir, sim.epoch)
             metrics = dict(sim.cost.metrics)
             res = TrialResult(req.number, "complete", value=metrics.get(req.metric), metrics=metrics, timings=timings)
             if res.value is None or not math.isfinite(res.value):
@@ -349,6 +356,27 @@ class SimulatedEngine(Engine):
         if free < need:  # pragma: no cover - the driver submits within capacity()
             raise EngineError(f"trial submitted with {free} of the {need} simulated slots it needs free; the "
                               "driver must not submit more than capacity() trials at once")
+
+
+_VIRTUAL = "virtual.json"
+
+
+def _virtual_checkpoint(directory: str) -> int:
+    """The epochs done recorded in a checkpoint directory by a simulated trial (0: none)."""
+    if not directory:
+        return 0
+    try:
+        return int(json.loads((Path(directory) / _VIRTUAL).read_text())["epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _write_virtual_checkpoint(directory: str, epoch: int) -> None:
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / _VIRTUAL).write_text(json.dumps({"epoch": epoch}))
+    except OSError:  # a virtual checkpoint is a convenience: the trial's result stands without it
+        pass
 
 
 def _cost_model(options: SimulatedOptions) -> Callable[[TrialRequest], TrialCost]:

@@ -1,0 +1,357 @@
+"""Population-based training (``search.scheduler: {type: pbt, ...}``; Jaderberg et al. 2017, asynchronous
+as in Ray Tune; PB2's explore step, Parker-Holder et al. 2020, with ``explore: pb2``).
+
+A population of ``population`` members trains in intervals of ``interval`` epochs, one Optuna trial
+per member interval. The first ``population`` trials are sampled by the study's sampler (the roots,
+interval 0). When a member's interval ends and every root exists, the driver enqueues the member's
+next interval with fixed parameters (``enqueue_trial``): it resumes from a checkpoint and trains
+``interval`` more epochs (its ``training.epochs`` is the interval's end):
+
+- **exploit**: if the member's value is in the bottom ``quantile`` of the population's latest
+  interval values (as known now: no barrier), it takes a random member of the top ``quantile`` that
+  is not behind it (its latest interval ends at the same epoch or later) as donor: the new trial
+  resumes from the donor's latest checkpoint, with the donor's parameters, seed and epoch count;
+  otherwise it resumes from its own with the same parameters;
+- **explore** (after an exploit only): each explored hyperparameter is resampled from the space with
+  ``resample_probability`` or multiplied by a random factor of ``perturb`` (``pbt``), or chosen by
+  ``hpoflow.search.pb2.explore`` (``pb2``); then clipped to the space, ints and steps rounded.
+
+The checkpoint is copied on the shared file system by the driver before the trial is submitted
+(``trials/<n>/checkpoints`` starts as a copy of the parent's), so every engine runs it as any resumed
+trial. Everything is in the storage: each interval trial's user attr ``hpoflow_lineage``
+(``ATTR_LINEAGE``: member, interval, parent (the trial whose checkpoint it resumed), donor (== parent
+after an exploit), start and end epochs, seed (the lineage root's, which a trial that exploits takes
+from its donor)), so a restarted driver derives the population and the pending intervals from it.
+A member stops when its interval ends at ``training.epochs``; the study at ``n_trials`` intervals
+(at most ``population x ceil(epochs / interval)``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from hpoflow.errors import Issue, SpecError
+from hpoflow.registry import SCHEDULERS, Options
+from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_LINEAGE, ATTR_UNUSED, FINISHED, interrupted
+from hpoflow.run.shared import SharedStudy
+from hpoflow.spec import FloatParam, IntParam, Param, StudySpec, TrainConfig
+
+__all__ = ["PbtPolicy", "PbtScheduling", "explore_pbt", "lineage_chain", "pbt", "schedule_of"]
+
+_log = logging.getLogger("hpoflow")
+Bounds = dict[str, tuple[float, float, bool]]
+
+
+class PbtPolicy:
+    """The options of ``search.scheduler: {type: pbt}`` and its pure decisions."""
+
+    def __init__(self, options: Options, direction: str) -> None:
+        self.population = int(getattr(options, "population", 8))
+        self.interval = int(getattr(options, "interval", 2))
+        self.quantile = float(getattr(options, "quantile", 0.25))
+        self.resample_probability = float(getattr(options, "resample_probability", 0.25))
+        self.perturb = [float(f) for f in getattr(options, "perturb", [0.8, 1.2])]
+        self.explore = str(getattr(options, "explore", "pbt"))
+        self.hyperparams: list[str] | None = getattr(options, "hyperparams", None)
+        self.maximize = direction == "maximize"
+
+    def split(self, latest: dict[int, float]) -> tuple[list[int], list[int]]:
+        """(top, bottom) members by their latest value, best first: ``ceil(n x quantile)`` each, at most
+        half of the ``n`` members that have one (Ray Tune's rule)."""
+        n = len(latest)
+        k = min(math.ceil(n * self.quantile), n // 2)
+        ordered = sorted(latest, key=lambda m: (-latest[m] if self.maximize else latest[m], m))
+        return ordered[:k], ordered[n - k:] if k else []
+
+
+def pbt(options: Options, direction: str) -> PbtPolicy:
+    """``search.scheduler: {type: pbt}``: population-based training."""
+    return PbtPolicy(options, direction)
+
+
+def explored(space: dict[str, Param], names: list[str] | None) -> list[str]:
+    """The explored hyperparameters: ``names``, or every float/int parameter of the space."""
+    return list(names) if names else [k for k, p in space.items() if isinstance(p, FloatParam | IntParam)]
+
+
+def fit(p: Param, value: float) -> float | int:
+    """``value`` put in ``p``'s range: clipped to its bounds, rounded to its step (ints: whole)."""
+    if not isinstance(p, FloatParam | IntParam):
+        raise TypeError(f"pbt explores float and int parameters only, not {p!r}")
+    v = min(max(float(value), p.low), p.high)
+    if p.step:
+        v = min(p.low + round((v - p.low) / p.step) * p.step, p.high)
+    if isinstance(p, IntParam):
+        return round(v)
+    return float(v)
+
+
+def explore_pbt(policy: PbtPolicy, space: dict[str, Param], names: list[str], current: dict[str, Any],
+                rng: np.random.Generator) -> dict[str, Any]:
+    """PBT's explore: each of ``names`` (present in ``current``) resampled from the space (log-uniform on a
+    log scale) with ``resample_probability``, else multiplied by a random factor of ``perturb``."""
+    out = dict(current)
+    for name in names:
+        p = space[name]
+        if name not in out or not isinstance(p, FloatParam | IntParam):
+            continue
+        if rng.random() < policy.resample_probability:
+            if p.log:
+                v = math.exp(rng.uniform(math.log(p.low), math.log(p.high)))
+            else:
+                v = rng.uniform(p.low, p.high)
+        else:
+            v = float(out[name]) * policy.perturb[int(rng.integers(len(policy.perturb)))]
+        out[name] = fit(p, v)
+    return out
+
+
+def lineage_chain(trials: dict[int, FrozenTrial], number: int) -> list[FrozenTrial]:
+    """The trials whose checkpoints led to trial ``number``, from the root to it (its ``parent`` links)."""
+    chain: list[FrozenTrial] = []
+    seen: set[int] = set()
+    n: int | None = number
+    while n is not None and n in trials and n not in seen:
+        seen.add(n)
+        t = trials[n]
+        chain.append(t)
+        lin = t.user_attrs.get(ATTR_LINEAGE) or {}
+        n = lin.get("parent")
+    return chain[::-1]
+
+
+def schedule_of(chain: list[FrozenTrial], names: list[str]) -> dict[str, list[list[Any]]]:
+    """``{param: [[start epoch, value], ...]}`` along a lineage chain, a pair where the value changes."""
+    out: dict[str, list[list[Any]]] = {}
+    for t in chain:
+        start = int((t.user_attrs.get(ATTR_LINEAGE) or {}).get("start", 0))
+        for name in names:
+            if name in t.params and (name not in out or out[name][-1][1] != t.params[name]):
+                out.setdefault(name, []).append([start, t.params[name]])
+    return out
+
+
+class PbtScheduling:
+    """One driver's use of PBT: the lineage of the trials it starts, and the next intervals it enqueues."""
+
+    def __init__(self, spec: StudySpec, study: optuna.Study, shared: SharedStudy, run_dir: Path,
+                 n_trials: int | None = None) -> None:
+        s = spec.search.scheduler
+        self.policy: PbtPolicy = SCHEDULERS.get(s.type)(SCHEDULERS.options(s.type, s.options), spec.study.direction)
+        self.study = study
+        self.shared = shared
+        self.run_dir = run_dir
+        self.space = dict(spec.space)
+        self.names = explored(self.space, self.policy.hyperparams)
+        epochs = spec.training.get("epochs", TrainConfig.model_fields["epochs"].default)
+        if not isinstance(epochs, int):
+            raise SpecError([Issue("training.epochs", f"search.scheduler pbt needs a fixed training.epochs (every "
+                                   f"member trains that long), but got {epochs!r}. Fix: write a whole number")])
+        self.epochs = epochs
+        self.seed = int(spec.search.seed or 0)
+        self._pb2: Any = None
+        if self.policy.explore == "pb2":
+            try:
+                self._pb2 = importlib.import_module("hpoflow.search.pb2")
+            except ImportError as exc:
+                raise SpecError([Issue("search.scheduler.explore", "pb2 needs hpoflow.search.pb2 (PB2's explore "
+                                       f"step), which this installation does not have ({exc}). Fix: use explore: "
+                                       "pbt")]) from exc
+        self.n_exploits = 0  # this run's
+        self.n_trials = n_trials
+
+    @property
+    def budget(self) -> int:
+        """The most intervals the study can have: ``population x ceil(epochs / interval)``."""
+        return self.policy.population * math.ceil(self.epochs / self.policy.interval)
+
+    # -- the driver's calls -----------------------------------------------------------------------
+    def adopt(self, trial: optuna.trial.Trial, base_seed: int) -> dict[str, Any]:
+        """A trial just asked and admitted: a new root (no lineage yet: the next member, interval 0), or an
+        enqueued interval whose checkpoint directory is filled from its parent's (once: a rerun keeps
+        the one it has). Returns its lineage."""
+        attrs = trial.user_attrs
+        lin = attrs.get(ATTR_LINEAGE)
+        own = self.run_dir / "trials" / str(trial.number) / "checkpoints"
+        if not isinstance(lin, dict):
+            taken = {m for m, _ in self._members(self.shared.tally.trials)}
+            member = next(m for m in range(len(taken) + 1) if m not in taken)
+            lin = {"member": member, "interval": 0, "parent": None, "donor": None, "start": 0,
+                   "end": min(self.policy.interval, self.epochs), "seed": base_seed + member}
+            trial.set_user_attr(ATTR_LINEAGE, lin)
+        if ATTR_CHECKPOINTS not in attrs:
+            parent = lin.get("parent")
+            if parent is not None:
+                src = self._checkpoints(int(parent))
+                if src.is_dir():
+                    shutil.copytree(src, own, dirs_exist_ok=True)
+                else:
+                    _log.warning("pbt: the checkpoint directory %s of trial %d is gone; trial %d starts afresh",
+                                 src, parent, trial.number)
+            trial.set_user_attr(ATTR_CHECKPOINTS, str(own))
+        return lin
+
+    def configure(self, trial: optuna.trial.Trial, train: TrainConfig) -> TrainConfig:
+        """The trial's training config for its interval: ``epochs`` = the interval's end, the lineage's
+        seed, and a checkpoint at the interval's end (``checkpoint.every`` divides the interval)."""
+        lin = trial.user_attrs.get(ATTR_LINEAGE) or {}
+        every = train.checkpoint.every
+        if every <= 0 or self.policy.interval % every:
+            every = self.policy.interval
+        ckpt = train.checkpoint.model_copy(update={"every": every})
+        return train.model_copy(update={"epochs": int(lin.get("end", self.epochs)),
+                                        "seed": int(lin.get("seed", train.seed)), "checkpoint": ckpt})
+
+    def may_ask(self) -> bool:
+        """Whether an ``ask`` now gives a trial PBT wants run: a root while the population is not full,
+        else an enqueued interval (enqueued here if one is due)."""
+        self.shared.refresh()
+        if self._n_members(self.shared.tally.trials) < self.policy.population:
+            return True
+        return self.sync() > 0 or bool(self.shared.tally.waiting)
+
+    def over(self) -> bool:
+        """Nothing of PBT's runs or waits in the study, and no member has an interval left."""
+        self.shared.refresh()
+        tally = self.shared.tally
+        if self._n_members(tally.trials) < self.policy.population or tally.running or tally.waiting:
+            return False
+        return self.sync() == 0
+
+    def sync(self) -> int:
+        """Enqueue the next interval of every member whose latest interval finished and has none yet,
+        within ``budget`` (finished, running and waiting intervals count); returns how many."""
+        tally = self.shared.tally
+        trials = tally.trials
+        if self._n_members(trials) < self.policy.population:
+            return 0  # roots first: an enqueued interval would be asked before them
+        room = self._budget - (tally.finished + len(tally.running) + len(tally.waiting))
+        exists = self._members(trials)
+        latest: dict[int, FrozenTrial] = {}  # member -> its latest finished interval
+        best: dict[int, FrozenTrial] = {}  # member -> its latest complete interval
+        for t in self._lineage(trials):
+            if t.state not in FINISHED:
+                continue
+            lin = t.user_attrs[ATTR_LINEAGE]
+            m, i = int(lin["member"]), int(lin["interval"])
+            if m not in latest or i > latest[m].user_attrs[ATTR_LINEAGE]["interval"]:
+                latest[m] = t
+            if t.state == TrialState.COMPLETE and t.value is not None and (
+                    m not in best or i > best[m].user_attrs[ATTR_LINEAGE]["interval"]):
+                best[m] = t
+        added = 0
+        for m, t in sorted(latest.items(), key=lambda kv: kv[1].number):
+            lin = t.user_attrs[ATTR_LINEAGE]
+            if room <= 0:
+                break
+            if (m, int(lin["interval"]) + 1) in exists or int(lin["end"]) >= self.epochs:
+                continue
+            nxt = self._next(t, best, trials)
+            if nxt is None:
+                continue
+            params, new = nxt
+            self.study.enqueue_trial(params, user_attrs={ATTR_LINEAGE: new}, skip_if_exists=False)
+            exists.add((m, new["interval"]))
+            room -= 1
+            added += 1
+        if added:
+            self.shared.refresh()
+        return added
+
+    # -- internals --------------------------------------------------------------------------------
+    @property
+    def _budget(self) -> int:
+        return self.budget if self.n_trials is None else min(self.budget, self.n_trials)
+
+    def _lineage(self, trials: list[FrozenTrial]) -> list[FrozenTrial]:
+        gone = interrupted(trials)
+        return [t for t in trials if isinstance(t.user_attrs.get(ATTR_LINEAGE), dict) and t.number not in gone
+                and ATTR_UNUSED not in t.user_attrs]
+
+    def _members(self, trials: list[FrozenTrial]) -> set[tuple[int, int]]:
+        """(member, interval) of every interval the study holds (running, waiting or finished)."""
+        return {(int(t.user_attrs[ATTR_LINEAGE]["member"]), int(t.user_attrs[ATTR_LINEAGE]["interval"]))
+                for t in self._lineage(trials)}
+
+    def _n_members(self, trials: list[FrozenTrial]) -> int:
+        return len({m for m, _ in self._members(trials)})
+
+    def _checkpoints(self, number: int) -> Path:
+        t = self.shared.tally.trial(number)
+        return Path(t.user_attrs.get(ATTR_CHECKPOINTS) or self.run_dir / "trials" / str(number) / "checkpoints")
+
+    def _next(self, t: FrozenTrial, best: dict[int, FrozenTrial], trials: list[FrozenTrial]
+              ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The params and lineage of member ``t``'s next interval: exploit and explore, or go on."""
+        lin = t.user_attrs[ATTR_LINEAGE]
+        m, i = int(lin["member"]), int(lin["interval"])
+        rng = np.random.default_rng([self.seed, m, i + 1])
+        latest = {k: float(v.value) for k, v in best.items() if v.value is not None
+                  and int(v.user_attrs[ATTR_LINEAGE]["end"]) < self.epochs}  # a donor must have epochs left
+        top, bottom = self.policy.split(latest)
+        failed = t.state != TrialState.COMPLETE
+        if failed and not top:
+            top = sorted(latest, key=lambda k: -latest[k] if self.policy.maximize else latest[k])[:1]
+        # a donor is not behind: a member never trains an epoch range again, so it needs at most
+        # ceil(epochs / interval) intervals and the population fits the budget
+        top = [k for k in top if int(best[k].user_attrs[ATTR_LINEAGE]["end"]) >= int(lin["end"])]
+        if (m in bottom or failed) and top and m not in top:
+            donor = best[int(top[int(rng.integers(len(top)))])]
+            dlin = donor.user_attrs[ATTR_LINEAGE]
+            params = self._explore(donor, trials, rng)
+            self.n_exploits += 1
+            _log.info("pbt: member %d (trial %d, %s) exploits trial %d (member %d)", m, t.number, t.value,
+                      donor.number, dlin["member"])
+            start, parent, seed = int(dlin["end"]), donor.number, int(dlin["seed"])
+            donor_n: int | None = donor.number
+        elif failed:
+            return None  # nothing to resume from: the member stops
+        else:
+            params, start, parent, seed, donor_n = dict(t.params), int(lin["end"]), t.number, int(lin["seed"]), None
+        if start >= self.epochs:
+            return None
+        new = {"member": m, "interval": i + 1, "parent": parent, "donor": donor_n, "start": start,
+               "end": min(start + self.policy.interval, self.epochs), "seed": seed}
+        return params, new
+
+    def _explore(self, donor: FrozenTrial, trials: list[FrozenTrial], rng: np.random.Generator) -> dict[str, Any]:
+        current = dict(donor.params)
+        if self._pb2 is None:
+            return explore_pbt(self.policy, self.space, self.names, current, rng)
+        names = [n for n in self.names if n in current and isinstance(self.space[n], FloatParam | IntParam)]
+        bounds: Bounds = {}
+        for n in names:
+            p = self.space[n]
+            if isinstance(p, FloatParam | IntParam):
+                bounds[n] = (float(p.low), float(p.high), bool(p.log))
+        t_now = float(donor.user_attrs[ATTR_LINEAGE]["end"])
+        pending = [{n: float(t.params[n]) for n in names if n in t.params}  # the members running an interval
+                   for t in self._lineage(trials) if t.state == TrialState.RUNNING]
+        new = self._pb2.explore(self._history(trials, names), bounds, {n: float(current[n]) for n in names}, rng,
+                                t_now, pending=pending)
+        for n in names:
+            current[n] = fit(self.space[n], float(new.get(n, current[n])))
+        return current
+
+    def _history(self, trials: list[FrozenTrial], names: list[str]) -> list[tuple[float, dict[str, float], float]]:
+        """(end epoch, hyperparams, reward change over the interval) of every complete interval with a
+        complete parent (the change is signed so that larger is better)."""
+        by = {t.number: t for t in trials}
+        out = []
+        for t in self._lineage(trials):
+            lin = t.user_attrs[ATTR_LINEAGE]
+            parent = by.get(lin.get("parent")) if lin.get("parent") is not None else None
+            if t.state != TrialState.COMPLETE or t.value is None or parent is None or parent.value is None:
+                continue
+            change = t.value - parent.value if self.policy.maximize else parent.value - t.value
+            out.append((float(lin["end"]), {n: float(t.params[n]) for n in names if n in t.params}, float(change)))
+        return out

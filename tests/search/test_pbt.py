@@ -1,0 +1,197 @@
+"""Population-based training (search.scheduler: {type: pbt}) on the simulated engine: intervals as trials,
+lineage in the storage, exploit from a copied (virtual) checkpoint, explore within the space, exact budget,
+no epoch trained twice."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from optuna.trial import FrozenTrial, TrialState
+
+from hpoflow.api import optimize
+from hpoflow.engines.simulated.costs import TrialCost
+from hpoflow.engines.simulated.engine import SimulatedEngine
+from hpoflow.engines.simulated.options import SimulatedOptions
+from hpoflow.errors import SpecError
+from hpoflow.run.ledger import ATTR_LINEAGE, is_counted
+from hpoflow.search.options import PbtSchedulerOptions
+from hpoflow.search.pbt import PbtPolicy, explore_pbt, fit
+from hpoflow.spec import FloatParam, IntParam, Param, TrainConfig, spec_from_mapping
+from hpoflow.trial import TrialRequest
+
+EPOCHS = 8
+EPOCH_S = 10.0
+
+
+def _cost(request: TrialRequest) -> TrialCost:
+    """val_accuracy after epoch e (1-based) is x * e / EPOCHS, so the ranks never change; the trial's
+    curve is as long as its ``training.epochs`` (the interval's end)."""
+    x = float(request.params["x"])
+    end = int(request.train["epochs"])
+    curve = [{"val_accuracy": x * (e + 1) / EPOCHS} for e in range(end)]
+    return TrialCost(end * EPOCH_S, dict(curve[-1]), curve)
+
+
+def _spec(n_trials: int, **pbt: Any) -> dict[str, Any]:
+    return {"study": {"name": "pbt", "metric": "val_accuracy", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0},
+                      "lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True},
+                      "units": {"type": "int", "low": 8, "high": 64, "step": 8}},
+            "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": 2, "seed": 5,
+                       "scheduler": {"type": "pbt", "population": 4, "interval": 2, "quantile": 0.25,
+                                     "hyperparams": ["x", "lr", "units"], **pbt}},
+            "training": {"model": "mlp", "epochs": EPOCHS}, "oracle": {"enabled": False}}
+
+
+def _engine() -> SimulatedEngine:
+    return SimulatedEngine(SimulatedOptions.model_validate({"slots": 2, "lognormal": {}}), cost=_cost)
+
+
+def _lineage(t: FrozenTrial) -> dict[str, Any]:
+    lin = t.user_attrs[ATTR_LINEAGE]
+    assert isinstance(lin, dict)
+    return lin
+
+
+def _check_lineage(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """Every counted trial is a member interval with a complete chain; returns the complete ones."""
+    counted = is_counted(trials)
+    done = [t for t in trials if counted(t) and t.state == TrialState.COMPLETE]
+    by = {t.number: t for t in done}
+    seen = set()
+    for t in done:
+        lin = _lineage(t)
+        assert set(lin) == {"member", "interval", "parent", "donor", "start", "end", "seed"}
+        key = (lin["member"], lin["interval"])
+        assert key not in seen  # every (member, interval) once
+        seen.add(key)
+        assert lin["end"] - lin["start"] == 2 or lin["end"] == EPOCHS
+        if lin["interval"] == 0:
+            assert lin["parent"] is None and lin["start"] == 0
+        else:
+            parent = by[lin["parent"]]  # the parent is complete, and this trial starts where it ended
+            assert _lineage(parent)["end"] == lin["start"]
+            assert lin["seed"] == _lineage(parent)["seed"]
+            assert lin["donor"] in (None, lin["parent"])
+            if lin["donor"] is None:
+                assert _lineage(parent)["member"] == lin["member"] and t.params == parent.params
+        # no epoch trained twice: the trial reports only the epochs of its interval (the simulated engine
+        # reports every epoch but the last), and its virtual duration is the interval's
+        assert set(t.intermediate_values) <= set(range(lin["start"] + 1, lin["end"] + 1))
+        assert min(t.intermediate_values, default=lin["start"] + 1) == lin["start"] + 1
+        assert t.user_attrs["timings"]["duration_s"] == pytest.approx((lin["end"] - lin["start"]) * EPOCH_S)
+    for m in {k[0] for k in seen}:  # a member's intervals are 0..k without a gap
+        got = sorted(i for mm, i in seen if mm == m)
+        assert got == list(range(len(got)))
+    return done
+
+
+def test_pbt_runs_members_in_intervals_with_exploits_and_a_complete_lineage(tmp_path: Path) -> None:
+    res = optimize(_spec(100), tmp_path / "run", engine=_engine())
+    trials = res.study.get_trials()
+    done = _check_lineage(trials)
+    assert res.summary.n_trials == 16  # population 4 x ceil(8 / 2) intervals: n_trials caps at that
+    assert len({_lineage(t)["member"] for t in done}) == 4
+    exploits = [t for t in done if _lineage(t)["donor"] is not None]
+    assert exploits, "no member exploited another"
+    by = {t.number: t for t in trials}
+    for t in exploits:
+        donor = by[_lineage(t)["donor"]]
+        assert _lineage(donor)["member"] != _lineage(t)["member"]
+        # explored within the space: x in [0, 1], lr in [1e-4, 1e-1], units a multiple of 8 in [8, 64]
+        assert 0.0 <= t.params["x"] <= 1.0 and 1e-4 <= t.params["lr"] <= 1e-1
+        assert t.params["units"] in range(8, 65, 8)
+    # the first 4 trials are the sampled roots; every member reaches the last epoch
+    assert sorted(_lineage(by[n])["interval"] for n in range(4)) == [0, 0, 0, 0]
+    ends: dict[int, int] = {}
+    for t in done:
+        lin = _lineage(t)
+        ends[lin["member"]] = max(ends.get(lin["member"], 0), lin["end"])
+    assert set(ends.values()) == {EPOCHS}
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
+def test_pbt_n_trials_is_exact_below_population_times_intervals(tmp_path: Path) -> None:
+    res = optimize(_spec(10), tmp_path / "run", engine=_engine())
+    trials = res.study.get_trials()
+    done = _check_lineage(trials)
+    assert len(done) == 10 and res.summary.n_complete == 10
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
+def test_a_rerun_of_the_same_command_adds_nothing_to_a_finished_pbt_study(tmp_path: Path) -> None:
+    optimize(_spec(100), tmp_path / "run", engine=_engine())
+    res = optimize(_spec(100), tmp_path / "run", engine=_engine())
+    assert res.summary.n_complete == 16 and not res.summary.results
+
+
+def test_pbt_explore_perturbs_or_resamples_within_the_space() -> None:
+    policy = PbtPolicy(PbtSchedulerOptions(resample_probability=0.0, perturb=[2.0]), "maximize")
+    space: dict[str, Param] = {"lr": FloatParam(type="float", low=1e-4, high=1e-1, log=True),
+             "units": IntParam(type="int", low=8, high=64, step=8), "m": FloatParam(type="float", low=0.0, high=0.9)}
+    out = explore_pbt(policy, space, ["lr", "units", "m"], {"lr": 0.08, "units": 24, "m": 0.3},
+                      np.random.default_rng(0))
+    assert out == {"lr": 0.1, "units": 48, "m": 0.6}  # x2, clipped to the bound; an int stays on its step
+    policy = PbtPolicy(PbtSchedulerOptions(resample_probability=1.0), "maximize")
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        out = explore_pbt(policy, space, ["lr", "units"], {"lr": 0.01, "units": 8}, rng)
+        assert 1e-4 <= out["lr"] <= 1e-1 and out["units"] in range(8, 65, 8)
+    assert fit(space["units"], 13.9) == 16 and fit(space["m"], -1.0) == 0.0
+    assert math.isclose(fit(space["lr"], 5.0), 0.1)
+
+
+def test_pbt_quantiles_follow_ray_tunes_rule() -> None:
+    policy = PbtPolicy(PbtSchedulerOptions(quantile=0.25), "minimize")
+    top, bottom = policy.split({0: 0.5, 1: 0.1, 2: 0.9, 3: 0.3, 4: 0.7})
+    assert top == [1, 3] and bottom == [4, 2]  # ceil(5 x 0.25) = 2 each, lower is better
+    assert policy.split({0: 1.0}) == ([], [])
+
+
+@pytest.mark.parametrize(("options", "key"), [({"quantile": 0.75}, "search.scheduler.quantile"),
+                                              ({"population": 1}, "search.scheduler.population"),
+                                              ({"explore": "bo"}, "search.scheduler.explore"),
+                                              ({"hyperparams": ["nope"]}, "search.scheduler.hyperparams")])
+def test_bad_pbt_options_are_one_line_naming_the_key(options: dict[str, Any], key: str) -> None:
+    spec = _spec(10)
+    spec["search"]["scheduler"] = {"type": "pbt", **options}
+    with pytest.raises(SpecError) as err:
+        spec_from_mapping(spec)
+    assert key in str(err.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hpoflow.search.pb2") is not None, reason="PB2's explore step is here")
+def test_explore_pb2_without_its_module_is_one_line_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as err:
+        optimize(_spec(10, explore="pb2"), tmp_path / "run", engine=_engine())
+    assert "search.scheduler.explore" in str(err.value) and "Fix: use explore: pbt" in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("schedule", "words"), [({"lrr": [[0, 0.1]]}, "changes only lr, momentum, weight_decay"),
+                                                 ({"lr": [[1, 0.1]]}, "epochs increasing from 0"),
+                                                 ({"lr": [[0, 0.1], [0, 0.2]]}, "epochs increasing from 0"),
+                                                 ({"momentum": [[0, 1.5]]}, "must be in [0, 1)"),
+                                                 ({"lr": [[0, 0.0]]}, "must be > 0")])
+def test_a_bad_training_schedule_is_one_line_naming_it(schedule: dict[str, Any], words: str) -> None:
+    spec = _spec(10)
+    spec["search"]["scheduler"] = {"type": "none"}
+    spec["training"]["schedule"] = schedule
+    with pytest.raises(SpecError) as err:
+        spec_from_mapping(spec)
+    assert "training.schedule" in str(err.value) and words in str(err.value)
+
+
+def test_the_fingerprint_lets_a_resume_change_only_what_a_schedule_may() -> None:
+    from hpoflow.train.builtin import at_epoch, config_fingerprint
+
+    cfg = TrainConfig(lr=0.1, momentum=0.5, schedule={"lr": [(0, 0.1), (3, 0.05)]})
+    assert config_fingerprint(cfg) == config_fingerprint(cfg.model_copy(update={"lr": 0.2, "momentum": 0.9,
+                                                                                 "epochs": 3, "schedule": {}}))
+    assert config_fingerprint(cfg) != config_fingerprint(cfg.model_copy(update={"batch_size": 16}))
+    assert at_epoch(cfg, 2).lr == 0.1 and at_epoch(cfg, 3).lr == 0.05 and at_epoch(cfg, 9).momentum == 0.5
