@@ -30,11 +30,10 @@ import optuna
 from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-__all__ = ["ATTR_LINEAGE", "LineageInterval", "best_chain", "figure", "intervals"]
+from hpoflow.run.ledger import ATTR_LINEAGE, is_counted
 
-#: The user attr PBT writes on each interval trial. The PBT scheduler adds the constant to
-#: hpoflow/run/ledger.py; until that is merged the report reads the literal string from here.
-ATTR_LINEAGE = "hpoflow_lineage"
+__all__ = ["LineageInterval", "best_chain", "figure", "intervals"]
+
 
 _KEYS = ("member", "interval", "start", "end")
 _BEST = "#d62828"
@@ -63,9 +62,11 @@ def _int_or_none(v: Any) -> int | None:
 def intervals(study: optuna.Study) -> list[LineageInterval]:
     """The study's interval trials (those with a well-formed ``hpoflow_lineage``), by member and interval."""
     out = []
-    for t in study.get_trials(deepcopy=False):
+    trials = study.get_trials(deepcopy=False)
+    counted = is_counted(trials)  # an interval interrupted and rerun is drawn once: as its rerun
+    for t in trials:
         lin = t.user_attrs.get(ATTR_LINEAGE)
-        if not isinstance(lin, dict) or any(_int_or_none(lin.get(k)) is None for k in _KEYS):
+        if not counted(t) or not isinstance(lin, dict) or any(_int_or_none(lin.get(k)) is None for k in _KEYS):
             continue
         value = t.values[0] if t.values and t.state == TrialState.COMPLETE else None
         if value is None and t.intermediate_values:  # a pruned or running interval: its last report
@@ -78,13 +79,13 @@ def intervals(study: optuna.Study) -> list[LineageInterval]:
 
 
 def best_chain(items: list[LineageInterval], maximize: bool) -> list[LineageInterval]:
-    """The best interval (best value; ties: the later end, then the lower number) and its ancestors by
-    ``parent``, in epoch order."""
+    """The best interval (best value; ties: the lower number, as the study's best trial and best.yaml)
+    and its ancestors by ``parent``, in epoch order."""
     scored = [i for i in items if i.value is not None]
     if not scored:
         return []
     sign = 1.0 if maximize else -1.0
-    best = max(scored, key=lambda i: (sign * (i.value or 0.0), i.end, -i.number))
+    best = max(scored, key=lambda i: (sign * (i.value or 0.0), -i.number))
     by_number = {i.number: i for i in items}
     chain, seen = [best], {best.number}
     while chain[-1].parent is not None and chain[-1].parent in by_number and chain[-1].parent not in seen:

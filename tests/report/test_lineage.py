@@ -12,6 +12,7 @@ from optuna.distributions import BaseDistribution, FloatDistribution
 
 from hpoflow.report import _lineage
 from hpoflow.report.html import PANELS, Panel, render
+from hpoflow.run.ledger import ATTR_LINEAGE
 
 pytest.importorskip("plotly")
 
@@ -36,7 +37,7 @@ def _study(direction: Literal["minimize", "maximize"] = "maximize", flip: bool =
                    "start": 2 * interval, "end": 2 * interval + 1, "seed": 100 + member}
         study.add_trial(optuna.trial.create_trial(
             value=-value if flip else value, params={"lr": lr, "momentum": 0.9}, distributions=dists,
-            user_attrs={_lineage.ATTR_LINEAGE: lineage}))
+            user_attrs={ATTR_LINEAGE: lineage}))
     return study
 
 
@@ -111,3 +112,24 @@ def test_a_study_without_lineage_has_no_population_panel(tmp_path: Path) -> None
     page, panels = render(_study(), tmp_path, "spec: {}", "in-memory")
     assert [p.title for p in panels].count("population: lineage and hyperparameter schedules") == 1
     assert "best trial 8&#x27;s lineage" in page
+
+
+def test_an_interval_interrupted_and_rerun_is_drawn_once_as_its_rerun() -> None:
+    """A driver killed mid-interval: its interval's trial is recorded interrupted and rerun as a new
+    trial with the same lineage (``hpoflow_replaces`` names the first). The panel draws the rerun."""
+    from hpoflow.run.ledger import ATTR_REPLACES
+
+    study = _study()
+    dists: dict[str, BaseDistribution] = {"lr": FloatDistribution(1e-5, 1.0, log=True),
+                                          "momentum": FloatDistribution(0.0, 1.0)}
+    member, interval, parent, donor, value, lr = POPULATION[9]
+    lineage = {"member": member, "interval": interval, "parent": parent, "donor": donor,
+               "start": 2 * interval, "end": 2 * interval + 1, "seed": 100 + member}
+    study.add_trial(optuna.trial.create_trial(  # trial 12: the rerun of trial 9
+        value=value, params={"lr": lr, "momentum": 0.9}, distributions=dists,
+        user_attrs={ATTR_LINEAGE: lineage, ATTR_REPLACES: 9}))
+    panel = _panel(study)
+    assert panel is not None
+    segments = sorted(t.meta["trial"] for t in _traces(panel, "segment"))
+    assert segments == [*range(9), 10, 11, 12]
+    assert "4 member(s), 12 interval(s), 4 exploit(s)" in panel.note
