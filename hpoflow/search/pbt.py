@@ -32,6 +32,7 @@ import importlib
 import logging
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.errors import Issue, SpecError
 from hpoflow.registry import SCHEDULERS, Options
+from hpoflow.run.lease import read_leases
 from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_LINEAGE, ATTR_UNUSED, FINISHED, interrupted
 from hpoflow.run.shared import SharedStudy
 from hpoflow.spec import FloatParam, IntParam, Param, StudySpec, TrainConfig
@@ -168,6 +170,19 @@ class PbtScheduling:
                                        "pbt")]) from exc
         self.n_exploits = 0  # this run's
         self.n_trials = n_trials
+        self._one_driver(study)
+
+    @staticmethod
+    def _one_driver(study: optuna.Study) -> None:
+        """PBT enqueues a member's next interval in two writes, not a transaction, so two drivers could
+        both enqueue it: refuse to join a study another driver runs now (its lease is alive)."""
+        now = time.time()
+        for info in read_leases(study).values():
+            if not info.ended and not info.process_gone() and now - info.time <= info.lease_s:
+                raise SpecError([Issue("search.scheduler", (
+                    f"pbt runs with one driver per study, and driver {info.label} (run directory {info.run_dir}) "
+                    "is running this study now. Fix: wait for it to end (or stop it: its intervals are rerun from "
+                    "their checkpoints), then rerun this command"))])
 
     @property
     def budget(self) -> int:

@@ -105,7 +105,7 @@ def test_a_study_without_lineage_has_no_population_panel(tmp_path: Path) -> None
     for number in range(3):
         study.add_trial(optuna.trial.create_trial(
             value=float(number), params={"x": number / 3}, distributions={"x": FloatDistribution(0.0, 1.0)},
-            user_attrs={_lineage.ATTR_LINEAGE: {"member": 0}}))  # malformed: not an interval trial
+            user_attrs={ATTR_LINEAGE: {"member": 0}}))  # malformed: not an interval trial
     assert _panel(study) is None
     _, panels = render(study, tmp_path, "spec: {}", "in-memory")
     assert not any(p.title.startswith("population") for p in panels)

@@ -195,3 +195,22 @@ def test_the_fingerprint_lets_a_resume_change_only_what_a_schedule_may() -> None
                                                                                  "epochs": 3, "schedule": {}}))
     assert config_fingerprint(cfg) != config_fingerprint(cfg.model_copy(update={"batch_size": 16}))
     assert at_epoch(cfg, 2).lr == 0.1 and at_epoch(cfg, 3).lr == 0.05 and at_epoch(cfg, 9).momentum == 0.5
+
+
+def test_a_second_driver_is_refused_while_one_runs_the_pbt_study(tmp_path: Path) -> None:
+    """Two drivers could both enqueue a member's next interval: a driver does not join a PBT study whose
+    other driver's lease is alive, and says so in one line; once that driver ended, it resumes."""
+    from hpoflow.run.lease import Lease
+
+    storage = str(tmp_path / "shared.journal")
+    first = optimize(_spec(6) | {"storage": storage}, tmp_path / "first", engine=_engine())
+    other = Lease(first.study, tmp_path / "other", lease_s=60.0)  # a driver of this (live) process
+    other.start()
+    try:
+        with pytest.raises(SpecError, match=r"pbt runs with one driver per study, and driver .* is running"):
+            optimize(_spec(10) | {"storage": storage}, tmp_path / "second", engine=_engine())
+    finally:
+        other.end()
+    res = optimize(_spec(10) | {"storage": storage}, tmp_path / "second", engine=_engine())
+    assert res.summary.n_complete == 10 and len(res.summary.results) == 4  # the first driver's 6 count
+    assert len(_check_lineage(res.study.get_trials())) == 10
