@@ -76,6 +76,9 @@ def requeue_if_asked() -> bool:
               else os.environ.get("SLURM_JOB_ID", ""))
     if os.environ.get("HPOFLOW_REQUEUE") != "1" or not job_id:
         return False
+    # said before the call: SLURM ends this run of the job as it takes the request, often before a
+    # line printed after ``scontrol`` returns reaches the job's output
+    print(f"hpoflow: requeueing job {job_id}; the study resumes when it runs again", file=sys.stderr, flush=True)
     try:
         r = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -85,5 +88,5 @@ def requeue_if_asked() -> bool:
         print(f"hpoflow: scontrol requeue {job_id} refused: {(r.stderr or r.stdout).strip()}; resubmit the job "
               "to resume", file=sys.stderr)
         return False
-    print(f"hpoflow: job {job_id} requeued; the study resumes when it runs again", file=sys.stderr)
+    print(f"hpoflow: job {job_id} requeued", file=sys.stderr, flush=True)
     return True

@@ -186,7 +186,8 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
     info = wait_job(slurm_cluster, job)
     out = "\n".join(p.read_text() for p in (run_dir / "launch").glob("slurm-*.out"))
     assert info["JobState"] == "COMPLETED", out
-    assert "walltime warning" in out and "requeued" in out, out  # the first run paused, then requeued itself
+    # the first run paused, then requeued itself (the line before scontrol: the run ends as SLURM takes it)
+    assert "walltime warning" in out and "requeueing job" in out, out
     study = _study(run_dir)
     assert count_finished(study) == 3, out
     reruns = [t for t in study.trials if ATTR_REPLACES in t.user_attrs]
