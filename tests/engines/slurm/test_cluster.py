@@ -316,3 +316,67 @@ def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_wall
     study = _study(run_dir)
     paused = [t for t in study.trials if "paused" in t.user_attrs.get("error", "")]
     assert paused, [t.user_attrs for t in study.trials]
+
+
+def _scheduler_spec(path: Path, scheduler: dict[str, Any], n_trials: int, epochs: int,
+                    roots: list[dict[str, float]]) -> Path:
+    """A small built-in study (an MLP on digits, sgd) run as job steps with ``search.scheduler``; ``roots``
+    are its first configurations (``search.enqueue``), so which trial leads is known."""
+    data = {
+        "study": {"name": f"sched-{scheduler['type']}", "metric": "val_accuracy", "direction": "maximize"},
+        "space": {"lr": {"type": "float", "low": 1e-4, "high": 0.2, "log": True},
+                  "momentum": {"type": "float", "low": 0.0, "high": 0.95}},
+        "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": 2, "seed": 1, "enqueue": roots,
+                   "scheduler": scheduler},
+        "training": {"model": "mlp", "dataset": "digits", "epochs": epochs, "batch_size": 32, "optimizer": "sgd",
+                     "lr": "${lr}", "momentum": "${momentum}", "seed": 5, "checkpoint": {"every": 1, "keep": 2}},
+        "resources": {"processes": 1, "cpus_per_process": 1},
+        "engine": "slurm",
+        "oracle": {"enabled": False},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_promotion_asha_and_pbt_run_their_trials_as_job_steps(slurm_cluster: SlurmCluster) -> None:
+    """search.scheduler on the slurm engine (docs/schedulers.md): promotion ASHA pauses a trial at its
+    rung through the answer file and resumes it from its checkpoint in a later step; PBT starts an
+    interval from a copy of its parent's checkpoint on the shared file system."""
+    from hpoflow.run.ledger import ATTR_LINEAGE, ATTR_SEGMENTS, count_finished, is_counted
+
+    shared = slurm_cluster.shared_dir / "schedulers"
+    lead = {"lr": 0.05, "momentum": 0.5}  # learns fastest: trial 0 leads its rungs, member 0 its population
+    slow = [{"lr": 0.0005, "momentum": 0.0}, {"lr": 0.001, "momentum": 0.0}, {"lr": 0.0008, "momentum": 0.0}]
+    asha = _scheduler_spec(shared / "asha.yaml", {"type": "asha", "min_resource": 1, "reduction_factor": 2},
+                           n_trials=4, epochs=3, roots=[lead, *slow])
+    job = launch(slurm_cluster, asha, shared / "asha-run", "--nodes", "2")
+    info = wait_job(slurm_cluster, job)
+    out = (shared / "asha-run" / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out
+    study = _study(shared / "asha-run")
+    assert count_finished(study) == 4, out
+    paused = {t.number: t for t in study.trials if t.user_attrs.get(ATTR_SEGMENTS)}
+    assert 0 in paused, out  # alone at its first rung when it reached it: it paused there
+    first_pause = paused[0].user_attrs[ATTR_SEGMENTS][0]["step"]
+    assert max(paused[0].intermediate_values) > first_pause, out  # promoted: a later step trained past it
+
+    pbt = _scheduler_spec(shared / "pbt.yaml", {"type": "pbt", "population": 2, "interval": 1, "quantile": 0.5,
+                                               "resample_probability": 0.0, "perturb": [2.0]},
+                          n_trials=100, epochs=3, roots=[lead, slow[0]])
+    job = launch(slurm_cluster, pbt, shared / "pbt-run", "--nodes", "2")
+    info = wait_job(slurm_cluster, job)
+    out = (shared / "pbt-run" / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out
+    study = _study(shared / "pbt-run")
+    trials = study.get_trials(deepcopy=False)
+    counted = is_counted(trials)
+    done = [t for t in trials if counted(t) and t.state == optuna.trial.TrialState.COMPLETE]
+    lineage = [t.user_attrs[ATTR_LINEAGE] for t in done]
+    pairs = sorted((lin["member"], lin["interval"]) for lin in lineage)
+    assert len(pairs) == len(set(pairs)) and all(lin["end"] <= 3 for lin in lineage), pairs  # each interval once
+    assert any(lin["donor"] is not None for lin in lineage), lineage  # the slow member copied the leader
+    for t in done:
+        parent = t.user_attrs[ATTR_LINEAGE]["parent"]
+        if parent is not None:  # resumed from the checkpoint copied from its parent, at the parent's end
+            assert t.user_attrs["metrics"]["resumed_from_epoch"] == study.trials[parent].user_attrs[ATTR_LINEAGE]["end"]
