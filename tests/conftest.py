@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,54 @@ TINY: dict[str, Any] = {
                  "epochs": 2, "batch_size": 64, "optimizer": "adam", "lr": "${lr}"},
     "resources": {"processes": 1, "cpus_per_process": 1},
 }
+
+
+RUN_ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}  # trial functions importable
+
+
+def start_run(tmp_path: Path, data: dict[str, Any]) -> tuple[subprocess.Popen[bytes], Path, list[str]]:
+    """``hpoflow run SPEC --run-dir RUN --json`` of ``data`` (written to ``tmp_path/spec.yaml``) in a session
+    of its own, so a test can SIGKILL the driver and its workers at once: (process, run directory, argv
+    to run it again)."""
+    import yaml
+
+    f = tmp_path / "spec.yaml"
+    f.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--json"]
+    proc = subprocess.Popen(args, env=RUN_ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    return proc, run_dir, args
+
+
+def study_so_far(run_dir: Path, name: str) -> Any:
+    """The study of a run in progress (an ``optuna.Study``), or None while its journal does not hold it yet."""
+    import optuna
+
+    from hpoflow.run.storage import open_storage
+
+    if not (run_dir / "study.journal").exists():
+        return None
+    try:
+        return optuna.load_study(study_name=name, storage=open_storage(None, run_dir))
+    except (KeyError, ValueError):
+        return None
+
+
+def kill_run_when(proc: subprocess.Popen[bytes], run_dir: Path, name: str, ready: Callable[[Any], bool],
+                  bound_s: float = 240.0) -> None:
+    """Read the run's study every 0.2 s until ``ready(study)`` (``bound_s`` bounds a hang), then SIGKILL the
+    driver and its workers at once (its session's group)."""
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < bound_s:
+            time.sleep(0.2)
+            study = study_so_far(run_dir, name)
+            if study is not None and ready(study):
+                return
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 @pytest.fixture

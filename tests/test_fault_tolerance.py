@@ -23,9 +23,7 @@ from optuna.trial import TrialState
 from hpoflow.api import optimize
 from hpoflow.engines.local import LocalEngine
 from hpoflow.run.ledger import interrupted
-from tests.conftest import ROOT
-
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+from tests.conftest import ROOT, RUN_ENV, start_run
 
 pytestmark = pytest.mark.slow  # kills and resumes real studies
 
@@ -106,7 +104,7 @@ def test_killed_driver_resumes_at_five_moments_without_loss_or_duplicates(tmp_pa
     args = [sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--quiet"]
     # Kill when this many trials have a result file: before any, and at four points after.
     for finished_before_kill in (0, 2, 4, 6, 8):
-        proc = subprocess.Popen(args, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(args, env=RUN_ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True)
         seen: set[int] = set()
         t0 = time.monotonic()
@@ -124,7 +122,7 @@ def test_killed_driver_resumes_at_five_moments_without_loss_or_duplicates(tmp_pa
         time.sleep(0.5)
         alive = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         assert alive == [], f"orphans after kill at {finished_before_kill}: {alive}"
-    final = subprocess.run([*args[:-1], "--json"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    final = subprocess.run([*args[:-1], "--json"], env=RUN_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr
     status = json.loads(final.stdout)
     assert status["n_complete"] == n_trials and status["n_failed"] == 0 and status["n_running"] == 0
@@ -152,19 +150,14 @@ def test_a_trial_interrupted_by_a_driver_kill_resumes_from_its_checkpoint(tmp_pa
         "training": {"model": "mlp", "epochs": 40, "batch_size": 32, "lr": "${lr}",
                      "checkpoint": {"every": 1, "keep": 2}},
     }
-    f = tmp_path / "spec.yaml"
-    f.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--json"]
-    proc = subprocess.Popen(args, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc, run_dir, args = start_run(tmp_path, data)
     ckpts = run_dir / "trials" / "0" / "checkpoints"
     t0 = time.monotonic()
     while len(list(ckpts.glob("ckpt-*.pt"))) < 2 and time.monotonic() - t0 < 120:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    again = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(args, env=RUN_ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["n_complete"] == 1
     from hpoflow.run.storage import open_storage

@@ -5,11 +5,7 @@ complete trials, a complete lineage, and no epoch trained twice."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +17,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpoflow.api import optimize
 from hpoflow.run.ledger import ATTR_LINEAGE, ATTR_REPLACES, is_counted
 from hpoflow.run.storage import open_storage
-from tests.conftest import ROOT
-
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+from tests.conftest import ROOT, RUN_ENV, kill_run_when, start_run
 
 pytestmark = pytest.mark.slow  # real studies of real (small) trainings
 
@@ -78,34 +72,19 @@ def test_the_best_lineage_replayed_from_best_yaml_ends_with_bitwise_the_same_wei
 def test_a_driver_killed_mid_pbt_continues_the_population_from_the_storage(tmp_path: Path) -> None:
     data = _spec("killed", population=4, epochs=6, slots=2, every=1)
     data["search"]["scheduler"]["interval"] = 2
-    f = tmp_path / "spec.yaml"
-    f.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--json"]
-    proc = subprocess.Popen(args, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc, run_dir, args = start_run(tmp_path, data)
     seen: tuple[int, int] = (0, 0)
-    t0 = time.monotonic()
-    try:
-        while time.monotonic() - t0 < 240:  # a bound for a hang: the study takes seconds
-            time.sleep(0.2)
-            if not (run_dir / "study.journal").exists():
-                continue
-            try:
-                study = optuna.load_study(study_name="killed", storage=open_storage(None, run_dir))
-            except (KeyError, ValueError):
-                continue
-            trials = study.get_trials()
-            later = [t for t in trials if _lin_or_none(t) and _lin_or_none(t)["interval"] > 0]  # type: ignore[index]
-            running = [t for t in later if t.state == TrialState.RUNNING]
-            seen = (len(later), len(running))
-            if running and any(t.state == TrialState.COMPLETE for t in later):  # mid-PBT, an interval running
-                break
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its workers, at once
-        proc.wait(timeout=30)
+
+    def mid_pbt(study: optuna.Study) -> bool:
+        nonlocal seen
+        later = [t for t in study.get_trials() if _lin_or_none(t) and _lin_or_none(t)["interval"] > 0]  # type: ignore[index]
+        running = [t for t in later if t.state == TrialState.RUNNING]
+        seen = (len(later), len(running))
+        return bool(running) and any(t.state == TrialState.COMPLETE for t in later)  # an interval running
+
+    kill_run_when(proc, run_dir, "killed", mid_pbt)
     assert seen[1] >= 1, f"the study never had a later interval running: {seen}"
-    again = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(args, env=RUN_ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     study = optuna.load_study(study_name="killed", storage=open_storage(None, run_dir))
     trials = study.get_trials()

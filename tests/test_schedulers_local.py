@@ -5,25 +5,18 @@ with trials paused and running resumes the brackets from the storage."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import optuna
 import pytest
-import yaml
 from optuna.trial import TrialState
 
 from hpoflow.api import optimize
 from hpoflow.run.ledger import ATTR_PAUSED, ATTR_REPLACES, ATTR_RUNGS, ATTR_SEGMENTS, count_finished, interrupted
 from hpoflow.run.storage import open_storage
-from tests.conftest import ROOT
-
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+from tests.conftest import ROOT, RUN_ENV, kill_run_when, start_run
 
 pytestmark = pytest.mark.slow  # real studies of real (small) trainings
 
@@ -73,32 +66,18 @@ def test_a_paused_trial_is_promoted_and_resumes_bitwise_from_its_checkpoint(tmp_
 def test_a_killed_driver_resumes_its_brackets_from_the_storage(tmp_path: Path) -> None:
     data = _spec([GOOD, BAD, GOOD * 0.5, BAD, GOOD * 2, BAD, GOOD * 0.3, BAD], epochs=8, slots=2, every=1,
                  name="killed")
-    f = tmp_path / "spec.yaml"
-    f.write_text(yaml.safe_dump(data))
-    run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--json"]
-    proc = subprocess.Popen(args, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc, run_dir, args = start_run(tmp_path, data)
     paused_then: set[int] = set()
-    t0 = time.monotonic()
-    try:
-        while time.monotonic() - t0 < 240:  # a bound for a hang: the study takes seconds
-            time.sleep(0.2)
-            if not (run_dir / "study.journal").exists():
-                continue
-            try:
-                study = optuna.load_study(study_name="killed", storage=open_storage(None, run_dir))
-            except (KeyError, ValueError):
-                continue
-            trials = study.get_trials(states=(TrialState.RUNNING,))
-            paused_then = {t.number for t in trials if t.user_attrs.get(ATTR_PAUSED) is not None}
-            if len(paused_then) >= 2 and len(trials) > len(paused_then):  # paused trials and running ones
-                break
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its workers, at once
-        proc.wait(timeout=30)
+
+    def paused_and_running(study: optuna.Study) -> bool:
+        nonlocal paused_then
+        trials = study.get_trials(states=(TrialState.RUNNING,))
+        paused_then = {t.number for t in trials if t.user_attrs.get(ATTR_PAUSED) is not None}
+        return len(paused_then) >= 2 and len(trials) > len(paused_then)  # paused trials and running ones
+
+    kill_run_when(proc, run_dir, "killed", paused_and_running)
     assert len(paused_then) >= 2, "the study never had two trials paused while others ran"
-    again = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(args, env=RUN_ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     study = optuna.load_study(study_name="killed", storage=open_storage(None, run_dir))
     trials = study.get_trials()

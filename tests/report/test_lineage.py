@@ -10,7 +10,6 @@ import optuna
 import pytest
 from optuna.distributions import BaseDistribution, FloatDistribution
 
-from hpoflow.report import _lineage
 from hpoflow.report.html import PANELS, Panel, render
 from hpoflow.run.ledger import ATTR_LINEAGE
 
