@@ -77,8 +77,12 @@ def test_stop_file_kills_ranks_and_their_children_without_the_task(tmp_path: Pat
     try:
         _wait_for(Path(req.trial_dir) / "grandchild.pid")
         grandchild = int((Path(req.trial_dir) / "grandchild.pid").read_text())
-        ranks = rank_processes(str(files.job))
-        assert len(ranks) == 3  # the node launcher and two ranks
+        # the node launcher and two ranks; a rank forking its child shows the rank's command line until
+        # the child execs, so a count taken at that moment is one more: count again (30 s bounds a hang)
+        deadline = time.monotonic() + 30
+        while len(ranks := rank_processes(str(files.job))) != 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(ranks) == 3, ranks
         files.stop.write_text("stop\n")
         assert launcher.wait(10) != 0
         assert _gone([*ranks, grandchild]), "a rank or its child survived STOP"
