@@ -25,11 +25,12 @@ from hpoflow._version import __version__
 from hpoflow.credentials import password_of, take_env
 from hpoflow.errors import HpoflowError, RunDirError, SpecError
 from hpoflow.fileio import write_atomic
+from hpoflow.registry import SCHEDULERS
 from hpoflow.run import rundir
 from hpoflow.run.retry import RetryingStorage, StorageFull, StorageUnavailable, transient_cause
 from hpoflow.run.rundir import redact
 from hpoflow.run.storage import open_storage, storage_label
-from hpoflow.spec import StudySpec, spec_from_mapping
+from hpoflow.spec import StudySpec, TrainConfig, spec_from_mapping
 
 __all__ = ["LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget",
            "study_url"]
@@ -207,10 +208,24 @@ def load_run(run_dir: str | os.PathLike[str], storage: str | None = None) -> tup
 
 
 def run_budget(run_dir: str | os.PathLike[str]) -> int | None:
-    """The run's ``search.n_trials`` as its spec.yaml says (None for a grid without it, or unreadable)."""
+    """The run's ``search.n_trials`` as its spec.yaml says (None for a grid without it, or unreadable);
+    for PBT (``search.scheduler: {type: pbt}``) at most the intervals its population can have."""
     try:
         data = yaml.safe_load((rundir.resolve(run_dir, create=False) / "spec.yaml").read_text()) or {}
-        value = (data.get("search") or {}).get("n_trials")
+        search = data.get("search") or {}
+        value = search.get("n_trials")
+        scheduler = search.get("scheduler")
     except (OSError, yaml.YAMLError, AttributeError, RunDirError):
         return None
-    return value if isinstance(value, int) else None
+    if not isinstance(value, int):
+        return None
+    if isinstance(scheduler, dict) and scheduler.get("type") == "pbt":
+        epochs = (data.get("training") or {}).get("epochs", TrainConfig.model_fields["epochs"].default)
+        try:
+            flat = {k: v for k, v in scheduler.items() if k != "type"}  # (written flat, or under options:)
+            options = SCHEDULERS.options("pbt", scheduler["options"] if "options" in scheduler else flat)
+        except HpoflowError:
+            return value
+        if isinstance(epochs, int):
+            value = min(value, int(options.budget(epochs)))  # type: ignore[attr-defined]
+    return value

@@ -29,6 +29,7 @@ __all__ = [
     "RandomOptions",
     "SamplerOptions",
     "TPEOptions",
+    "pbt_budget",
 ]
 
 
@@ -170,6 +171,12 @@ class HyperbandSchedulerOptions(Options):
     reduction_factor: int = Field(default=3, ge=2)
 
 
+def pbt_budget(population: int, interval: int, epochs: int) -> int:
+    """The most intervals a PBT study can have: ``population x ceil(epochs / interval)`` (a member never
+    trains an epoch range twice, so it has at most that many intervals)."""
+    return population * math.ceil(epochs / interval)
+
+
 class PbtSchedulerOptions(Options):
     """Population-based training (``hpoflow.search.pbt``): members train in intervals; at each interval's
     end a member in the bottom ``quantile`` copies a top member's checkpoint (exploit) and changes its
@@ -185,6 +192,10 @@ class PbtSchedulerOptions(Options):
     explore: Literal["pbt", "pb2"] = Field(default="pbt", description="pbt: PBT's rules; pb2: PB2's GP bandit.")
     hyperparams: list[str] | None = Field(
         default=None, min_length=1, description="Space parameters explored (default: every float/int one).")
+
+    def budget(self, epochs: int) -> int:
+        """The most intervals a study of ``epochs`` can have (``pbt_budget``)."""
+        return pbt_budget(self.population, self.interval, epochs)
 
     @field_validator("perturb")
     @classmethod

@@ -45,6 +45,7 @@ from hpoflow.registry import SCHEDULERS, Options
 from hpoflow.run.lease import read_leases
 from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_LINEAGE, ATTR_UNUSED, FINISHED, interrupted
 from hpoflow.run.shared import SharedStudy
+from hpoflow.search.options import pbt_budget
 from hpoflow.spec import FloatParam, IntParam, Param, StudySpec, TrainConfig
 
 __all__ = ["PbtPolicy", "PbtScheduling", "explore_pbt", "lineage_chain", "pbt", "schedule_of"]
@@ -186,8 +187,8 @@ class PbtScheduling:
 
     @property
     def budget(self) -> int:
-        """The most intervals the study can have: ``population x ceil(epochs / interval)``."""
-        return self.policy.population * math.ceil(self.epochs / self.policy.interval)
+        """The most intervals the study can have (``hpoflow.search.options.pbt_budget``)."""
+        return pbt_budget(self.policy.population, self.policy.interval, self.epochs)
 
     # -- the driver's calls -----------------------------------------------------------------------
     def adopt(self, trial: optuna.trial.Trial, base_seed: int) -> dict[str, Any]:

@@ -125,9 +125,15 @@ def test_pbt_n_trials_is_exact_below_population_times_intervals(tmp_path: Path) 
 
 
 def test_a_rerun_of_the_same_command_adds_nothing_to_a_finished_pbt_study(tmp_path: Path) -> None:
+    from hpoflow.report.tables import status_dict
+    from hpoflow.run.open import run_budget
+
     optimize(_spec(100), tmp_path / "run", engine=_engine())
     res = optimize(_spec(100), tmp_path / "run", engine=_engine())
     assert res.summary.n_complete == 16 and not res.summary.results
+    # status and report show the budget the population allows (4 members x 8 epochs / 2), not n_trials
+    assert run_budget(tmp_path / "run") == 16 == res.summary.n_trials
+    assert status_dict(res.study, "journal", budget=run_budget(tmp_path / "run"))["n_trials"] == 16
 
 
 def test_pbt_explore_perturbs_or_resamples_within_the_space() -> None:
