@@ -103,6 +103,15 @@ class LeaseInfo:
     def label(self) -> str:
         return f"{self.host}:{self.pid}"
 
+    def state(self, now: float) -> str:
+        """``ended``; ``lost`` (its process on this machine is gone, or no beat for over its lease by the
+        wall clock ``now``); else ``alive``. Read-only judgement, as ``status`` shows it."""
+        if self.ended:
+            return "ended"
+        if self.process_gone() or now - self.time > self.lease_s:
+            return "lost"
+        return "alive"
+
     def process_gone(self) -> bool:
         """True when this lease names a process of this machine that no longer runs (or a newer one
         that reuses its pid); False when it runs or cannot be judged from here."""
@@ -239,14 +248,8 @@ def lease_rows(study: optuna.Study, running_by_driver: dict[str, int]) -> list[d
     now = time.time()
     rows = []
     for info in sorted(read_leases(study).values(), key=lambda i: i.started):
-        if info.ended:
-            state = "ended"
-        elif info.process_gone() or now - info.time > info.lease_s:
-            state = "lost"
-        else:
-            state = "alive"
         rows.append({"id": info.id, "host": info.host, "pid": info.pid, "run_dir": info.run_dir,
-                     "started": _iso(info.started), "last_beat": _iso(info.time), "state": state,
+                     "started": _iso(info.started), "last_beat": _iso(info.time), "state": info.state(now),
                      "trials_running": running_by_driver.get(info.id, 0)})
     return rows
 

@@ -179,7 +179,7 @@ class PbtScheduling:
         both enqueue it: refuse to join a study another driver runs now (its lease is alive)."""
         now = time.time()
         for info in read_leases(study).values():
-            if not info.ended and not info.process_gone() and now - info.time <= info.lease_s:
+            if info.state(now) == "alive":
                 raise SpecError([Issue("search.scheduler", (
                     f"pbt runs with one driver per study, and driver {info.label} (run directory {info.run_dir}) "
                     "is running this study now. Fix: wait for it to end (or stop it: its intervals are rerun from "
