@@ -22,7 +22,7 @@ import yaml
 
 from hpoflow.engines import TrialRequest, TrialResult
 from hpoflow.engines.local import LocalEngine
-from hpoflow.engines.local._modules import ModuleKeeper
+from hpoflow.engines.local._modules import MARK, ModuleKeeper
 from hpoflow.engines.logcap import CAP_ENV, LogPump
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
@@ -121,7 +121,7 @@ def test_a_worker_unloads_the_trials_own_modules_and_never_a_library(tmp_path: P
              "libfn_pkg.train", "vendored"]
     # the worker's sys.path before any trial: PYTHONPATH-like dirs (a library dir, a venv inside the project)
     keeper = ModuleKeeper([*sys.path, str(libdir), str(vendored)])
-    before = set(sys.modules)
+    keeper.start_trial()
     sys.path[:0] = [str(proj), str(libdir), str(vendored)]
     try:
         import importlib
@@ -132,14 +132,14 @@ def test_a_worker_unloads_the_trials_own_modules_and_never_a_library(tmp_path: P
         fake_ext.__file__ = str(proj / "extpkg" / "_fast.cpython-311-x86_64-linux-gnu.so")
         sys.modules["extpkg._fast"] = fake_ext
         # a trial of usercode:train with the project as its python_path
-        assert sorted(keeper.trial_modules(before, (str(proj),), "usercode:train")) == [
+        assert sorted(keeper.trial_modules((str(proj),), "usercode:train")) == [
             "usercode", "userpkg", "userpkg.sub"]
         # a trial whose function lives in a package on a library path: that package is its own code,
         # the library module it imports is not
-        assert sorted(keeper.trial_modules(before, (str(proj),), "libfn_pkg.train:fit")) == [
+        assert sorted(keeper.trial_modules((str(proj),), "libfn_pkg.train:fit")) == [
             "libfn_pkg", "libfn_pkg.train", "usercode", "userpkg", "userpkg.sub"]
     finally:
-        for name in names:
+        for name in (*names, MARK):
             sys.modules.pop(name, None)
         for p in (str(proj), str(libdir), str(vendored)):
             sys.path.remove(p)

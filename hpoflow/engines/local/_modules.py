@@ -13,6 +13,11 @@ from an HPC module), or under a ``site-packages``/``dist-packages`` directory; a
 (``.so``/``.pyd``) and every module of a top-level package that has one (torch, numpy: their Python
 modules register state in their C parts once, and a second import crashes the process). Such a
 package of the user's stays loaded too: its globals carry over from trial to trial.
+
+What a trial imported is what ``sys.modules`` (a dict: insertion-ordered) holds after a marker entry
+that ``start_trial`` puts at its end, read backwards up to that marker. A worker never iterates all
+of ``sys.modules``: in a worker forked from the forkserver, that would write to the reference count of
+each of ~3,000 module names and make ~7 MB of the shared preload private to every worker.
 """
 
 from __future__ import annotations
@@ -75,26 +80,57 @@ def _interpreter_dirs() -> set[str]:
 # make ~20 MB of the shared preload private to each worker.
 _PRELOADED: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
+# The name of the entry that marks where a trial's imports begin in ``sys.modules`` (see the module
+# docstring); the forkserver sets it last, so a warm worker finds what it loaded since the preload.
+MARK = "_hpoflow_imports_after_here"
+
+
+def _mark() -> None:
+    """Put the marker at the end of ``sys.modules`` (removing it first moves it there)."""
+    sys.modules.pop(MARK, None)
+    sys.modules[MARK] = ModuleType(MARK)
+
+
+def _since_mark() -> list[str] | None:
+    """The modules added to ``sys.modules`` after the marker, oldest first; None when the marker is
+    gone (something cleared it) or ``sys.modules`` kept changing under a thread's imports."""
+    for _ in range(3):
+        out: list[str] = []
+        try:
+            for name in reversed(sys.modules):
+                if name == MARK:
+                    return out[::-1]
+                out.append(name)
+        except RuntimeError:  # another thread imported meanwhile: read again
+            continue
+        return None
+    return None
+
 
 def note_preloaded() -> None:
-    """Record what is loaded now, in the forkserver before it forks (``_preload``)."""
+    """Record what is loaded now, in the forkserver before it forks (``_preload``), and mark the end."""
     global _PRELOADED
     names = frozenset(sys.modules)
     _PRELOADED = (names, frozenset(n.partition(".")[0] for n in names if _is_extension(sys.modules.get(n))))
+    _mark()
 
 
 class ModuleKeeper:
-    """Built once per worker from its ``sys.path`` before any trial; ``trial_modules`` answers after
-    each trial. Tracks the top-level packages that hold extension modules as they load."""
+    """Built once per worker from its ``sys.path`` before any trial; ``start_trial`` before each
+    trial and ``trial_modules`` after it. Tracks the top-level packages that hold extension modules
+    as they load."""
 
     def __init__(self, base_path: Iterable[str]) -> None:
         self.libraries = _interpreter_dirs() | {os.path.realpath(p) for p in base_path if p}
         self._ext_tops: set[str] = set()
         self._seen: set[str] = set()
-        if _PRELOADED[0]:  # a warm worker: what the forkserver noted, and the few modules loaded since
-            self._note_extensions([n for n in list(sys.modules.keys()) if n not in _PRELOADED[0]])
-        else:
-            self._note_extensions(list(sys.modules))
+        since = _since_mark() if _PRELOADED[0] else None
+        # a warm worker: what the forkserver noted, and the few modules loaded since; else all
+        self._note_extensions(since if since is not None else list(sys.modules))
+
+    def start_trial(self) -> None:
+        """Note where the next trial's imports begin."""
+        _mark()
 
     def _note_extensions(self, names: Iterable[str]) -> None:
         pre_names = _PRELOADED[0]
@@ -118,10 +154,12 @@ class ModuleKeeper:
                 roots.add(os.path.dirname(where) if os.path.basename(where).startswith("__init__.") else where)
         return roots
 
-    def trial_modules(self, before: set[str], python_path: Iterable[str], function: str | None) -> list[str]:
-        """The modules imported since ``before`` (a snapshot of ``sys.modules``) that are the trial's
-        own code; see the module docstring."""
-        new = [n for n in list(sys.modules) if n not in before]
+    def trial_modules(self, python_path: Iterable[str], function: str | None) -> list[str]:
+        """The modules imported since ``start_trial`` that are the trial's own code; see the module
+        docstring. Were the marker cleared, every module loaded since the preload counts as new."""
+        since = _since_mark()
+        new = since if since is not None else [n for n in list(sys.modules) if n not in _PRELOADED[0]]
+        new = [n for n in new if n != MARK]
         self._note_extensions(new)
         code = self.code_roots(python_path, function)
         roots = [(r, True) for r in code] + [(r, False) for r in self.libraries if r not in code]

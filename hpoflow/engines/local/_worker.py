@@ -70,12 +70,11 @@ class _Snapshot:
     env: dict[str, str]
     cwd: str
     path: list[str]
-    modules: set[str]
 
 
 def _reset(snap: _Snapshot, keeper: ModuleKeeper, job: RankJob) -> None:
     """Undo what a trial may have changed in this process (see the module docstring)."""
-    for name in keeper.trial_modules(snap.modules, job.request.python_path, job.request.train.get("function")):
+    for name in keeper.trial_modules(job.request.python_path, job.request.train.get("function")):
         sys.modules.pop(name, None)
     sys.path[:] = snap.path
     os.environ.clear()
@@ -115,7 +114,7 @@ def worker_main(conn: Connection, worker_id: int) -> None:
     # objects.
     gc.collect()
     gc.freeze()
-    base = _Snapshot(dict(os.environ), os.getcwd(), list(sys.path), set())
+    base = _Snapshot(dict(os.environ), os.getcwd(), list(sys.path))
     keeper = ModuleKeeper(base.path)
     try:
         conn.send(("ready", os.getpid()))
@@ -128,7 +127,7 @@ def worker_main(conn: Connection, worker_id: int) -> None:
                 return
             job, env, cores = msg[1]
             out = recv_handle(conn)  # the write end of the rank's log pipe (the engine reads the other)
-            base.modules = set(sys.modules)
+            keeper.start_trial()
             outcome = _run_one(conn, job, env, cores, out)
             os.dup2(devnull, 1)  # the log pipe's last write ends: here, and in what the trial left running
             os.dup2(devnull, 2)
