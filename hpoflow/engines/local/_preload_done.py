@@ -2,6 +2,7 @@
 it notes what is loaded for the workers' module reset (``_modules.note_preloaded``: found once here,
 not looked at again in each worker, which would make those shared pages its own) and moves everything
 out of the collector's reach (``gc.freeze``), so the workers forked afterwards share it untouched.
+Last, it unmaps the library pages that only the imports touched (``_pages.drop_clean_file_pages``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import gc
 
 from hpoflow.engines.local._modules import note_preloaded
+from hpoflow.engines.local._pages import drop_clean_file_pages
 
 note_preloaded()
 gc.collect()
 gc.freeze()
+drop_clean_file_pages()

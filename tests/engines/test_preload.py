@@ -1,0 +1,155 @@
+"""What the local engine's forkserver does before it forks warm workers (``_preload``,
+``_preload_done``, ``_pages``): its warm-up starts no thread, so forking stays safe; it lets go of the
+library pages only its imports touched, and torch and NumPy compute the same afterwards; and a warm
+worker that trains shares what the warm-up set up instead of making its own copy. Real processes and
+real torch throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpoflow.engines.local._pool import WorkerPool
+from tests.conftest import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _python(code: str, **env: str) -> dict[str, int]:
+    """Run ``code`` in a fresh interpreter; it prints one JSON object as its last line."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**ENV, **env}, capture_output=True,
+                         text=True, timeout=600, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _status_kb(pid: int | str, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def test_the_warm_up_trains_without_starting_a_thread() -> None:
+    """The forkserver forks after its warm-up: a thread started there (torch's intra-op pool) would be
+    missing, with whatever lock it held, in every worker."""
+    got = _python("""
+        import json, os, torch
+        import hpoflow.engines.local._preload as pre  # HPOFLOW_NO_WARMUP: imported without the warm-up
+        before = len(os.listdir("/proc/self/task"))
+        threads = torch.get_num_threads()
+        pre.warm_up()
+        print(json.dumps({"before": before, "after": len(os.listdir("/proc/self/task")),
+                          "threads": threads, "threads_after": torch.get_num_threads()}))
+    """, HPOFLOW_NO_WARMUP="1")
+    assert got["after"] == got["before"]
+    assert got["threads_after"] == got["threads"]  # the count a worker's trial starts from is unchanged
+
+
+def test_dropped_library_pages_come_back_unchanged_and_relocated_data_is_kept() -> None:
+    """After ``drop_clean_file_pages`` most of torch's mapped code is gone from the process, and a
+    training step computes bit for bit what it computed before: code and read-only data map again from
+    the file, and no relocated (written) page was dropped, or the process would crash."""
+    got = _python("""
+        import json, numpy as np, torch
+        from hpoflow.engines.local._pages import drop_clean_file_pages
+
+        def step():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                        torch.nn.Linear(4 * 6 * 6, 3))
+            opt = torch.optim.Adam(model.parameters())
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(5, 1, 8, 8)), torch.tensor([0, 1, 2, 0, 1]))
+            loss.backward()
+            opt.step()
+            return [float(loss), float(sum(p.sum() for p in model.parameters())),
+                    float(np.linalg.svd(np.arange(16.0).reshape(4, 4))[1][0])]
+
+        def rss_file():
+            return int([l for l in open("/proc/self/status") if l.startswith("RssFile:")][0].split()[1])
+
+        first = step()
+        before = rss_file()
+        dropped = drop_clean_file_pages()
+        after = rss_file()
+        print(json.dumps({"first": first, "again": step(), "before": before, "after": after,
+                          "dropped": dropped}))
+    """)
+    assert got["again"] == got["first"]
+    assert got["dropped"] > 0
+    # torch's code is most of a process's file pages after its import: well over half of them go
+    assert got["after"] < got["before"] / 2, got
+
+
+def test_the_forkserver_holds_no_import_only_library_pages_and_warm_workers_train() -> None:
+    pool = WorkerPool(1)
+    try:
+        assert pool.wait_warm(600)
+        worker = next(iter(pool.workers.values()))
+        assert worker.proc.pid is not None
+        stat = Path(f"/proc/{worker.proc.pid}/stat").read_text()
+        forkserver = int(stat.rsplit(")", 1)[1].split()[1])  # the worker's parent
+        # Without the drop the forkserver maps ~120 MB of library pages, against ~280 MB of its own
+        # memory; with it, a few MB (what its own loop touched since).
+        assert _status_kb(forkserver, "RssFile") < _status_kb(forkserver, "RssAnon") / 4
+    finally:
+        pool.close()
+
+
+def test_a_warm_worker_that_trains_makes_little_of_the_preload_its_own(tmp_path: Path) -> None:
+    """A forked worker's private memory after a first training step, with the forkserver's warm-up
+    against without it (~27 MB against ~135 MB here): what the first optimizer imports (torch._dynamo),
+    what torch sets up at its first step and pydantic at its first validation is shared, not copied
+    into each worker. It counts pages, not time: load does not change it."""
+    (tmp_path / "probe.py").write_text(textwrap.dedent("""
+        import json, os, sys, torch
+        from hpoflow.spec import TrainConfig
+
+        def private_kb():
+            kb = 0
+            for line in open("/proc/self/smaps_rollup"):
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    kb += int(line.split()[1])
+            return kb
+
+        def train(q):
+            torch.set_num_threads(1)
+            TrainConfig.model_validate({"function": "probe:train", "options": {"epochs": 1}})
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                        torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for _ in range(3):
+                opt.zero_grad()
+                x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            q.put(private_kb())
+
+        if __name__ == "__main__":
+            import multiprocessing as mp
+            from hpoflow.engines.local._pool import _preload_list
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(_preload_list(["hpoflow.engines.local._preload"]))
+            q = ctx.Queue()
+            p = ctx.Process(target=train, args=(q,))
+            p.start()
+            print(json.dumps({"private_kb": q.get(timeout=600)}))
+            p.join()
+    """))
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+
+    def private_kb(**extra: str) -> int:
+        out = subprocess.run([sys.executable, str(tmp_path / "probe.py")], env={**env, **extra}, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600, check=True)
+        return int(json.loads(out.stdout.strip().splitlines()[-1])["private_kb"])
+
+    cold = private_kb(HPOFLOW_NO_WARMUP="1")
+    warm = private_kb()
+    assert warm < cold / 2, (warm, cold)
