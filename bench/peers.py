@@ -78,13 +78,16 @@ def _role(p: psutil.Process) -> str:
     """A short name for a process of the run: driver, forkserver, worker, ..."""
     try:
         cmd = " ".join(p.cmdline())
+        parent = p.parent()
+        if "forkserver" in cmd and parent is not None and "forkserver" in " ".join(parent.cmdline()):
+            return "warm-worker"  # forked from the forkserver: its command line is the forkserver's
     except psutil.Error:
         return "?"
     for key, name in (("forkserver", "forkserver"), ("resource_tracker", "resource-tracker"),
                       ("spawn_main", "light-worker"), ("hpoflow run", "driver"), ("optuna_study", "optuna")):
         if key in cmd:
             return name
-    return p.name()
+    return str(p.name())
 
 
 class PeakPss:
