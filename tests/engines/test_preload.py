@@ -87,7 +87,7 @@ def test_dropped_library_pages_come_back_unchanged_and_relocated_data_is_kept() 
     assert got["after"] < got["before"] / 2, got
 
 
-def test_the_forkserver_holds_no_import_only_library_pages_and_warm_workers_train() -> None:
+def test_the_forkserver_of_a_pool_holds_no_import_only_library_pages() -> None:
     pool = WorkerPool(1)
     try:
         assert pool.wait_warm(600)
