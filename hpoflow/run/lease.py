@@ -10,7 +10,9 @@ trial a driver runs carries its id (user attr ``hpoflow_driver``).
   ``lease_s / 4`` seconds by a background thread (one small write; nothing per trial), and marked
   ended when the driver stops.
 - ``LeaseWatch``: another driver's view of the leases, used to decide which RUNNING trials belong
-  to a dead driver and must be rerun. A lease is dead when it is ended; when it names a process on
+  to a dead driver and must be rerun. A lease is dead when it is ended (in the storage, or by a
+  driver of this very process whose storage could not be told: a study stopped by an outage and
+  run again from the same notebook or script); when it names a process on
   this same machine (host, boot and pid namespace) that no longer exists; or when its beat counter
   has not moved for its ``lease_s`` as seen by this driver's own monotonic clock. Clocks of
   different hosts are never compared. A gap in this driver's own reads (a stalled loop, a storage
@@ -43,6 +45,10 @@ __all__ = ["LEASE_PREFIX", "Lease", "LeaseInfo", "LeaseWatch", "lease_rows", "re
 
 LEASE_PREFIX = "hpoflow_lease:"
 _log = logging.getLogger("hpoflow")
+
+# The leases this process ended, whether or not the storage took the ``ended`` mark: a driver of
+# this process that stopped runs nothing, even while its lease in the storage still looks alive.
+_ENDED_HERE: set[str] = set()
 
 
 def _storage(study: optuna.Study) -> tuple[optuna.storages.BaseStorage, int]:
@@ -106,7 +112,7 @@ class LeaseInfo:
     def state(self, now: float) -> str:
         """``ended``; ``lost`` (its process on this machine is gone, or no beat for over its lease by the
         wall clock ``now``); else ``alive``. Read-only judgement, as ``status`` shows it."""
-        if self.ended:
+        if self.ended or self.id in _ENDED_HERE:
             return "ended"
         if self.process_gone() or now - self.time > self.lease_s:
             return "lost"
@@ -158,7 +164,9 @@ class Lease:
         self._thread.start()
 
     def end(self) -> None:
-        """Stop beating and mark the lease ended (best effort: a dead storage cannot be told)."""
+        """Stop beating and mark the lease ended (best effort: a dead storage cannot be told; this
+        process knows it all the same)."""
+        _ENDED_HERE.add(self.id)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -218,7 +226,7 @@ class LeaseWatch:
         info = self.leases.get(driver_id)
         if driver_id == self.own_id or info is None:
             return False
-        if info.ended or info.process_gone():
+        if info.ended or driver_id in _ENDED_HERE or info.process_gone():
             return True
         seen = self._since.get(driver_id)
         return seen is not None and now - seen[1] >= info.lease_s

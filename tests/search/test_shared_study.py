@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from hpoflow.api import optimize
@@ -212,6 +213,28 @@ def test_an_ended_lease_or_a_gone_process_of_this_machine_is_dead_at_once(tmp_pa
     assert watch.any_other_alive(0.0)
     del watch.leases["a"]
     assert not watch.any_other_alive(0.0)
+
+
+def test_a_lease_this_process_ended_is_dead_at_once_though_the_storage_missed_the_mark(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A study stopped by a storage outage and run again from the same script or notebook: the first
+    driver's lease still looks alive in the storage (its end could not be written, its pid is this
+    process), yet nothing of it runs. Its trials are rerun at once, not after its lease_s."""
+    study = optuna.create_study()
+    first = Lease(study, tmp_path, lease_s=3600.0)
+    first.start()
+
+    def down(ended: bool = False) -> None:
+        raise OSError("Stale file handle")
+
+    monkeypatch.setattr(first, "_write", down)
+    first.end()
+    info = read_leases(study)[first.id]
+    assert not info.ended and info.pid == os.getpid()  # what the storage holds
+    watch = LeaseWatch("next", 3600.0)
+    watch.update(read_leases(study), now=0.0)
+    assert watch.dead(first.id, 0.0) and watch.orphaned(7, first.id, 0.0, {7})
+    assert info.state(info.time) == "ended"
 
 
 def test_status_lists_the_drivers_and_changes_nothing(tmp_path: Path) -> None:
