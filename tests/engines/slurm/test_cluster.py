@@ -319,14 +319,14 @@ def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_wall
 
 
 def _scheduler_spec(path: Path, scheduler: dict[str, Any], n_trials: int, epochs: int,
-                    roots: list[dict[str, float]]) -> Path:
+                    roots: list[dict[str, float]], slots: int = 2) -> Path:
     """A small built-in study (an MLP on digits, sgd) run as job steps with ``search.scheduler``; ``roots``
     are its first configurations (``search.enqueue``), so which trial leads is known."""
     data = {
         "study": {"name": f"sched-{scheduler['type']}", "metric": "val_accuracy", "direction": "maximize"},
         "space": {"lr": {"type": "float", "low": 1e-4, "high": 0.2, "log": True},
                   "momentum": {"type": "float", "low": 0.0, "high": 0.95}},
-        "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": 2, "seed": 1, "enqueue": roots,
+        "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": slots, "seed": 1, "enqueue": roots,
                    "scheduler": scheduler},
         "training": {"model": "mlp", "dataset": "digits", "epochs": epochs, "batch_size": 32, "optimizer": "sgd",
                      "lr": "${lr}", "momentum": "${momentum}", "seed": 5, "checkpoint": {"every": 1, "keep": 2}},
@@ -363,7 +363,10 @@ def test_promotion_asha_and_pbt_run_their_trials_as_job_steps(slurm_cluster: Slu
 
     pbt = _scheduler_spec(shared / "pbt.yaml", {"type": "pbt", "population": 2, "interval": 1, "quantile": 0.5,
                                                "resample_probability": 0.0, "perturb": [2.0]},
-                          n_trials=100, epochs=3, roots=[lead, slow[0]])
+                          n_trials=100, epochs=3, roots=[lead, slow[0]], slots=1)
+    # One slot: the leader's interval always ends before the slow member's next decision, so the slow
+    # member has a donor that is not behind it. With two, whichever ends an interval first decides
+    # alone, and the exploit the test looks for happens only when the leader wins that race.
     job = launch(slurm_cluster, pbt, shared / "pbt-run", "--nodes", "2")
     info = wait_job(slurm_cluster, job)
     out = (shared / "pbt-run" / "launch" / f"slurm-{job}.out").read_text()
