@@ -90,7 +90,7 @@ class LeaseInfo:
     lease_s: float
     machine: str
     pid_start: float | None
-    ended: bool
+    ended: bool  # marked ended in the storage, or ended by this very process (``_ENDED_HERE``)
 
     @classmethod
     def parse(cls, driver_id: str, value: Any) -> LeaseInfo | None:
@@ -101,7 +101,7 @@ class LeaseInfo:
                        float(value.get("started", 0.0)), int(value["beat"]), float(value.get("time", 0.0)),
                        float(value.get("lease_s", 60.0)), str(value.get("machine", "")),
                        None if value.get("pid_start") is None else float(value["pid_start"]),
-                       bool(value.get("ended", False)))
+                       bool(value.get("ended", False)) or driver_id in _ENDED_HERE)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -112,7 +112,7 @@ class LeaseInfo:
     def state(self, now: float) -> str:
         """``ended``; ``lost`` (its process on this machine is gone, or no beat for over its lease by the
         wall clock ``now``); else ``alive``. Read-only judgement, as ``status`` shows it."""
-        if self.ended or self.id in _ENDED_HERE:
+        if self.ended:
             return "ended"
         if self.process_gone() or now - self.time > self.lease_s:
             return "lost"
@@ -226,7 +226,7 @@ class LeaseWatch:
         info = self.leases.get(driver_id)
         if driver_id == self.own_id or info is None:
             return False
-        if info.ended or driver_id in _ENDED_HERE or info.process_gone():
+        if info.ended or info.process_gone():
             return True
         seen = self._since.get(driver_id)
         return seen is not None and now - seen[1] >= info.lease_s

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 from hpoflow.api import optimize
 from hpoflow.engines.threads import Reporter, ThreadEngine
-from hpoflow.run.lease import Lease, LeaseInfo, LeaseWatch, read_leases
+from hpoflow.run.lease import LEASE_PREFIX, Lease, LeaseInfo, LeaseWatch, read_leases
 from hpoflow.run.ledger import ATTR_DRIVER, ATTR_GRID, ATTR_REPLACES, Tally, count_finished
 from hpoflow.run.shared import SharedStudy
 from hpoflow.run.storage import open_storage
@@ -229,8 +229,12 @@ def test_a_lease_this_process_ended_is_dead_at_once_though_the_storage_missed_th
 
     monkeypatch.setattr(first, "_write", down)
     first.end()
+    from hpoflow.run.lease import _storage
+
+    storage, study_id = _storage(study)
+    record = storage.get_study_system_attrs(study_id)[LEASE_PREFIX + first.id]
+    assert not record["ended"] and record["pid"] == os.getpid()  # what the storage holds
     info = read_leases(study)[first.id]
-    assert not info.ended and info.pid == os.getpid()  # what the storage holds
     watch = LeaseWatch("next", 3600.0)
     watch.update(read_leases(study), now=0.0)
     assert watch.dead(first.id, 0.0) and watch.orphaned(7, first.id, 0.0, {7})
