@@ -22,11 +22,16 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def _python(code: str, **env: str) -> dict[str, int]:
-    """Run ``code`` in a fresh interpreter; it prints one JSON object as its last line."""
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**ENV, **env}, capture_output=True,
-                         text=True, timeout=600, check=True)
+def _last_json(args: list[str], env: dict[str, str], cwd: Path | None = None) -> dict[str, int]:
+    """Run ``python ARGS``; it prints one JSON object as its last line."""
+    out = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=600,
+                         check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _python(code: str, **env: str) -> dict[str, int]:
+    """Run ``code`` in a fresh interpreter (see ``_last_json``)."""
+    return _last_json(["-c", textwrap.dedent(code)], {**ENV, **env})
 
 
 def _status_kb(pid: int | str, field: str) -> int:
@@ -146,9 +151,7 @@ def test_a_warm_worker_that_trains_makes_little_of_the_preload_its_own(tmp_path:
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
 
     def private_kb(**extra: str) -> int:
-        out = subprocess.run([sys.executable, str(tmp_path / "probe.py")], env={**env, **extra}, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600, check=True)
-        return int(json.loads(out.stdout.strip().splitlines()[-1])["private_kb"])
+        return _last_json([str(tmp_path / "probe.py")], {**env, **extra}, cwd=tmp_path)["private_kb"]
 
     cold = private_kb(HPOFLOW_NO_WARMUP="1")
     warm = private_kb()

@@ -74,9 +74,9 @@ def _first_calls() -> None:
 
 def warm_up() -> None:
     """Construct each built-in optimizer once, run two training steps (``_train_steps``) and what
-    every trial calls first (``_first_calls``), then
-    move everything preloaded out of the collector's reach: a collection after each trial walks only
-    what the trial created (a full walk of torch's heap costs ~0.3 s)."""
+    every trial calls first (``_first_calls``), then move everything preloaded out of the collector's
+    reach: a collection after each trial walks only what the trial created (a full walk of torch's
+    heap costs ~0.3 s)."""
     p = [torch.nn.Parameter(torch.zeros(1))]
     torch.optim.SGD(p, lr=0.1)
     torch.optim.Adam(p)
