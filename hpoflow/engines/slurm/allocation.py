@@ -9,14 +9,14 @@ Pure functions of a mapping, so they are tested without SLURM.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from hpoflow.engines.cluster.hostlist import HostlistError, expand
 from hpoflow.errors import EngineError
 from hpoflow.trial import TrialRequest
 
-__all__ = ["Allocation", "cpus_per_node"]
+__all__ = ["Allocation", "cpus_per_node", "job_nodes"]
 
 _RUN = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
@@ -30,6 +30,19 @@ def cpus_per_node(text: str) -> list[int]:
             raise ValueError(f"SLURM_JOB_CPUS_PER_NODE={text!r} is not SLURM's 'N(xK),M' form")
         out.extend([int(m.group(1))] * int(m.group(2) or 1))
     return out
+
+
+def job_nodes(scontrol_line: str) -> list[str] | None:
+    """The nodes of ``scontrol show job -o ID``'s one line (``NodeList=n[1-3]``), or None where it names
+    none (SLURM no longer knows the job, or it does not run)."""
+    fields = dict(word.split("=", 1) for word in scontrol_line.split() if "=" in word)
+    raw = fields.get("NodeList", "")
+    if not raw or raw == "(null)":
+        return None
+    try:
+        return expand(raw)
+    except HostlistError:
+        return None
 
 
 def _gpus(environ: Mapping[str, str]) -> int:
@@ -68,6 +81,13 @@ class Allocation:
             raise EngineError(f"cannot read the SLURM allocation: {len(hosts)} node(s) in SLURM_JOB_NODELIST but "
                               f"{len(cpus)} in SLURM_JOB_CPUS_PER_NODE")
         return cls(job, hosts, cpus, _gpus(environ))
+
+    def keeping(self, hosts: Iterable[str]) -> Allocation:
+        """This allocation reduced to ``hosts``: what SLURM still gives the job after a node failed (with
+        ``--no-kill`` the job goes on without it)."""
+        keep = set(hosts)
+        pairs = [(h, c) for h, c in zip(self.hosts, self.cpus, strict=True) if h in keep]
+        return Allocation(self.job_id, tuple(h for h, _ in pairs), tuple(c for _, c in pairs), self.gpus_per_node)
 
     def capacity(self, request: TrialRequest) -> int:
         """How many trials shaped like ``request`` fit the allocation at once (each node holds

@@ -19,6 +19,14 @@ in the compss engine (``hpoflow.train.transport``). Cancel: a ``STOP`` file ever
 SIGTERM to the step's ``srun`` (it ends the step) or ``scancel`` of the trial's job. A rank that ends
 without an outcome (its node failed: ``srun`` may exit 0 then) fails the attempt as retryable, so the
 driver reruns it from its checkpoint on the nodes that are left (``resources.max_retries``).
+
+In steps mode the engine starts a step only when the allocation has room for it (the trials it runs
+against ``Allocation.capacity``); a trial submitted without room waits here, its timeout not yet
+running, rather than in ``srun`` ("Requested nodes are busy"). After a step ends without its ranks'
+outcomes, the engine reads the job's nodes again (``scontrol show job``): with ``--no-kill`` SLURM takes
+a failed node out of the job, so the room shrinks to the nodes that are left. Waiting matters there:
+SLURM 22.05 does not wake an ``srun`` waiting for busy nodes of a job that lost a node, so such a step
+would start only when ``srun`` retries on its own, about a minute later.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, Trial
 from hpoflow.engines.cluster.attempt import HEARTBEAT_S, stderr_tail
 from hpoflow.engines.cluster.layout import default_pythonpath, processes_per_node
 from hpoflow.engines.proc import tail
-from hpoflow.engines.slurm.allocation import Allocation
+from hpoflow.engines.slurm.allocation import Allocation, job_nodes
 from hpoflow.engines.slurm.options import SlurmOptions
 from hpoflow.errors import EngineError
 from hpoflow.fileio import read_json, write_atomic, write_json_atomic
@@ -75,6 +83,7 @@ class _Trial:
     paused_at: float | None = None  # pause(): when the engine asked the ranks to stop at a step
     signalled_at: float = 0.0
     gone_since: float | None = None
+    started: bool = False  # steps: its srun runs (False: waiting for room in the allocation)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -130,15 +139,35 @@ class SlurmEngine(Engine):
         files = TrialFiles(Path(request.trial_dir), request.attempt)
         _fresh_attempt_dir(files)
         now = time.monotonic()
-        t = _Trial(request, files, ReportReader(files.reports), now, time.time(),
-                   now + request.timeout if request.timeout else None)
-        job = self._job(request, files)
-        write_json_atomic(files.job, job)
+        t = _Trial(request, files, ReportReader(files.reports), now, time.time(), None)
+        self._trials[request.number] = t
+        if self.mode == "steps" and not self._room(request):
+            return  # started by poll() once a running trial ends (see the module docstring)
+        self._start(t)
+
+    def _start(self, t: _Trial) -> None:
+        request = t.request
+        if request.timeout:
+            t.deadline = time.monotonic() + request.timeout
+        write_json_atomic(t.files.job, self._job(request, t.files))
+        t.started = True
         if self.mode == "steps":
             self._start_step(t)
         else:
             self._start_job(t)
-        self._trials[request.number] = t
+
+    def _room(self, request: TrialRequest) -> bool:
+        """Steps mode: whether one more trial shaped like ``request`` fits beside the running ones."""
+        if self.allocation is None:
+            return True
+        running = sum(1 for t in self._trials.values() if t.started)
+        return running < self.allocation.capacity(request)
+
+    def _start_waiting(self) -> None:
+        for t in [t for t in self._trials.values() if not t.started and t.cancel_reason is None]:
+            if not self._room(t.request):
+                return
+            self._start(t)
 
     def poll(self, timeout: float | None) -> list[Event]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -147,6 +176,7 @@ class SlurmEngine(Engine):
                 self._refresh_queue()
             for t in list(self._trials.values()):
                 self._check(t)
+            self._start_waiting()
             if self._events or not self._trials:
                 out, self._events = self._events, []
                 return out
@@ -169,13 +199,17 @@ class SlurmEngine(Engine):
         if t is None or t.cancel_reason is not None or t.failure is not None:
             return
         t.cancel_reason = reason
-        self._stop(t)
+        if t.started:
+            self._stop(t)
 
     def pause(self, number: int, reason: str) -> None:
         """A ``PAUSE`` file every rank watches, and SIGUSR1 to the step's srun (it forwards it to every
         rank); stopped for good if it has not paused within ``PAUSE_GRACE_S``."""
         t = self._trials.get(number)
         if t is None or t.cancel_reason is not None or t.failure is not None or t.paused_at is not None:
+            return
+        if not t.started:  # it never ran: nothing to checkpoint
+            t.cancel_reason = f"paused ({reason}) before it started"
             return
         t.paused_at = time.monotonic()
         with contextlib.suppress(OSError):
@@ -340,6 +374,12 @@ class SlurmEngine(Engine):
             _run_quiet(["scancel", t.job_id])
 
     def _check(self, t: _Trial) -> None:
+        if not t.started:  # waiting for room: only a cancel or a pause ends it, as interrupted
+            if t.cancel_reason is not None:
+                self._events.append(TrialResult(t.request.number, "cancelled", error=t.cancel_reason,
+                                                timings={"duration_s": time.monotonic() - t.submitted}))
+                del self._trials[t.request.number]
+            return
         self._read_reports(t)
         now = time.monotonic()
         if t.deadline is not None and now >= t.deadline and t.failure is None and t.cancel_reason is None:
@@ -407,6 +447,7 @@ class SlurmEngine(Engine):
                 failure = (f"rank(s) {missing} ended without a result (srun exit {code}; see "
                            f"{t.files.dir / 'srun.log'}): a node failed, or a rank was killed or ran out of memory")
                 retryable = True
+                self._refresh_allocation()
 
         def stderr() -> str:
             text = stderr_tail(t.files, req.processes, 0)
@@ -416,6 +457,20 @@ class SlurmEngine(Engine):
         return result_from_ranks(req, outcomes, timings=timings, failure=failure, retryable=retryable,
                                  cancelled=t.cancel_reason if failure is None else None, stderr_tail=stderr,
                                  submitted_wall=t.submitted_wall)
+
+    def _refresh_allocation(self) -> None:
+        """Steps mode, after a step lost ranks: the job's nodes as SLURM has them now (a failed node is
+        taken out of a ``--no-kill`` job), so no step waits in ``srun`` for a node that is gone."""
+        if self.allocation is None:
+            return
+        out = _run_quiet(["scontrol", "show", "job", "-o", self.allocation.job_id])
+        nodes = job_nodes(out) if out else None
+        if not nodes or set(nodes) >= set(self.allocation.hosts):
+            return
+        lost = [h for h in self.allocation.hosts if h not in nodes]
+        self.allocation = self.allocation.keeping(nodes)
+        print(f"hpoflow: node(s) {','.join(lost)} left the allocation (job {self.allocation.job_id}); trials now run "
+              f"on {','.join(self.allocation.hosts) or 'no node'}", file=sys.stderr, flush=True)
 
     def _job_result(self, t: _Trial, timings: dict[str, float]) -> TrialResult:
         n = t.request.number

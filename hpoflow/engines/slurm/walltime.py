@@ -4,7 +4,10 @@
 batch script written by hand may not: ``arm_walltime_warning`` reads the job's end time
 (``SLURM_JOB_END_TIME`` where SLURM sets it, else ``squeue -o %e``) and sends this process SIGUSR1
 ``HPOFLOW_WALLTIME_WARNING_S`` seconds (default 300) before it, so the running trials pause with a
-checkpoint either way (a second SIGUSR1 changes nothing).
+checkpoint either way (a second SIGUSR1 changes nothing). A time limit changed while the job runs
+(``scontrol update JobId=... TimeLimit=...``, by the user or an administrator) moves the warning: the end
+is read again from ``squeue`` every ``HPOFLOW_WALLTIME_POLL_S`` seconds (default 60; one request to
+slurmctld each time) until the warning is nearer than that; a limit lifted (``UNLIMITED``) drops it.
 
 ``requeue_if_asked``: the batch script sets ``HPOFLOW_REQUEUE=1`` (``launch --requeue``); when the
 driver stopped on the warning, ``scontrol requeue`` puts the job back in the queue and the same script
@@ -22,10 +25,12 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
-__all__ = ["WARNING_ENV", "arm_walltime_warning", "job_end_time", "requeue_if_asked"]
+__all__ = ["POLL_ENV", "WARNING_ENV", "arm_walltime_warning", "job_end_time", "requeue_if_asked"]
 
 WARNING_ENV = "HPOFLOW_WALLTIME_WARNING_S"
 DEFAULT_WARNING_S = 300
+POLL_ENV = "HPOFLOW_WALLTIME_POLL_S"
+DEFAULT_POLL_S = 60.0
 
 
 def job_end_time(environ: Mapping[str, str], squeue: Callable[[str], str | None] | None = None) -> float | None:
@@ -36,7 +41,11 @@ def job_end_time(environ: Mapping[str, str], squeue: Callable[[str], str | None]
     job = environ.get("SLURM_JOB_ID", "")
     if not job:
         return None
-    text = (squeue or _squeue_end)(job)
+    return _parse_end((squeue or _squeue_end)(job))
+
+
+def _parse_end(text: str | None) -> float | None:
+    """``squeue -o %e``'s answer as epoch seconds; None for no answer and for no limit."""
     try:
         return datetime.fromisoformat(text.strip()).timestamp() if text else None  # local time, as squeue
     except ValueError:  # UNLIMITED, N/A, NONE
@@ -51,22 +60,56 @@ def _squeue_end(job: str) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
-def arm_walltime_warning(environ: Mapping[str, str] | None = None) -> float | None:
-    """In a SLURM job with a time limit: SIGUSR1 to this process that long before the end (a daemon
-    timer). The seconds until it fires (0: the end is that close already), or None."""
-    env = os.environ if environ is None else environ
-    if not env.get("SLURM_JOB_ID"):
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    try:
+        value = float(raw) if raw.isascii() and raw else default
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def arm_walltime_warning(environ: Mapping[str, str] | None = None, *,
+                         squeue: Callable[[str], str | None] | None = None,
+                         fire: Callable[[], None] | None = None) -> float | None:
+    """In a SLURM job with a time limit: SIGUSR1 to this process (or ``fire()``) that long before the
+    end, from a daemon thread that reads the end again every ``HPOFLOW_WALLTIME_POLL_S`` seconds until
+    the warning is less than that away, so a limit changed meanwhile moves it. The seconds until it
+    fires as known now (0: the end is that close already), or None (not in a job, no limit)."""
+    env = dict(os.environ if environ is None else environ)
+    job = env.get("SLURM_JOB_ID", "")
+    if not job:
         return None
     raw = env.get(WARNING_ENV, "").strip()
     lead = float(raw) if raw.isascii() and raw.isdigit() else float(DEFAULT_WARNING_S)
-    end = job_end_time(env)
+    poll = _seconds(env, POLL_ENV, DEFAULT_POLL_S)
+    end = job_end_time(env, squeue)
     if end is None:
         return None
-    delay = max(0.0, end - lead - time.time())
-    timer = threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGUSR1))
-    timer.daemon = True
-    timer.start()
-    return delay
+    signal_self = fire or (lambda: os.kill(os.getpid(), signal.SIGUSR1))
+
+    def watch(end: float) -> None:
+        wake = threading.Event()
+        while True:
+            due = end - lead - time.time()
+            if due <= 0:
+                signal_self()
+                return
+            if due <= poll:  # due before the next look: wait it out (never late by a slow squeue)
+                wake.wait(due)
+                continue
+            wake.wait(poll)
+            # SLURM_JOB_END_TIME is the end at the job's start: only squeue knows a changed limit
+            text = (squeue or _squeue_end)(job)
+            if not (text or "").strip():
+                continue  # slurmctld did not answer: keep the end last known
+            now_end = _parse_end(text)
+            if now_end is None:
+                return  # the limit was lifted (UNLIMITED): no warning
+            end = now_end
+
+    threading.Thread(target=watch, args=(end,), name="hpoflow-walltime", daemon=True).start()
+    return max(0.0, end - lead - time.time())
 
 
 def requeue_if_asked() -> bool:

@@ -174,6 +174,17 @@ def _reported_epochs(run_dir: Path) -> dict[int, int]:
     return {t.number: max(t.intermediate_values, default=0) for t in study.get_trials(deepcopy=False)}
 
 
+def _start_the_requeued_job_now(cluster: SlurmCluster, job: str) -> None:
+    """Once ``job`` is back in the queue after a requeue, let it start at once: SLURM holds a requeued
+    job until ``cred_expire`` + 1 s (121 s by default) have passed, a wait that tests nothing here."""
+    def requeued() -> bool:
+        info = cluster.job_info(job)
+        return info.get("JobState") == "PENDING" and int(info.get("Restarts", "0")) >= 1
+
+    _wait_for("the job to be requeued", requeued)
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+
+
 def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued_job_finishes_the_study(
         slurm_cluster: SlurmCluster) -> None:
     from hpoflow.run.ledger import ATTR_REPLACES, count_finished
@@ -183,6 +194,7 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2", "--requeue")
     _wait_for("a trial's second epoch", lambda: max(_reported_epochs(run_dir).values(), default=0) >= 2)
     slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # what --signal=B:USR1@S does
+    _start_the_requeued_job_now(slurm_cluster, job)
     info = wait_job(slurm_cluster, job)
     out = "\n".join(p.read_text() for p in (run_dir / "launch").glob("slurm-*.out"))
     assert info["JobState"] == "COMPLETED", out
@@ -231,6 +243,10 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     assert t.user_attrs["metrics"]["resumed_from_epoch"] >= 2  # from its checkpoint, not from scratch
     second = _rank_hosts(run_dir / "trials" / str(victim))
     assert {h for h, _ in second.values()} == {"n1"}, second  # the rerun ran on the node that was left
+    # ...once n1 had room: it waited in the engine, not in srun (which SLURM 22.05 wakes only a minute later)
+    rerun_srun = (run_dir / "trials" / str(victim) / "attempt-1" / "srun.log").read_text()
+    assert "Requested nodes are busy" not in rerun_srun, rerun_srun
+    assert "left the allocation" in out, out
 
 
 def test_the_compss_engines_multi_node_trial_starts_its_node_launchers_with_srun_on_the_hosts_compss_names(
@@ -298,20 +314,27 @@ def test_a_job_array_of_two_drivers_finishes_one_study_with_exactly_n_trials(slu
 def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_walltime(
         slurm_cluster: SlurmCluster) -> None:
     """A hand-written batch script (no --signal): the driver reads its job's end from SLURM and warns
-    itself HPOFLOW_WALLTIME_WARNING_S before it (here: 80 s before a 2-minute limit)."""
+    itself HPOFLOW_WALLTIME_WARNING_S before it, also when the limit changes while the job runs. The job
+    starts with 10 minutes; once its trials train, ``scontrol update TimeLimit=3`` puts its end 3 minutes
+    after its start, so the 170-s warning is due at once: the driver's next look at squeue (every
+    second here) pauses the trials, long before SLURM would kill them."""
     shared = slurm_cluster.shared_dir / "no-signal"
     spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=100_000)  # runs until paused, on any machine
     run_dir = shared / "run"
     script = shared / "job.sh"
     script.write_text("#!/bin/bash\n"
                       f"export PYTHONPATH={ROOT}:{ROOT / 'tests'}\n"
-                      "export HPOFLOW_WALLTIME_WARNING_S=80\n"
+                      "export HPOFLOW_WALLTIME_WARNING_S=170 HPOFLOW_WALLTIME_POLL_S=1\n"
                       f"exec python -m hpoflow run {spec} --run-dir {run_dir}\n")
-    r = slurm_cluster.run(["sbatch", "--parsable", "-N2", "--exclusive", "--time=2", f"--chdir={shared}",
+    r = slurm_cluster.run(["sbatch", "--parsable", "-N2", "--exclusive", "--time=10", f"--chdir={shared}",
                            f"--output={shared}/job.out", str(script)])
-    info = wait_job(slurm_cluster, r.stdout.strip())
+    job = r.stdout.strip()
+    _wait_for("a trial's first epoch", lambda: max(_reported_epochs(run_dir).values(), default=0) >= 1)
+    assert "walltime warning" not in (shared / "job.out").read_text()  # 10 minutes: not due yet
+    slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=3"])
+    info = wait_job(slurm_cluster, job)
     out = (shared / "job.out").read_text()
-    assert "walltime warning" in out, out  # paused by its own timer, 40 s in, not killed at 2 minutes
+    assert "walltime warning" in out, out  # paused by its own timer, not killed at the limit
     assert info["JobState"] in ("FAILED", "COMPLETED") and info["ExitCode"].startswith("130"), (info, out)
     study = _study(run_dir)
     paused = [t for t in study.trials if "paused" in t.user_attrs.get("error", "")]

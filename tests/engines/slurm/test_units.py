@@ -133,3 +133,40 @@ def test_the_jobs_end_comes_from_slurm_job_end_time_or_squeue() -> None:
             return text
 
         assert job_end_time({"SLURM_JOB_ID": "7"}, squeue=answer) is None
+
+
+def test_the_walltime_warning_follows_a_time_limit_changed_while_the_job_runs() -> None:
+    """The driver's own warning (a batch script without --signal) reads the job's end again from squeue:
+    a limit shortened mid-job brings the warning forward, one extended or lifted puts it off."""
+    import math
+    import threading
+    import time
+    from datetime import datetime
+
+    from hpoflow.engines.slurm.walltime import arm_walltime_warning
+
+    def iso(t: float) -> str:
+        return datetime.fromtimestamp(t).isoformat(timespec="seconds") + "\n"
+
+    def armed(first_end: float, later: list[str | None]) -> threading.Event:
+        """Armed 60 s before ``first_end`` (the job's end at its start); squeue answers ``later[0]``."""
+        fired = threading.Event()
+        env = {"SLURM_JOB_ID": "7", "SLURM_JOB_END_TIME": str(int(first_end)), "HPOFLOW_WALLTIME_WARNING_S": "60",
+               "HPOFLOW_WALLTIME_POLL_S": "0.01"}
+        assert arm_walltime_warning(env, squeue=lambda job: later[0], fire=fired.set) is not None
+        return fired
+
+    now = math.floor(time.time())
+    shortened: list[str | None] = [iso(now + 3600)]
+    fired = armed(now + 3600, shortened)
+    assert not fired.wait(0.3)  # an hour to go: nothing yet
+    shortened[0] = iso(now + 30)  # scontrol update TimeLimit=...: the warning (60 s before) is due now
+    assert fired.wait(30), "the shortened limit did not bring the warning forward"  # bounds a hang only
+
+    # a limit extended or lifted while the warning was 1-2 s away: it does not come at the first end
+    for extended in (7200, None):
+        now = math.floor(time.time())
+        answer = iso(now + extended) if extended else "UNLIMITED\n"
+        assert not armed(now + 62, [answer]).wait(3.0), answer
+    # slurmctld not answering keeps the end last known
+    assert armed(math.floor(time.time()) + 62, [None]).wait(30)
