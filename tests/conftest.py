@@ -131,7 +131,34 @@ def calibration_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     return spec, write_cluster(spec, tmp_path_factory.mktemp("calibration") / "cal.yaml")
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default in pyproject.toml): two workers per core this process may use, at least
+    two and at most eight, or ``HPOFLOW_TEST_WORKERS``. Most of the suite's time is spent waiting on
+    the processes a test starts (trials, daemons, SLURM; one busy core on average on a 2-core machine
+    when run serially), so one worker per core would leave a core idle half the time."""
+    raw = os.environ.get("HPOFLOW_TEST_WORKERS", "").strip()
+    if raw:
+        if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+            raise pytest.UsageError(f"HPOFLOW_TEST_WORKERS must be a whole number >= 1, not {raw!r}")
+        return int(raw)
+    return max(2, min(8, 2 * len(os.sched_getaffinity(0))))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups to name the work units
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The fast tier first: a plain ``pytest`` runs every test not marked ``slow`` before the slow
-    ones, so a broken change fails within the first minutes (``-m "not slow"`` runs only those)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    """Every test that uses a shared server (the SLURM cluster, PostgreSQL) joins that server's
+    ``xdist_group``: under pytest-xdist one worker runs the group, on one server. Order: run serially, the
+    fast tier first, so a broken change fails within the first minutes (``-m "not slow"`` runs only
+    those); under pytest-xdist, where xdist hands out the groups first (the largest first), the slow
+    tests come before the fast ones, so no long test starts last and holds up the end."""
+    from tests.infra.fixtures import GROUPS
+
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        for name in getattr(item, "fixturenames", ()):
+            if name in GROUPS:
+                item.add_marker(pytest.mark.xdist_group(GROUPS[name]))
+                break
+    parallel = bool(getattr(config.option, "numprocesses", None)) and config.pluginmanager.hasplugin("xdist")
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None) == parallel)

@@ -41,6 +41,8 @@ from typing import Any
 
 import optuna
 
+from hpoflow.run.retry import StorageUnavailable
+
 __all__ = ["LEASE_PREFIX", "Lease", "LeaseInfo", "LeaseWatch", "lease_rows", "read_leases"]
 
 LEASE_PREFIX = "hpoflow_lease:"
@@ -181,7 +183,8 @@ class Lease:
                 self.failed_beats = 0
             except Exception as exc:  # a storage hiccup: the next beat tries again
                 self.failed_beats += 1
-                if self.failed_beats == 1:
+                # an outage the storage itself announced ("storage unreachable, retrying ...") is not said twice
+                if self.failed_beats == 1 and not isinstance(exc, StorageUnavailable):
                     _log.warning("driver lease %s: cannot write its beat to the storage (%s: %s); retrying",
                                  self.id, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
 

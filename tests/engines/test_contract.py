@@ -27,8 +27,9 @@ from hpoflow.engines.threads import Reporter, ThreadEngine
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
 from tests.conftest import ROOT
+from tests.infra.fixtures import USES_SLURM_CLUSTER
 
-ENGINES = ["threads", "local", "compss", pytest.param("slurm", marks=pytest.mark.slow)]
+ENGINES = ["threads", "local", "compss", pytest.param("slurm", marks=[pytest.mark.slow, USES_SLURM_CLUSTER])]
 PYPATH = (str(ROOT / "tests"),)
 if PYPATH[0] not in sys.path:  # the threads engine imports trainfns in this process
     sys.path.insert(0, PYPATH[0])

@@ -411,6 +411,23 @@ def _rdzv_dirs() -> set[str]:
     return {os.path.join(base, n) for n in os.listdir(base) if n.startswith("hpoflow-rdzv-flock-")}
 
 
+def _locked_in_session(dirs: set[str], session: int) -> set[str]:
+    """Those of ``dirs`` whose flock (``/proc/locks``) a process of session ``session`` holds: the
+    rendezvous directories of one driver, though other test processes make theirs meanwhile."""
+    holders: dict[int, int] = {}  # inode -> pid holding its flock
+    for line in Path("/proc/locks").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 5 and parts[1] == "FLOCK" and parts[4].isdigit():
+            holders[int(parts[5].rsplit(":", 1)[-1])] = int(parts[4])
+    out = set()
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            pid = holders.get(os.stat(d).st_ino)
+            if pid is not None and os.getsid(pid) == session:
+                out.add(d)
+    return out
+
+
 @pytest.mark.slow
 def test_a_driver_killed_with_sigkill_leaves_no_rendezvous_directory_behind(tmp_path: Path) -> None:
     from hpoflow.train.rendezvous import private_dir, remove_private_dir, sweep_private_dirs
@@ -431,8 +448,8 @@ def test_a_driver_killed_with_sigkill_leaves_no_rendezvous_directory_behind(tmp_
         while not (tmp_path / "run" / "trials" / "0" / "rank1.log").exists():
             assert time.monotonic() - t0 < 180 and proc.poll() is None, "the trial never started"
             time.sleep(0.05)
-        mine = _rdzv_dirs() - before
-        assert len(mine) == 1  # made for the two-rank trial
+        mine = _locked_in_session(_rdzv_dirs() - before, proc.pid)
+        assert len(mine) == 1  # made (and locked) by this driver for the two-rank trial
         os.kill(proc.pid, signal.SIGKILL)  # the driver alone: its workers follow it (parent-death signal)
         proc.wait(30)
     finally:

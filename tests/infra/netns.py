@@ -18,6 +18,8 @@ naming scheme whose pid is no longer alive.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import itertools
 import os
@@ -25,8 +27,9 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -121,16 +124,21 @@ class NetnsCluster:
         self.tag = f"{os.getpid()}x{next(_counter)}"
         if len(f"hin{self.tag}n{n - 1}") > 15:
             raise ValueError(f"tag {self.tag!r} makes interface names longer than 15 characters")
-        self.subnet = subnet if subnet is not None else pick_subnet()
+        self._picked = subnet is None  # picked here (and so picked again if another process took it)
         self.bridge = f"hib{self.tag}"
-        self.bridge_address = f"198.18.{self.subnet}.1"
         self.prefix = 24
-        self.nodes = [Node(f"hin{self.tag}n{i}", f"198.18.{self.subnet}.{i + 2}", f"hiv{self.tag}n{i}")
-                      for i in range(n)]
+        self._n = n
+        self._renumber(subnet if subnet is not None else pick_subnet())
+        self._created: list[tuple[str, str]] = []  # ("netns"|"link", name), in creation order
+
+    def _renumber(self, subnet: int) -> None:
+        self.subnet = subnet
+        self.bridge_address = f"198.18.{subnet}.1"
+        self.nodes = [Node(f"hin{self.tag}n{i}", f"198.18.{subnet}.{i + 2}", f"hiv{self.tag}n{i}")
+                      for i in range(self._n)]
         for addr in (self.bridge_address, *(node.address for node in self.nodes)):
             if ipaddress.ip_address(addr) not in ALLOWED:  # a guard against editing the scheme above
                 raise ValueError(f"{addr} is outside 198.18.0.0/15")
-        self._created: list[tuple[str, str]] = []  # ("netns"|"link", name), in creation order
 
     def create(self) -> None:
         """Make the bridge, the namespaces and the veth pairs; on any failure undo all and raise NetnsError."""
@@ -143,8 +151,11 @@ class NetnsCluster:
             if name in existing:
                 raise NetnsError(f"namespace {name} already exists")
         try:
-            self._add("link", self.bridge, "link", "add", self.bridge, "type", "bridge")
-            ip("addr", "add", f"{self.bridge_address}/{self.prefix}", "dev", self.bridge)
+            with _subnet_lock():  # another test process (a pytest-xdist worker) may be picking one now
+                if self._picked and self.subnet in used_subnets():
+                    self._renumber(pick_subnet())
+                self._add("link", self.bridge, "link", "add", self.bridge, "type", "bridge")
+                ip("addr", "add", f"{self.bridge_address}/{self.prefix}", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
             for node in self.nodes:
                 self._add("netns", node.name, "netns", "add", node.name)
@@ -197,6 +208,19 @@ class NetnsCluster:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.destroy()
+
+
+@contextlib.contextmanager
+def _subnet_lock() -> Iterator[None]:
+    """Held while a subnet is checked free and its bridge address added: two processes creating clusters
+    at once never take the same 198.18.X.0/24."""
+    path = Path(tempfile.gettempdir()) / "hpoflow-netns-subnet.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def netns_pids(name: str) -> list[int]:

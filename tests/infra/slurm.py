@@ -489,6 +489,24 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
                 return
         self.wait_states({name: ("idle",) for name in self.node_names}, max(0.0, end - time.monotonic()))
 
+    def ensure_healthy(self, timeout: float = 180.0) -> None:
+        """Ready for the next test, whatever the last one did: munged, slurmctld and every slurmd running
+        (a slurmd a test killed is started again), slurmctld answering a client (which checks munge
+        too), no job left over, and every node idle. ``SlurmError`` with the logs when it cannot be."""
+        for name, proc in (("munged", self.munged), ("slurmctld", self.slurmctld)):
+            if proc is None or proc.poll() is not None:
+                raise SlurmError(f"{name} of this cluster is not running (exit {proc and proc.returncode})"
+                                 f"\n{self.logs()}")
+        for name in self.node_names:
+            proc = self.slurmd.get(name)
+            if proc is None or proc.poll() is not None:
+                self.start_slurmd(name)
+        self._wait(lambda: "UP" in self.run(["scontrol", "ping"], check=False, timeout=30).stdout, timeout,
+                   "slurmctld to answer `scontrol ping`", self.slurmctld)
+        if self.run(["squeue", "-h", "-o", "%i"], check=False, timeout=30).stdout.strip():
+            self._cancel_all(timeout=60)
+        self.wait_idle(timeout)
+
     def down_node(self, name: str, reason: str = "test") -> None:
         """``scontrol update nodename=NAME state=down reason=REASON``: jobs on it are killed."""
         self.run(["scontrol", "update", f"nodename={name}", "state=down", f"reason={reason}"])

@@ -23,6 +23,7 @@ from hpoflow.run.lease import read_leases
 from hpoflow.run.ledger import ATTR_DRIVER, ATTR_REPLACES, ATTR_UNUSED, FINISHED, interrupted, is_counted
 from hpoflow.run.storage import open_storage
 from tests.conftest import ROOT
+from tests.infra.fixtures import USES_POSTGRES
 
 pytestmark = pytest.mark.slow  # three drivers at once, each with its worker processes
 
@@ -88,6 +89,9 @@ class Drivers:
                 proc.wait(timeout=30)
 
 
+STORAGE_KINDS = ["journal", "sqlite", pytest.param("postgresql", marks=USES_POSTGRES)]
+
+
 def storage_for(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
     if kind == "journal":
         return str(tmp_path / "shared.journal")
@@ -119,7 +123,7 @@ def assert_exact(study: optuna.Study, n: int) -> list[FrozenTrial]:
     return done
 
 
-@pytest.mark.parametrize("kind", ["journal", "sqlite", "postgresql"])
+@pytest.mark.parametrize("kind", STORAGE_KINDS)
 def test_three_drivers_on_one_study_finish_exactly_n_trials(tmp_path: Path, request: pytest.FixtureRequest,
                                                             kind: str) -> None:
     storage = storage_for(kind, tmp_path, request)
@@ -150,7 +154,7 @@ def trials_in_progress(run_dir: Path) -> set[int]:
     return started - {int(p.parent.name) for p in run_dir.glob("trials/*/result.json")}
 
 
-@pytest.mark.parametrize("kind", ["journal", "sqlite", "postgresql"])
+@pytest.mark.parametrize("kind", STORAGE_KINDS)
 def test_a_driver_killed_mid_study_has_its_trials_rerun_by_the_others(tmp_path: Path,
                                                                       request: pytest.FixtureRequest,
                                                                       kind: str) -> None:
