@@ -243,7 +243,8 @@ class _Recorder(TorchDispatchMode):
         self._live = alive
         for t in outs:
             storage = t.untyped_storage()
-            self._live.append((StorageWeakRef(storage), int(storage._cdata), storage.nbytes(), self._clock))
+            if (key := storage_key(t)) is not None:
+                self._live.append((StorageWeakRef(storage), key, storage.nbytes(), self._clock))
 
     def peak(self) -> float:
         """After backward: the most bytes alive at once in storages backward made, except those
@@ -322,6 +323,7 @@ def _layer_tracking(model: nn.Module, names: list[str], unit_names: list[str]
     state = {"backward": False, "current": loss_layer}
     tagged: set[int] = set()
     inputs: dict[int, dict[int, int]] = {u: {} for u in range(len(unit_names))}
+    held: list[torch.Tensor] = []  # the inputs noted: alive, so no later storage takes one's address
 
     def tag(tensor_tree: Any, layer: int) -> None:
         todo: list[Any] = [t.grad_fn for t in _tensors(tensor_tree) if t.grad_fn is not None]
@@ -339,6 +341,7 @@ def _layer_tracking(model: nn.Module, names: list[str], unit_names: list[str]
             for t in _tensors(inp):
                 if (key := storage_key(t)) is not None:
                     inputs[unit_of[i]][key] = t.untyped_storage().nbytes()
+                    held.append(t)
         stack.append(i)
 
     def post(module: nn.Module, _inp: Any, out: Any) -> None:
@@ -418,8 +421,9 @@ def _one_step(build: Callable[[], nn.Module], sample: Callable[[int], torch.Tens
         for p in own:
             param_unit[pid[id(p)]] = u
         unit_params.append(sum(p.numel() for p in own))
-    state_storages = {t.untyped_storage()._cdata for t in (*params, *model.buffers())}
+    state_storages = {storage_key(t) for t in (*params, *model.buffers())}
     saved: dict[int, tuple[int, int]] = {}  # storage -> (bytes, unit)
+    kept_alive: list[torch.Tensor] = []
     weight_copies: set[int] = set()
 
     ready: list[tuple[int, int, int]] = []
@@ -430,9 +434,10 @@ def _one_step(build: Callable[[], nn.Module], sample: Callable[[int], torch.Tens
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             # one storage counted once: views and in-place results of one tensor share it
-            key = t.untyped_storage()._cdata
-            if key not in state_storages and key not in saved:
+            key = storage_key(t)
+            if key is not None and key not in state_storages and key not in saved:
                 saved[key] = (t.untyped_storage().nbytes(), unit())
+                kept_alive.append(t)  # a storage is known by its address: none may take it over in this trace
             return t
 
         def accumulated(p: torch.Tensor, i: int) -> None:
