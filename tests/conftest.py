@@ -151,14 +151,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fast tier first, so a broken change fails within the first minutes (``-m "not slow"`` runs only
     those); under pytest-xdist, where xdist hands out the groups first (the largest first), the slow
     tests come before the fast ones, so no long test starts last and holds up the end."""
-    from tests.infra.fixtures import GROUPS
-
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        for name in getattr(item, "fixturenames", ()):
-            if name in GROUPS:
-                item.add_marker(pytest.mark.xdist_group(GROUPS[name]))
-                break
+        group = _group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
     parallel = bool(getattr(config.option, "numprocesses", None)) and config.pluginmanager.hasplugin("xdist")
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None) == parallel)
+
+
+def _group(item: pytest.Item) -> str | None:
+    """The xdist_group a test joins: a shared server's (``tests.infra.fixtures.GROUPS``), else that of
+    the tests sharing a module- or session-scoped fixture with it (a study run once for a module, a
+    calibration, a warm engine), so that fixture runs once and not once per worker."""
+    from tests.infra.fixtures import GROUPS
+
+    names = list(getattr(item, "fixturenames", ()))
+    for name in names:
+        if name in GROUPS:
+            return GROUPS[name]
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in names:
+        fixture = defs.get(name, ())[-1:] or None
+        if fixture is None or not fixture[0].baseid.startswith("tests"):
+            continue  # pytest's own (tmp_path_factory...), or none
+        if fixture[0].scope == "module":
+            return f"module:{fixture[0].baseid}"
+        if fixture[0].scope == "session":
+            return f"session:{name}"
+    return None

@@ -149,7 +149,8 @@ def test_a_slice_of_the_suite_passes_with_packages_from_outside_the_prefix(outsi
     failures, timeouts, cancel) with every package reached through PYTHONPATH."""
     python, pkgs = outside_packages
     env = _env("PYTHONPATH", python, pkgs)
-    p = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+    # one process, as the slice ran before pytest-xdist: no addopts of the project's (-n auto)
+    p = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "not slow",
                         "tests/engines/test_local.py", "tests/engines/test_workers.py"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=290)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,16 +91,24 @@ def _pg_study(url: str) -> optuna.Study:
     return optuna.load_study(study_name="faults", storage=optuna.storages.RDBStorage(url))
 
 
-def test_a_ten_second_database_outage_is_waited_out(postgres_server: PostgresServer, database: str,
-                                                   tmp_path: Path) -> None:
+def test_a_database_outage_shorter_than_storage_retry_s_is_waited_out(postgres_server: PostgresServer,
+                                                                      database: str, tmp_path: Path) -> None:
     _spec(tmp_path / "spec.yaml", 8, storage_env="HPO_TEST_PG")
     proc = _run(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--quiet", env=_pg_env(database))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")))  # type: ignore[union-attr]
+    reader.start()
     try:
         _wait("two finished trials", lambda: _finished(tmp_path / "run") >= 2)
         postgres_server.stop()
-        time.sleep(10)  # the outage: trials keep running and reporting meanwhile
+        # the outage lasts until the driver has met it, and 2 s more (trials keep running meanwhile)
+        _wait("the driver to meet the outage", lambda: any("storage unreachable" in line for line in lines))
+        time.sleep(2.0)
         postgres_server.start()
-        out, err = proc.communicate(timeout=600)
+        out = proc.stdout.read() if proc.stdout else ""  # to its end: the driver has exited
+        proc.wait(timeout=600)
+        reader.join(timeout=60)
+        err = "".join(lines)
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()

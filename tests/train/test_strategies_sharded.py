@@ -400,14 +400,15 @@ def test_a_killed_rank_resumes_from_its_shards_to_bitwise_the_same_weights(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # three trials of ~400 steps each: 4-5 minutes alone, more at load 20 on 2 cores
+@pytest.mark.timeout(1800)  # two epochs of ~100 steps, twice: 10-30 s alone, minutes at load 20 on 2 cores
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
 def test_a_paused_sharded_trial_stops_mid_epoch_and_resumes_bitwise(
         engine: LocalEngine, tmp_path: Path, strategy: str) -> None:
-    # batch 2: an epoch of ~200 steps, so a pause a moment after epoch 1's report lands inside epoch 2
-    reference = _run(engine, _request(tmp_path / "ref", strategy, batch=2, epochs=2, every=0))
+    # batch 4: an epoch of ~100 steps of ~25 ms (more under load), so a pause 0.2 s after epoch 1's report
+    # lands inside epoch 2, tens of steps before its end
+    reference = _run(engine, _request(tmp_path / "ref", strategy, batch=4, epochs=2, every=0))
     assert reference.status == "complete", (reference.error, reference.stderr_tail)
-    req = _request(tmp_path / "paused", strategy, batch=2, epochs=2, every=0)
+    req = _request(tmp_path / "paused", strategy, batch=4, epochs=2, every=0)
     engine.submit(req)
     paused = None
     deadline = time.monotonic() + 900  # a bound for a hang

@@ -175,13 +175,15 @@ def _reported_epochs(run_dir: Path) -> dict[int, int]:
 
 
 def _start_the_requeued_job_now(cluster: SlurmCluster, job: str) -> None:
-    """Once ``job`` is back in the queue after a requeue, let it start at once: SLURM holds a requeued
-    job until ``cred_expire`` + 1 s (121 s by default) have passed, a wait that tests nothing here."""
+    """Once ``job`` is back in the queue after a requeue and its first run has left every node, let it
+    start at once: SLURM holds a requeued job until ``cred_expire`` + 1 s (121 s by default) have
+    passed, a wait that tests nothing here."""
     def requeued() -> bool:
         info = cluster.job_info(job)
         return info.get("JobState") == "PENDING" and int(info.get("Restarts", "0")) >= 1
 
     _wait_for("the job to be requeued", requeued)
+    cluster.wait_idle()  # no node still completing the first run
     cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
 
@@ -197,7 +199,7 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
     _start_the_requeued_job_now(slurm_cluster, job)
     info = wait_job(slurm_cluster, job)
     out = "\n".join(p.read_text() for p in (run_dir / "launch").glob("slurm-*.out"))
-    assert info["JobState"] == "COMPLETED", out
+    assert info["JobState"] == "COMPLETED", (info, out, slurm_cluster.logs())
     # the first run paused, then requeued itself (the line before scontrol: the run ends as SLURM takes it)
     assert "walltime warning" in out and "requeueing job" in out, out
     study = _study(run_dir)
