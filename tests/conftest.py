@@ -155,7 +155,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = _group(item)
         if group is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
-    parallel = bool(getattr(config.option, "numprocesses", None)) and config.pluginmanager.hasplugin("xdist")
+    parallel = hasattr(config, "workerinput")  # a pytest-xdist worker (they collect; the controller does not)
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None) == parallel)
 
 

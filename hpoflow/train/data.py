@@ -6,9 +6,18 @@ Each data set says its *task*: ``classify`` (one label per sample: digits, synth
 chars); the built-in trainer computes its loss and metrics from it (``hpoflow.train.builtin``).
 
 The validation split is fixed whatever the trial's seed, so every trial is scored on the same
-held-out data: digits and synthetic are split stratified with seed 0; chars keeps the first
-``1 - val_fraction`` of the text for training and the rest for validation. Each rank trains on its
-own shard (``DistributedSampler``).
+held-out data: digits and synthetic are split stratified with seed 0 (scikit-learn's
+``train_test_split(stratify=y, random_state=0)``); chars keeps the first ``1 - val_fraction`` of the
+text for training and the rest for validation. Each rank trains on its own shard
+(``DistributedSampler``).
+
+Loading digits or synthetic imports no scikit-learn (``import sklearn`` alone takes ~0.7 s of CPU, in
+every rank process and every forkserver): digits is read from the CSV scikit-learn ships
+(``sklearn/datasets/data/digits.csv.gz``, found without importing the package), and the splits at the
+default ``val_fraction`` are the ones scikit-learn computes, stored in ``splits.npz`` beside this module
+with a digest of the labels they split (``tests/train/test_data.py`` checks them against
+``train_test_split``; ``python -m hpoflow.train.data`` writes them again). Any other split, or labels that
+differ from the stored digest, is computed by scikit-learn as before.
 
 ``chars`` (``CHARS_LENGTH`` characters, 56 distinct): English-like sentences drawn from a
 small grammar (names, places, adjectives, nouns, verbs, numbers, quoted speech, questions,
@@ -20,9 +29,12 @@ overlap.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import random
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -79,35 +91,93 @@ def dataset_info(name: str, val_fraction: float = 0.2, sequence_length: int | No
     return info.input_shape, info.n_classes, info.n_samples - int(n_val)
 
 
-def _split(x: np.ndarray, y: np.ndarray, val_fraction: float) -> Dataset:
+SPLITS_FILE = Path(__file__).with_name("splits.npz")
+STORED_SPLITS = (("digits", 0.2), ("synthetic", 0.2))  # what ``write_splits`` stores
+
+
+def split_indices(y: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training, validation) indices of scikit-learn's ``train_test_split(stratify=y, random_state=0)``."""
     from sklearn.model_selection import train_test_split
 
-    x_tr, x_va, y_tr, y_va = train_test_split(
-        x, y, test_size=val_fraction, random_state=0, stratify=y
-    )
+    train, val = train_test_split(np.arange(len(y)), test_size=val_fraction, random_state=0, stratify=y)
+    return np.asarray(train), np.asarray(val)
+
+
+def _labels_digest(y: np.ndarray) -> np.ndarray:
+    return np.frombuffer(hashlib.sha256(np.ascontiguousarray(y, dtype=np.int64).tobytes()).digest(), dtype=np.uint8)
+
+
+def _stored_split(name: str, y: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """The split ``write_splits`` stored for these labels and this fraction, or None."""
+    key = f"{name}-{val_fraction:g}"
+    try:
+        with np.load(SPLITS_FILE) as stored:
+            if f"{key}-labels" not in stored or not np.array_equal(stored[f"{key}-labels"], _labels_digest(y)):
+                return None
+            return stored[f"{key}-train"].astype(np.int64), stored[f"{key}-val"].astype(np.int64)
+    except (OSError, ValueError, KeyError):  # not shipped, or unreadable: computed instead
+        return None
+
+
+def write_splits(path: Path = SPLITS_FILE) -> Path:
+    """Compute the stored splits (``STORED_SPLITS``) with scikit-learn and write them to ``path``."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, fraction in STORED_SPLITS:
+        y = _arrays(name)[1]
+        train, val = split_indices(y, fraction)
+        key = f"{name}-{fraction:g}"
+        arrays.update({f"{key}-labels": _labels_digest(y), f"{key}-train": train.astype(np.int16),
+                       f"{key}-val": val.astype(np.int16)})
+    np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+    return path
+
+
+def _split(name: str, x: np.ndarray, y: np.ndarray, val_fraction: float) -> Dataset:
+    train, val = _stored_split(name, y, val_fraction) or split_indices(y, val_fraction)
     shape = tuple(x.shape[1:])
     return Dataset(
-        torch.from_numpy(x_tr), torch.from_numpy(y_tr), torch.from_numpy(x_va), torch.from_numpy(y_va),
+        torch.from_numpy(x[train]), torch.from_numpy(y[train]), torch.from_numpy(x[val]), torch.from_numpy(y[val]),
         shape, int(y.max()) + 1,
     )
+
+
+def _digits_csv() -> Path | None:
+    """scikit-learn's copy of the digits (``load_digits`` reads it), found without importing scikit-learn."""
+    spec = importlib.util.find_spec("sklearn")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(location) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def _arrays(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of digits or synthetic: float32 images (N, 1, 8, 8) and int64 labels."""
+    if name == "digits":
+        path = _digits_csv()
+        if path is not None:
+            data = np.loadtxt(path, delimiter=",")  # 64 pixels (0-16) and the label, per row, as load_digits
+            images, target = data[:, :-1].reshape(-1, 8, 8), data[:, -1]
+        else:  # laid out otherwise: ask scikit-learn
+            from sklearn.datasets import load_digits
+
+            d = load_digits()
+            images, target = d.images, d.target
+        return (images.astype(np.float32) / 16.0)[:, None, :, :], target.astype(np.int64)
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(10, 1, 8, 8)).astype(np.float32)
+    n = DATASETS["synthetic"].n_samples
+    y = rng.integers(0, 10, size=n).astype(np.int64)
+    x = centers[y] + 0.8 * rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
+    return x, y
 
 
 def load_dataset(name: str, val_fraction: float = 0.2, sequence_length: int | None = None) -> Dataset:
     """Load a built-in data set: float32 image tensors ``(N, C, H, W)`` and int64 labels, or (chars)
     int64 windows ``(N, sequence_length)`` and their next-character targets of the same shape."""
-    if name == "digits":
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x = (d.images.astype(np.float32) / 16.0)[:, None, :, :]
-        return _split(x, d.target.astype(np.int64), val_fraction)
-    if name == "synthetic":
-        rng = np.random.default_rng(0)
-        centers = rng.normal(size=(10, 1, 8, 8)).astype(np.float32)
-        n = DATASETS["synthetic"].n_samples
-        y = rng.integers(0, 10, size=n).astype(np.int64)
-        x = centers[y] + 0.8 * rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
-        return _split(x, y, val_fraction)
+    if name in ("digits", "synthetic"):
+        x, y = _arrays(name)
+        return _split(name, x, y, val_fraction)
     if name == "chars":
         return _chars(val_fraction, sequence_length or DEFAULT_SEQUENCE_LENGTH)
     raise ValueError(f"unknown dataset {name!r}; built-in data sets: {', '.join(DATASETS)}")
@@ -190,3 +260,7 @@ def _chars(val_fraction: float, t: int) -> Dataset:
     x_tr, y_tr = _windows(ids[:n_train], t)
     x_va, y_va = _windows(ids[n_train:], t)
     return Dataset(x_tr, y_tr, x_va, y_va, (t,), len(vocab), "next_token")
+
+
+if __name__ == "__main__":  # python -m hpoflow.train.data: write splits.npz again (scikit-learn computes them)
+    print(write_splits())

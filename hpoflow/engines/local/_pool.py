@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PRELOAD", "Worker", "WorkerPool", "prestart"]
 
-PRELOAD = ["hpoflow.engines.local._preload", "sklearn.datasets", "sklearn.model_selection"]
+PRELOAD = ["hpoflow.engines.local._preload"]  # torch and the trainer (its digits need no scikit-learn)
 _PRELOAD_DONE = "hpoflow.engines.local._preload_done"  # always imported last (see that module)
 
 
