@@ -7,9 +7,9 @@ and bytes hold, times do not), run a real trial through the local engine (fresh 
 so each trial's peak is its own) and ask the oracle about the same trial the way the driver's
 precheck does (:func:`hpoflow.oracle.feasibility.check_trial` on the ``laptop`` preset). Compares:
 
-* ``peak_memory_mb`` (the largest rank's resident-set high-water mark above its start: what
-  training added) with the predicted memory per rank without ``reserved`` (the CUDA context and
-  library workspaces a CPU rank does not have);
+* ``peak_memory_mb`` (the largest rank's resident-set high-water mark above its start, less the
+  library code it mapped meanwhile: what training added) with the predicted memory per rank without
+  ``reserved`` (the CUDA context and library workspaces a CPU rank does not have);
 * ``bytes_per_step`` (what rank 0 wrote per step, the kernel's byte counter) with the predicted
   bytes per step (gloo reduce-scatters as an all-reduce: both sides count it so).
 
