@@ -131,6 +131,18 @@ def calibration_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     return spec, write_cluster(spec, tmp_path_factory.mktemp("calibration") / "cal.yaml")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile hpoflow's and the tests' modules once (``__pycache__``, as Python's imports would) before
+    any test: where ``PYTHONDONTWRITEBYTECODE`` is set, every process a test starts (drivers, workers,
+    ranks: hundreds) would otherwise compile them from source again."""
+    if hasattr(config, "workerinput"):
+        return  # the controller (or a serial run) has done it
+    import compileall
+
+    for tree in ("hpoflow", "tests"):
+        compileall.compile_dir(ROOT / tree, quiet=2, workers=1)
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (the default in pyproject.toml): two workers per core this process may use, at least
     two and at most eight, or ``HPOFLOW_TEST_WORKERS``. Most of the suite's time is spent waiting on
