@@ -5,7 +5,9 @@ complete trials, a complete lineage, and no epoch trained twice."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +121,40 @@ def test_a_driver_killed_mid_pbt_continues_the_population_from_the_storage(tmp_p
 def _lin_or_none(t: FrozenTrial) -> dict[str, Any] | None:
     lin = t.user_attrs.get(ATTR_LINEAGE)
     return lin if isinstance(lin, dict) else None
+
+
+KILL_AT_COPY = """
+import os, shutil, signal, sys
+real = shutil.copytree
+def copytree(src, dst, *args, **kwargs):  # the driver dies as it copies a parent's checkpoints
+    os.kill(os.getpid(), signal.SIGKILL)
+shutil.copytree = copytree
+from hpoflow.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_interval_whose_driver_died_before_its_checkpoint_was_copied_resumes_from_its_parent(
+        tmp_path: Path) -> None:
+    """The driver is killed in the moment between asking a later interval and copying its parent's
+    checkpoint: the rerun of that interval resumes where its parent ended, not from scratch."""
+    data = _spec("copy", population=2, epochs=4, slots=1, every=1)
+    data["search"]["scheduler"]["interval"] = 2
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    args = ["run", str(spec), "--run-dir", str(run_dir), "--json"]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_COPY, *args], env=RUN_ENV, cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    study = optuna.load_study(study_name="copy", storage=open_storage(None, run_dir))
+    orphan = [t for t in study.get_trials() if t.state == TrialState.RUNNING]
+    assert len(orphan) == 1 and _lin(orphan[0])["start"] == 2, [t.user_attrs for t in study.get_trials()]
+    again = subprocess.run([sys.executable, "-m", "hpoflow", *args], env=RUN_ENV, cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    study = optuna.load_study(study_name="copy", storage=open_storage(None, run_dir))
+    reruns = [t for t in study.get_trials() if t.user_attrs.get(ATTR_REPLACES) == orphan[0].number]
+    assert len(reruns) == 1 and reruns[0].state == TrialState.COMPLETE, [t.user_attrs for t in reruns]
+    assert reruns[0].user_attrs["metrics"]["resumed_from_epoch"] == 2  # from its parent's checkpoint at epoch 2
+    assert sorted(reruns[0].intermediate_values) == [3, 4]  # epochs 1 and 2 not trained again

@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -193,8 +194,11 @@ class PbtScheduling:
     # -- the driver's calls -----------------------------------------------------------------------
     def adopt(self, trial: optuna.trial.Trial, base_seed: int) -> dict[str, Any]:
         """A trial just asked and admitted: a new root (no lineage yet: the next member, interval 0), or an
-        enqueued interval whose checkpoint directory is filled from its parent's (once: a rerun keeps
-        the one it has). Returns its lineage."""
+        enqueued interval whose checkpoint directory is filled from its parent's. A rerun keeps the
+        directory it was handed (the interrupted interval's, with what it checkpointed) when that holds
+        a checkpoint; when it holds none (its driver died before the copy ended, or before the interval
+        checkpointed), it too is filled from the parent's. The copy is made beside the directory and
+        renamed into place, so a driver killed while copying leaves no half copy. Returns its lineage."""
         attrs = trial.user_attrs
         lin = attrs.get(ATTR_LINEAGE)
         own = self.run_dir / "trials" / str(trial.number) / "checkpoints"
@@ -204,16 +208,18 @@ class PbtScheduling:
             lin = {"member": member, "interval": 0, "parent": None, "donor": None, "start": 0,
                    "end": min(self.policy.interval, self.epochs), "seed": base_seed + member}
             trial.set_user_attr(ATTR_LINEAGE, lin)
-        if ATTR_CHECKPOINTS not in attrs:
+        handed = attrs.get(ATTR_CHECKPOINTS)
+        if handed is None or not _holds_files(Path(handed)):
             parent = lin.get("parent")
             if parent is not None:
                 src = self._checkpoints(int(parent))
                 if src.is_dir():
-                    shutil.copytree(src, own, dirs_exist_ok=True)
+                    _copy_into_place(src, own)
                 else:
                     _log.warning("pbt: the checkpoint directory %s of trial %d is gone; trial %d starts afresh",
                                  src, parent, trial.number)
-            trial.set_user_attr(ATTR_CHECKPOINTS, str(own))
+            if handed is None or parent is not None:
+                trial.set_user_attr(ATTR_CHECKPOINTS, str(own))
         return lin
 
     def configure(self, trial: optuna.trial.Trial, train: TrainConfig) -> TrainConfig:
@@ -371,3 +377,24 @@ class PbtScheduling:
             change = t.value - parent.value if self.policy.maximize else parent.value - t.value
             out.append((float(lin["end"]), {n: float(t.params[n]) for n in names if n in t.params}, float(change)))
         return out
+
+
+def _holds_files(directory: Path) -> bool:
+    """Whether ``directory`` exists and holds anything (a checkpoint an attempt wrote, or a whole copy)."""
+    try:
+        return any(directory.iterdir())
+    except OSError:
+        return False
+
+
+def _copy_into_place(src: Path, dst: Path) -> None:
+    """``src``'s files into ``dst``, all or nothing: copied beside ``dst`` first, then renamed into place
+    (merged into a ``dst`` that exists already)."""
+    tmp = dst.with_name(f".{dst.name}.copy-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    try:
+        os.rename(tmp, dst)  # dst absent (or empty): atomic
+    except OSError:
+        shutil.copytree(tmp, dst, dirs_exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
