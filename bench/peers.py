@@ -229,8 +229,10 @@ def main() -> None:
                     median([overhead_ms(r["span"], n, a.slots) for r in runs[kind][who]]), 2)
                 figures[f"short_{who}_fixed_s"] = round(median([r["wall"] - r["span"] for r in runs[kind][who]]), 2)
         figures[f"{kind}_wall_ratio"] = round(figures[f"{kind}_hpoflow_wall_s"] / figures[f"{kind}_optuna_wall_s"], 3)
-        figures[f"{kind}_pss_ratio"] = round(
-            figures[f"{kind}_hpoflow_peak_pss_gb"] / figures[f"{kind}_optuna_peak_pss_gb"], 3)
+        # a run shorter than the sampling interval (tiny arguments, a loaded machine) may end before a
+        # sample: no peak, no ratio (None), rather than a made-up one
+        hp, op = figures[f"{kind}_hpoflow_peak_pss_gb"], figures[f"{kind}_optuna_peak_pss_gb"]
+        figures[f"{kind}_pss_ratio"] = round(hp / op, 3) if hp > 0 and op > 0 else None
     # every digits trial does the same work: the first trial on each slot against the later ones
     # next to it, the noise floor: how far a typical later trial is from the median of the later ones
     spreads, noise = [], []

@@ -180,9 +180,10 @@ def test_a_driver_killed_mid_study_has_its_trials_rerun_by_the_others(tmp_path: 
     assert not leases[killed].ended
     lost = [t for t in study.trials if t.user_attrs.get(ATTR_DRIVER) == killed and t.state != TrialState.COMPLETE]
     assert lost and {t.number for t in lost} <= interrupted(study.trials)  # left running, then interrupted
-    for t in lost:  # each rerun once, by another driver, with its own parameters
+    for t in lost:  # each rerun once, by another driver, with every parameter it had (a driver killed between
+        # asking a trial and sampling it leaves some or none: the rerun samples those)
         reruns = [r for r in done if r.user_attrs.get(ATTR_REPLACES) == t.number]
-        assert len(reruns) == 1 and reruns[0].params == t.params
+        assert len(reruns) == 1 and t.params.items() <= reruns[0].params.items(), (t.params, reruns)
         assert reruns[0].user_attrs[ATTR_DRIVER] != killed
     assert "which is gone; rerunning it" in drivers.stderr("b") + drivers.stderr("c")
 
