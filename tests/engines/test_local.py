@@ -6,6 +6,8 @@ import ast
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -215,6 +217,39 @@ def test_a_function_that_imports_torch_runs_on_a_warm_worker_from_its_first_tria
     res = run_all(engine, [req])[0]
     assert res.status == "complete", res
     assert res.metrics["value"] == 1.0 and "cold_start_s" not in res.timings
+
+
+FORKSERVER_FIRST = """
+import json, multiprocessing as mp, sys, time
+from hpoflow.engines import TrialResult
+from hpoflow.engines.local import LocalEngine
+sys.path.insert(0, sys.argv[1])
+if __name__ == "__main__":
+    p = mp.get_context("forkserver").Process(target=print)  # this process's forkserver, multiprocessing's preload
+    p.start()
+    p.join()
+    from tests.engines.test_local import request
+    engine = LocalEngine()
+    engine.submit(request(__import__("pathlib").Path(sys.argv[1]), 0, "lazy:f", metric="value"))
+    result = None
+    while result is None:
+        result = next((e for e in engine.poll(1.0) if isinstance(e, TrialResult)), None)
+    engine.close()
+    print(json.dumps({"status": result.status, "value": result.metrics.get("value")}))
+"""
+
+
+def test_warm_workers_have_torch_though_the_process_started_a_forkserver_of_its_own_first(tmp_path: Path) -> None:
+    """multiprocessing's forkserver is one per process: one another part of the program started first
+    (a notebook's, a test's; without the engine's preload) is replaced, so warm workers hold torch."""
+    (tmp_path / "lazy.py").write_text("import sys\nPRELOADED = 'torch' in sys.modules\nimport torch\n\n"
+                                      "def f(ctx):\n    return {'value': float(PRELOADED)}\n")
+    (tmp_path / "main.py").write_text(FORKSERVER_FIRST)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(tmp_path)])}
+    p = subprocess.run([sys.executable, str(tmp_path / "main.py"), str(tmp_path)], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"status": "complete", "value": 1.0}
 
 
 def test_a_torch_trial_submitted_before_the_preload_ends_waits_for_the_workers_being_forked(tmp_path: Path) -> None:

@@ -88,10 +88,7 @@ def prestart(light: int, preload: list[str] | None = None) -> None:
     process adopts them."""
     scrub_environ()  # a storage URL's variable or password never reaches a worker (hpoflow.credentials)
     if light <= 0:
-        from multiprocessing import forkserver
-
-        mp.get_context("forkserver").set_forkserver_preload(_preload_list(preload))
-        forkserver.ensure_running()
+        _serve(_preload_list(preload))
         return
     ctx = _light_context()
     for i in range(light):
@@ -109,7 +106,8 @@ class WorkerPool:
         self.max_trials_per_worker = max_trials_per_worker
         start_without_main()
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(_preload_list(preload))
+        self._preload = _preload_list(preload)
+        self._ctx.set_forkserver_preload(self._preload)
         self._light_ctx = _light_context()
         self.lock = threading.RLock()
         self._idle_added = threading.Condition(self.lock)  # a worker the warm thread forked is idle
@@ -147,9 +145,7 @@ class WorkerPool:
         """Start the forkserver and fork ``n`` warm workers (in the background: a fork waits for the
         preload, which must never hold the lock a submit needs); retire idle light workers as warm
         ones come up."""
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+        _serve(self._preload)
         while True:
             with self.lock:
                 if self.closed or sum(not w.light for w in self.workers.values()) >= n:
@@ -288,6 +284,25 @@ class WorkerPool:
             for w in list(self.workers.values()):
                 self.retire(w)
             self.idle.clear()
+
+
+_SERVED: list[str] | None = None  # the preload of the forkserver this module last made sure of
+
+
+def _serve(preload: list[str]) -> None:
+    """Make sure multiprocessing's forkserver (one per process) runs with ``preload`` imported. One that
+    other code of this process started first (a ``forkserver`` context's ``Process`` in a notebook or a
+    test, with multiprocessing's default preload) would fork "warm" workers without torch: it is
+    stopped, and the next one starts with ``preload`` (the processes it forked go on)."""
+    global _SERVED
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is not None and _SERVED != preload:
+        _restart_forkserver()
+    mp.get_context("forkserver").set_forkserver_preload(preload)
+    forkserver.ensure_running()
+    _SERVED = list(preload)
 
 
 def _restart_forkserver() -> None:
