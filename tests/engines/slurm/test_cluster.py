@@ -174,16 +174,20 @@ def _reported_epochs(run_dir: Path) -> dict[int, int]:
     return {t.number: max(t.intermediate_values, default=0) for t in study.get_trials(deepcopy=False)}
 
 
-def _start_the_requeued_job_now(cluster: SlurmCluster, job: str) -> None:
+def _start_the_requeued_job_soon(cluster: SlurmCluster, job: str) -> None:
     """Once ``job`` is back in the queue after a requeue and its first run has left every node, let it
-    start at once: SLURM holds a requeued job until ``cred_expire`` + 1 s (121 s by default) have
-    passed, a wait that tests nothing here."""
+    start: SLURM holds a requeued job until ``cred_expire`` + 1 s (121 s by default) have passed, a wait
+    that tests nothing here. Not in the second of the requeue: slurmd refuses a credential made in the
+    second the job's old one was revoked ("Job credential revoked"), which the hold exists to avoid;
+    2 s later is past it (and ``StartTime=now`` schedules it at once, a later start only at the
+    scheduler's next periodic pass)."""
     def requeued() -> bool:
         info = cluster.job_info(job)
         return info.get("JobState") == "PENDING" and int(info.get("Restarts", "0")) >= 1
 
     _wait_for("the job to be requeued", requeued)
     cluster.wait_idle()  # no node still completing the first run
+    time.sleep(2.0)  # past the second of the revocation (slurmd compares whole seconds)
     cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
 
@@ -196,7 +200,7 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2", "--requeue")
     _wait_for("a trial's second epoch", lambda: max(_reported_epochs(run_dir).values(), default=0) >= 2)
     slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # what --signal=B:USR1@S does
-    _start_the_requeued_job_now(slurm_cluster, job)
+    _start_the_requeued_job_soon(slurm_cluster, job)
     info = wait_job(slurm_cluster, job)
     out = "\n".join(p.read_text() for p in (run_dir / "launch").glob("slurm-*.out"))
     assert info["JobState"] == "COMPLETED", (info, out, slurm_cluster.logs())
