@@ -88,7 +88,10 @@ def prestart(light: int, preload: list[str] | None = None) -> None:
     process adopts them."""
     scrub_environ()  # a storage URL's variable or password never reaches a worker (hpoflow.credentials)
     if light <= 0:
-        _serve(_preload_list(preload))
+        from multiprocessing import forkserver
+
+        _use_preload(_preload_list(preload))
+        forkserver.ensure_running()
         return
     ctx = _light_context()
     for i in range(light):
@@ -106,8 +109,7 @@ class WorkerPool:
         self.max_trials_per_worker = max_trials_per_worker
         start_without_main()
         self._ctx = mp.get_context("forkserver")
-        self._preload = _preload_list(preload)
-        self._ctx.set_forkserver_preload(self._preload)
+        _use_preload(_preload_list(preload))
         self._light_ctx = _light_context()
         self.lock = threading.RLock()
         self._idle_added = threading.Condition(self.lock)  # a worker the warm thread forked is idle
@@ -145,7 +147,9 @@ class WorkerPool:
         """Start the forkserver and fork ``n`` warm workers (in the background: a fork waits for the
         preload, which must never hold the lock a submit needs); retire idle light workers as warm
         ones come up."""
-        _serve(self._preload)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
         while True:
             with self.lock:
                 if self.closed or sum(not w.light for w in self.workers.values()) >= n:
@@ -187,7 +191,9 @@ class WorkerPool:
             try:
                 proc.start()
                 break
-            except (EOFError, ConnectionError, FileNotFoundError) as exc:
+            except (EOFError, ConnectionError, FileNotFoundError, TypeError) as exc:
+                if isinstance(exc, TypeError) and not _forkserver_stopped():
+                    raise
                 if self.closed:  # close() stopped a forkserver still preloading: nothing to start
                     raise EngineError("the engine is closed") from exc
                 # the forkserver died (an OOM kill, a stray signal) between multiprocessing's liveness
@@ -286,23 +292,33 @@ class WorkerPool:
             self.idle.clear()
 
 
-_SERVED: list[str] | None = None  # the preload of the forkserver this module last made sure of
+_PRELOAD_LOCK = threading.Lock()
 
 
-def _serve(preload: list[str]) -> None:
-    """Make sure multiprocessing's forkserver (one per process) runs with ``preload`` imported. One that
-    other code of this process started first (a ``forkserver`` context's ``Process`` in a notebook or a
-    test, with multiprocessing's default preload) would fork "warm" workers without torch: it is
-    stopped, and the next one starts with ``preload`` (the processes it forked go on)."""
-    global _SERVED
+def _use_preload(preload: list[str]) -> None:
+    """Set the preload of multiprocessing's forkserver (one per process). One that runs already with
+    another preload (started by other code of this process first, e.g. a ``forkserver`` context's
+    ``Process`` in a notebook or a test, with multiprocessing's default) would fork "warm" workers
+    without torch: it is stopped, and the next fork starts one with ``preload`` (the processes the old
+    one forked go on). One started with this preload (by an engine, or by anything forking after an
+    engine set it) is kept."""
+    from multiprocessing import forkserver
+
+    with _PRELOAD_LOCK:
+        server = getattr(forkserver, "_forkserver", None)
+        running = getattr(server, "_forkserver_pid", None) is not None
+        if running and list(getattr(server, "_preload_modules", preload)) != preload:
+            _restart_forkserver()
+        mp.get_context("forkserver").set_forkserver_preload(preload)
+
+
+def _forkserver_stopped() -> bool:
+    """Whether multiprocessing's forkserver was stopped under a fork in progress (another engine of this
+    process closed while its forkserver preloaded): the fork then fails with a TypeError (no fd)."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
-    if getattr(server, "_forkserver_pid", None) is not None and _SERVED != preload:
-        _restart_forkserver()
-    mp.get_context("forkserver").set_forkserver_preload(preload)
-    forkserver.ensure_running()
-    _SERVED = list(preload)
+    return getattr(server, "_forkserver_alive_fd", 0) is None
 
 
 def _restart_forkserver() -> None:

@@ -221,6 +221,8 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
 
 def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
         slurm_cluster: SlurmCluster) -> None:
+    from hpoflow.train.checkpoint import checkpoint_name
+
     shared = slurm_cluster.shared_dir / "nodefail"
     spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=12, processes=2, nodes=1)  # a node each
     run_dir = shared / "run"
@@ -229,7 +231,9 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     def on_n2() -> int | None:
         for t, epochs in _reported_epochs(run_dir).items():
             hosts = _rank_hosts(run_dir / "trials" / str(t))
-            if epochs >= 2 and hosts and {h for h, _ in hosts.values()} == {"n2"}:
+            # epoch 2's checkpoint on disk for both ranks (its report may come first: the writes are async)
+            saved = all((run_dir / "trials" / str(t) / "checkpoints" / checkpoint_name(2, r)).exists() for r in (0, 1))
+            if epochs >= 2 and saved and hosts and {h for h, _ in hosts.values()} == {"n2"}:
                 return t
         return None
 
