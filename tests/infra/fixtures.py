@@ -24,9 +24,11 @@ from tests.infra import postgres, slurm
 from tests.infra.netns import NetnsError
 
 SLURM_GROUP = "slurm-cluster"
+SLURM_SITE_GROUP = "slurm-site-cluster"
 POSTGRES_GROUP = "postgres-server"
 # fixture -> the xdist_group of the tests that use it (directly, or through a fixture that does)
 GROUPS = {"slurm_cluster": SLURM_GROUP, "slurm_env": SLURM_GROUP, "slurm_session_cluster": SLURM_GROUP,
+          "slurm_site_cluster": SLURM_SITE_GROUP, "slurm_site_session_cluster": SLURM_SITE_GROUP,
           "postgres_server": POSTGRES_GROUP, "postgres_url": POSTGRES_GROUP}
 # for a test that asks for one with ``request.getfixturevalue`` (pytest cannot see that in advance)
 USES_SLURM_CLUSTER = pytest.mark.xdist_group(SLURM_GROUP)
@@ -37,10 +39,14 @@ USES_POSTGRES = pytest.mark.xdist_group(POSTGRES_GROUP)
 def slurm_session_cluster() -> Iterator[slurm.SlurmCluster]:
     """A real two-node SLURM cluster (slurmctld + munged on the host, slurmd in namespaces), started
     once; tests use it through ``slurm_cluster``, which checks it first."""
+    yield from _session_cluster("plain")
+
+
+def _session_cluster(profile: str) -> Iterator[slurm.SlurmCluster]:
     reason = slurm.unavailable_reason()
     if reason:
         pytest.skip(f"no SLURM cluster: {reason}")
-    cluster = slurm.SlurmCluster(2)
+    cluster = slurm.SlurmCluster(2, profile=profile)
     try:
         cluster.start()  # undoes itself if it fails
     except NetnsError as exc:
@@ -49,6 +55,20 @@ def slurm_session_cluster() -> Iterator[slurm.SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_site_session_cluster() -> Iterator[slurm.SlurmCluster]:
+    """A real two-node SLURM cluster of the "site" profile (``tests/infra/slurm.py``: memory accounted,
+    two threads per core, four GRES GPUs per node), started once; tests use ``slurm_site_cluster``."""
+    yield from _session_cluster("site")
+
+
+@pytest.fixture
+def slurm_site_cluster(slurm_site_session_cluster: slurm.SlurmCluster) -> slurm.SlurmCluster:
+    """The session's site-profile cluster, healthy (see ``slurm_cluster``)."""
+    slurm_site_session_cluster.ensure_healthy()
+    return slurm_site_session_cluster
 
 
 @pytest.fixture
