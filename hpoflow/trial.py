@@ -61,6 +61,7 @@ class TrialRequest:
     elastic_sizes: tuple[int, ...] = ()
     elastic_policy: str = "longest_remaining"  # a registered hpoflow.registry.ELASTIC policy
     plugins: tuple[str, ...] = ()  # modules that register plug-ins (spec ``plugins:``), imported first
+    memory_gb: float = 0.0  # host memory per rank (``resources.memory_gb``); 0: the engine's default share
 
     @property
     def checkpoints(self) -> str:
@@ -78,9 +79,10 @@ class TrialRequest:
         return self.elastic_sizes[0] if self.elastic_sizes else self.processes
 
     @classmethod
-    def shape(cls, processes: int, cpus_per_process: int, gpus_per_process: int, nodes: int = 1) -> TrialRequest:
+    def shape(cls, processes: int, cpus_per_process: int, gpus_per_process: int, nodes: int = 1, *,
+              memory_gb: float = 0.0) -> TrialRequest:
         """A request that only describes a trial's resource shape (for capacity and fit checks)."""
-        return cls(-1, {}, {}, "", "", "", processes, cpus_per_process, gpus_per_process, nodes)
+        return cls(-1, {}, {}, "", "", "", processes, cpus_per_process, gpus_per_process, nodes, memory_gb=memory_gb)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

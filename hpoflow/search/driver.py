@@ -121,7 +121,8 @@ class Driver:
         summary = self.summary
         deadline = t_start + self.spec.search.timeout if self.spec.search.timeout else None
         r = self.spec.resources
-        probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes)
+        probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes,
+                                   memory_gb=r.memory_gb or 0.0)
         capacity = self.engine.capacity(probe)
         if capacity < 1:  # refuse before asking the study for a trial that could never run
             raise EngineError(
@@ -364,7 +365,7 @@ class Driver:
             metric=self.spec.study.metric, direction=self.spec.study.direction,
             trial_dir=str(self.run_dir / "trials" / str(trial.number)),
             processes=r.processes, cpus_per_process=r.cpus_per_process,
-            gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout,
+            gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout, memory_gb=r.memory_gb or 0.0,
             pruning=self.spec.search.pruner.type != "none" or self.scheduling is not None,
             python_path=self.python_path, attempt=attempt,
             seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),

@@ -615,7 +615,12 @@ class ResourcesSpec(_Strict):
         default=None, description="Set from processes: {min, max}: the elastic sizes and policy.")
     cpus_per_process: int = Field(default=1, ge=1)
     gpus_per_process: int = Field(default=0, ge=0)
-    nodes: int = Field(default=1, ge=1, description="Nodes one trial spans (compss engine).")
+    nodes: int = Field(default=1, ge=1, description="Nodes one trial spans (compss and slurm engines).")
+    memory_gb: float | None = Field(
+        default=None, gt=0, description="Host memory per rank in GB. The slurm engine asks each step for it "
+                                        "(--mem: this x ranks per node) and counts it against the allocation's "
+                                        "memory; unset, each rank gets its CPUs' share of the node's allocated "
+                                        "memory.")
     timeout: float | None = Field(default=None, gt=0, description="Seconds before a trial is killed.")
     max_retries: int = Field(
         default=2, ge=0, description="Reruns of a trial killed by the system (signal, lost rank or node, "

@@ -40,6 +40,7 @@ __all__ = [
     "split_for_ranks",
     "srun_argv",
     "ssh_argv",
+    "step_rank_gpus",
 ]
 
 T = TypeVar("T")
@@ -80,6 +81,34 @@ def bound_gpus(env: Mapping[str, str]) -> list[GpuId]:
     if env.get("CUDA_VISIBLE_DEVICES", "").strip():
         return parse_visible_devices(env["CUDA_VISIBLE_DEVICES"])
     return []
+
+
+def step_rank_gpus(visible: Sequence[GpuId], step_gpus: Sequence[int], local_rank: int, ranks_on_node: int,
+                   per_rank: int) -> tuple[list[GpuId], list[str]]:
+    """A SLURM step rank's own GPUs: ``(as CUDA names them, a name of each that no other GPU of the node
+    shares)``.
+
+    ``visible``: the task's ``CUDA_VISIBLE_DEVICES``; ``step_gpus``: ``SLURM_STEP_GPUS`` (the node's
+    indices of the step's GPUs). Where SLURM bound the task's GPUs itself, ``visible`` holds just
+    ``per_rank`` of them: they are the rank's. Where it did not (``--gres`` steps, ``--gpu-bind=none``, a
+    site that binds nothing), ``visible`` holds all of the node's ranks' GPUs: local rank ``k`` takes
+    the ``k``-th ``per_rank`` of them. The names: ``gpu<i>`` by the node's index where ``step_gpus``
+    lists the same GPUs as ``visible`` (in order), else ``visible<id>``, unique only within the step
+    (SLURM may number a task's devices from 0 within a device cgroup). ``ValueError`` (what it sees,
+    what it expected) for any other count."""
+    if len(visible) == per_rank:
+        mine = list(visible)
+    elif len(visible) == ranks_on_node * per_rank:
+        mine = list(visible[local_rank * per_rank:(local_rank + 1) * per_rank])
+    else:
+        raise ValueError(f"local rank {local_rank} sees {len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                         f"{','.join(str(g) for g in visible) or 'unset'}), but the step gives this node's "
+                         f"{ranks_on_node} rank(s) {per_rank} GPU(s) each")
+    if len(step_gpus) == len(visible):
+        names = [f"gpu{step_gpus[list(visible).index(g)]}" for g in mine]
+    else:
+        names = [f"visible{g}" for g in mine]
+    return mine, names
 
 
 def split_for_ranks(items: Sequence[T], n_ranks: int, per_rank: int) -> list[tuple[T, ...]]:

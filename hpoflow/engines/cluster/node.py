@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -42,10 +44,13 @@ from hpoflow.engines.cluster.layout import (
     bound_gpus,
     choose_ifname,
     node_index_from_env,
+    parse_id_list,
     resolve_node_index,
     split_for_ranks,
+    step_rank_gpus,
 )
 from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
+from hpoflow.engines.machine import parse_visible_devices
 from hpoflow.fileio import read_json, write_json_atomic
 from hpoflow.train.transport import TrialFiles
 
@@ -329,13 +334,111 @@ def _step(args: argparse.Namespace) -> int:
         ifname = choose_ifname(target)
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
-    _log(f"rank {rank} of {world} (local rank {local}) on node {env.get('SLURMD_NODENAME', os.uname().nodename)} "
+    node_name = env.get("SLURMD_NODENAME") or os.uname().nodename
+    per_rank = int(req.get("gpus_per_process") or 0)
+    if per_rank:
+        node_gpus = [int(g) for g in (job.get("node_gpus") or {}).get(node_name, [])]
+        error = _bind_step_gpus(rank, local, int(job.get("ppn") or 1), per_rank, node_name, node_gpus)
+        if error:
+            _log(error)
+            write_json_atomic(files.outcome(rank), {"status": "error", "error": error, "error_type": "GpuBindingError",
+                                                    "host": node_name})
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    _log(f"rank {rank} of {world} (local rank {local}) on node {node_name} "
          f"({_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
          f"{env.get('SLURM_STEP_ID')}, gloo interface {os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
     code = _run(job, files, rank, world, local, threads)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+_GPU_LOCKS: list[int] = []  # the lock files of this rank's GPUs, held open (and flocked) while it runs
+
+
+def _gpu_lock_dir() -> Path:
+    """Node-local, shared by every job on the node: /dev/shm where it exists (a site's TMPDIR may be
+    per job), else the temp dir."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(
+        tempfile.gettempdir())
+    path = base / "hpoflow-gpus"
+    path.mkdir(mode=0o1777, exist_ok=True)
+    return path
+
+
+def _bind_step_gpus(rank: int, local: int, ranks_on_node: int, per_rank: int, node: str,
+                    node_gpus: list[int]) -> str | None:
+    """Give this step rank its own GPUs (``CUDA_VISIBLE_DEVICES``) and hold a lock on each (``flock`` on a
+    node-local file named by the node and the GPU); the error line when it sees the wrong number of GPUs
+    or another rank holds one of them (two ranks on one GPU: NCCL would stop with "Duplicate GPU
+    detected", or the two would share its memory).
+
+    SLURM names a step's GPUs in CUDA_VISIBLE_DEVICES (``step_rank_gpus`` takes the rank's share).
+    With ``--gpu-bind=none`` SLURM 22.05 names none: every GPU of the node is visible, and which ones
+    are the step's is not said anywhere a task can read. The rank then claims ``per_rank`` of the job's
+    GPUs on the node (``node_gpus``, from ``scontrol -d show job``) that no other rank holds."""
+    env = os.environ
+    step = f"{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
+    try:
+        lock_dir = _gpu_lock_dir()
+    except OSError as exc:
+        _log(f"cannot check that rank {rank} has its GPUs to itself: {exc}")
+        lock_dir = None
+    if "CUDA_VISIBLE_DEVICES" not in env and node_gpus:
+        if lock_dir is None:
+            return (f"rank {rank} on node {node}: SLURM named none of the step's GPUs, and there is no lock "
+                    "directory to claim any in")
+        claimed: list[int] = []
+        for gpu in node_gpus:
+            if len(claimed) == per_rank:
+                break
+            if isinstance(_lock_gpu(lock_dir, node, f"gpu{gpu}", rank, step), int):
+                claimed.append(gpu)
+        if len(claimed) < per_rank:
+            return (f"rank {rank} (step {step}) on node {node} found {len(claimed)} of the job's GPUs {node_gpus} "
+                    f"free, but needs {per_rank}: SLURM named none of the step's GPUs (CUDA_VISIBLE_DEVICES unset, "
+                    "--gpu-bind=none?). Fix: drop --gpu-bind from engine_options.srun_args")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in claimed)
+        _log(f"rank {rank} GPUs: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} "
+             f"({', '.join(f'gpu{g}' for g in claimed)} of node {node}; SLURM named none of the step's GPUs: "
+             f"claimed among the job's {node_gpus})")
+        return None
+    visible = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES", ""))
+    try:
+        mine, names = step_rank_gpus(visible, parse_id_list(env.get("SLURM_STEP_GPUS")), local, ranks_on_node,
+                                     per_rank)
+    except ValueError as exc:
+        return (f"rank {rank} on node {node}: {exc}. Fix: ask for GPUs per rank (resources.gpus_per_process) and "
+                "leave the GPU flags of srun to the engine (engine_options.srun_args)")
+    for device, name in zip(mine, names, strict=True):
+        if lock_dir is None:
+            break
+        held = _lock_gpu(lock_dir, node, name if name.startswith("gpu") else f"{name}-step{step}", rank, step)
+        if isinstance(held, str):
+            return (f"rank {rank} (step {step}) on node {node} was given GPU {device} ({name}), which {held} holds: "
+                    "SLURM gave one GPU to two ranks. Fix: let SLURM bind GPUs per task (drop --gpu-bind from "
+                    "engine_options.srun_args) or ask the site why its steps share GPUs")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in mine)
+    _log(f"rank {rank} GPUs: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} ({', '.join(names)} of node {node}; "
+         f"SLURM_STEP_GPUS={env.get('SLURM_STEP_GPUS', 'unset')})")
+    return None
+
+
+def _lock_gpu(lock_dir: Path, node: str, key: str, rank: int, step: str) -> int | str:
+    """Hold the lock of GPU ``key`` of ``node`` for the life of this process: its fd, or who holds it."""
+    fd = os.open(lock_dir / f"{node}-{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        return holder
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"rank {rank} of step {step} (pid {os.getpid()})".encode(), 0)
+    _GPU_LOCKS.append(fd)
+    return fd
 
 
 def _supervise_step(child: int, pump: LogPump, stream: LogStream) -> int:

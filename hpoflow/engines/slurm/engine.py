@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +50,21 @@ from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, Trial
 from hpoflow.engines.cluster.attempt import HEARTBEAT_S, stderr_tail
 from hpoflow.engines.cluster.layout import default_pythonpath, processes_per_node
 from hpoflow.engines.proc import tail
-from hpoflow.engines.slurm.allocation import Allocation, job_nodes
+from hpoflow.engines.slurm.allocation import (
+    Allocation,
+    config_value,
+    job_detail,
+    job_nodes,
+    node_hardware,
+    whole_cores,
+)
 from hpoflow.engines.slurm.options import SlurmOptions
 from hpoflow.errors import EngineError
 from hpoflow.fileio import read_json, write_atomic, write_json_atomic
 from hpoflow.train.transport import ReportReader, TrialFiles
 from hpoflow.trial import RankOutcome, result_from_ranks
 
-__all__ = ["SlurmEngine"]
+__all__ = ["SlurmEngine", "read_allocation", "step_environ"]
 
 PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then is stopped (killed)
 _SQUEUE_EVERY_S = 2.0  # jobs mode: one squeue for every job at most this often
@@ -102,7 +109,7 @@ class SlurmEngine(Engine):
         a trial that fits the allocation."""
         _check_shape(request)
         if options.resolved_mode(os.environ) == "steps" and os.environ.get("SLURM_JOB_ID"):
-            Allocation.from_env(os.environ).check_fit(request)
+            read_allocation(os.environ, options).check_fit(request)
 
     def __init__(self, options: SlurmOptions | None = None, run_dir: Path | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
@@ -110,7 +117,7 @@ class SlurmEngine(Engine):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         env = dict(os.environ if environ is None else environ)
         self.mode = self.options.resolved_mode(env)
-        self.allocation = Allocation.from_env(env) if self.mode == "steps" else None
+        self.allocation = read_allocation(env, self.options) if self.mode == "steps" else None
         tool = "srun" if self.mode == "steps" else "sbatch"
         if shutil.which(tool) is None:
             raise EngineError(f"the slurm engine's {self.mode} mode needs {tool}, which is not on PATH here. Fix: run "
@@ -254,29 +261,49 @@ class SlurmEngine(Engine):
         store = str(files.dir / f"rendezvous-{os.urandom(4).hex()}.store") if request.processes > 1 else ""
         env = dict(self.options.env)
         env.setdefault("PYTHONPATH", default_pythonpath())
+        a = self.allocation
         return {
             "request": json.loads(request.to_json()), "ppn": processes_per_node(request),
             "world_size": request.processes, "pg_timeout_s": self.options.pg_timeout_s,
             "answer_timeout_s": self.options.answer_timeout_s, "env": env,
             "socket_ifname": self.options.socket_ifname, "master_addr": "", "master_port": 0, "store": store,
             "deadline": time.time() + request.timeout + 30.0 if request.timeout else None,
+            # where SLURM says nothing of a step's GPUs (--gpu-bind=none), ranks claim theirs among these
+            "node_gpus": dict(zip(a.hosts, (list(g) for g in a.gpu_ids), strict=True)) if a and a.gpu_ids else {},
         }
 
     def _resources(self, request: TrialRequest, *, per_task: bool) -> list[str]:
-        """The trial's resource flags: per task (a step: one task per rank) or per node (a trial job)."""
+        """The trial's resource flags: per task (a step: one task per rank) or per node (a trial job).
+
+        A step asks for its GPUs per node (``--gres=gpu:N``) and binds them itself, by local rank (see
+        ``hpoflow.engines.cluster.node``): SLURM binds ``--gpus-per-task`` on some versions and sites and
+        not on others. It always asks for memory: where memory is a consumable resource, a step without
+        ``--mem`` takes all of the job's memory on its nodes, and the next step waits for it."""
         ppn = processes_per_node(request)
         out = [f"--nodes={request.nodes}"]
+        o = self.options
         if per_task:
             out += [f"--ntasks={request.processes}", f"--ntasks-per-node={ppn}",
                     f"--cpus-per-task={request.cpus_per_process}"]
-            if request.gpus_per_process:
-                out.append(f"--gpus-per-task={request.gpus_per_process}")
-        else:
-            out += ["--ntasks-per-node=1", f"--cpus-per-task={ppn * request.cpus_per_process}"]
-            if request.gpus_per_process:
-                out.append(f"--gpus-per-node={ppn * request.gpus_per_process}")
-        if self.options.memory_gb:
-            out.append(f"--mem={self.options.memory_gb}G")
+            if o.threads_per_core == 1:
+                out.append("--hint=nomultithread")
+            # no GPU flag would give the step every GPU of the job on its nodes (and the next step waits)
+            out.append(f"--gres=gpu:{ppn * request.gpus_per_process}" if request.gpus_per_process else "--gres=none")
+            rank_mb = self.allocation.rank_memory_mb(request) if self.allocation is not None else 0
+            if rank_mb:
+                out.append(f"--mem={ppn * rank_mb}M")
+            if not any(a == "--mpi" or a.startswith("--mpi=") for a in o.srun_args):
+                out.append("--mpi=none")  # a site whose default is PMIx would set it up for every step
+            return out
+        out += ["--ntasks-per-node=1", f"--cpus-per-task={ppn * request.cpus_per_process}"]
+        if o.threads_per_core == 1:
+            out.append("--hint=nomultithread")
+        if request.gpus_per_process:
+            out.append(f"--gpus-per-node={ppn * request.gpus_per_process}")
+        if request.memory_gb:
+            out.append(f"--mem={math.ceil(ppn * request.memory_gb * 1024)}M")
+        elif o.memory_gb:
+            out.append(f"--mem={o.memory_gb}G")
         return out
 
     def _name(self, request: TrialRequest) -> str:
@@ -296,7 +323,7 @@ class SlurmEngine(Engine):
             log.write((shlex.join(argv) + "\n").encode())
             log.flush()
             t.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                      start_new_session=True)
+                                      start_new_session=True, env=step_environ(os.environ))
 
     def _start_job(self, t: _Trial) -> None:
         req, files = t.request, t.files
@@ -492,6 +519,38 @@ class SlurmEngine(Engine):
                                retryable=t.retryable)
         return TrialResult(n, res.status, res.value, res.metrics, res.error, res.stderr_tail, merged, res.retryable,
                            res.system)
+
+
+# what salloc/sbatch export of the job's own request that srun reads as its options (SLURM_GPUS_PER_NODE
+# is --gpus-per-node, SLURM_MEM_PER_CPU is --mem-per-cpu...): a step of a job asked with --gpus-per-node=4
+# would ask for 4 GPUs per node, or clash with the step's own --gres ("Invalid Trackable RESource
+# (TRES) specification"); the engine's flags say what a step needs
+_JOB_REQUEST_VARS = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS_PER_SOCKET",
+                     "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU",
+                     "SLURM_GPU_BIND", "SLURM_GPU_FREQ", "SLURM_NTASKS_PER_GPU", "SLURM_TRES_PER_TASK",
+                     "SLURM_THREADS_PER_CORE", "SLURM_HINT", "SRUN_CPUS_PER_TASK")
+
+
+def step_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a step's ``srun``: the driver's, less the job's own resource request."""
+    return {k: v for k, v in environ.items() if k not in _JOB_REQUEST_VARS}
+
+
+def read_allocation(environ: Mapping[str, str], options: SlurmOptions) -> Allocation:
+    """The driver's allocation: its environment, refined by what the controller knows (each node's GPUs
+    and memory, threads per core, whether SLURM hands out whole cores; ``Allocation.refined``). Where
+    ``scontrol`` does not answer, the environment alone, with a warning."""
+    alloc = Allocation.from_env(environ)
+    detail_text = _run_quiet(["scontrol", "-d", "show", "job", "-o", alloc.job_id])
+    nodes_text = _run_quiet(["scontrol", "show", "node", "-o", ",".join(alloc.hosts)])
+    config = _run_quiet(["scontrol", "show", "config"]) or ""
+    if detail_text is None or nodes_text is None or not config:
+        print(f"hpoflow: warning: scontrol did not describe job {alloc.job_id}; the engine plans with what the "
+              "environment says (SLURM_JOB_CPUS_PER_NODE, SLURM_MEM_PER_NODE, SLURM_GPUS_PER_NODE)", file=sys.stderr,
+              flush=True)
+    alloc = alloc.refined(job_detail(detail_text or ""), node_hardware(nodes_text or ""),
+                          whole_cores(config_value(config, "SelectTypeParameters") or ""))
+    return replace(alloc, one_thread_per_core=options.threads_per_core == 1)
 
 
 def _check_shape(request: TrialRequest) -> None:

@@ -31,7 +31,12 @@ class SlurmOptions(Options):
     ``partition``, ``account``, ``qos``, ``constraint``: the trial jobs' (jobs mode).
     ``time_min``: a trial job's time limit in minutes (jobs mode; default: resources.timeout plus a
     margin, else the partition's default). ``max_jobs``: trial jobs queued or running at once (jobs mode).
-    ``memory_gb``: memory per node of a trial (``--mem``); default: SLURM's default.
+    ``memory_gb``: memory per node of a trial job (jobs mode, ``--mem``) where ``resources.memory_gb``
+    (per rank) is not set; default: SLURM's default. In steps mode every step asks for memory: the
+    ranks' ``resources.memory_gb``, else their CPUs' share of the allocation's memory.
+    ``threads_per_core``: 1 gives each rank whole cores, one thread each (``--hint=nomultithread``: a
+    rank's ``cpus_per_process`` counts cores); unset, SLURM's default (it counts hardware threads,
+    rounded up to whole cores where SLURM allocates cores).
     ``srun_args`` / ``sbatch_args``: extra flags, each one element (``--reservation=x``).
     ``python``: the interpreter on the nodes (default: the driver's). ``env``: extra environment for
     every rank. ``socket_ifname``: ``auto`` points gloo at the interface that routes to the driver's node
@@ -49,6 +54,7 @@ class SlurmOptions(Options):
     time_min: int | None = Field(default=None, ge=1)
     max_jobs: int = Field(default=8, ge=1)
     memory_gb: int | None = Field(default=None, ge=1)
+    threads_per_core: Literal[1] | None = None
     srun_args: tuple[str, ...] = ()
     sbatch_args: tuple[str, ...] = ()
     python: str | None = None

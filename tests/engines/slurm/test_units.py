@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,68 @@ def test_the_walltime_warning_follows_a_time_limit_changed_while_the_job_runs() 
         assert not armed(now + 62, [answer]).wait(3.0), answer
     # slurmctld not answering keeps the end last known
     assert armed(math.floor(time.time()) + 62, [None]).wait(30)
+
+
+def test_a_step_rank_takes_its_local_share_of_the_gpus_slurm_left_unbound() -> None:
+    from hpoflow.engines.cluster.layout import step_rank_gpus
+
+    # --gres steps and --gpu-bind=none: every task of a node sees all of the node's step GPUs
+    assert step_rank_gpus([2, 3], [2, 3], 0, 2, 1) == ([2], ["gpu2"])
+    assert step_rank_gpus([2, 3], [2, 3], 1, 2, 1) == ([3], ["gpu3"])
+    assert step_rank_gpus([0, 1, 2, 3], [4, 5, 6, 7], 1, 2, 2) == ([2, 3], ["gpu6", "gpu7"])  # renumbered in a cgroup
+    # SLURM bound the task already (--gpus-per-task): its one GPU is the rank's
+    assert step_rank_gpus([3], [3], 1, 2, 1) == ([3], ["gpu3"])
+    assert step_rank_gpus([1], [2, 3], 1, 2, 1) == ([1], ["visible1"])  # no node index known: the step's own name
+    assert step_rank_gpus(["GPU-a", "GPU-b"], [0, 1], 1, 2, 1) == (["GPU-b"], ["gpu1"])
+    with pytest.raises(ValueError, match=r"local rank 1 sees 3 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1,2\), but the step "
+                                         r"gives this node's 2 rank\(s\) 1 GPU\(s\) each"):
+        step_rank_gpus([0, 1, 2], [0, 1, 2], 1, 2, 1)
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=unset"):
+        step_rank_gpus([], [], 0, 1, 1)
+
+
+# what SLURM 22.05 printed for `salloc -N1 -c4 --gres=gpu:4 --mem=3000` on the site-profile cluster (cut)
+JOB_DETAIL = ("JobId=1 JobName=interactive JobState=RUNNING NodeList=n1 BatchHost=n1 NumNodes=1 NumCPUs=4 NumTasks=1 "
+              "CPUs/Task=4 TRES=cpu=4,mem=3000M,node=1,billing=4 JOB_GRES=gpu:4   Nodes=n1 CPU_IDs=0-3 Mem=3000 "
+              "GRES=gpu:4(IDX:0-3) MinCPUsNode=4 MinMemoryNode=3000M TresPerNode=gres:gpu:4 ")
+NODE_LINE = ("NodeName=n1 Arch=x86_64 CoresPerSocket=2  CPUAlloc=0 CPUEfctv=4 CPUTot=4 Gres=gpu:4 NodeAddr=198.18.96.2 "
+             "RealMemory=3000 AllocMem=0 Sockets=1 Boards=1 State=IDLE ThreadsPerCore=2 TmpDisk=0")
+
+
+def test_the_controller_tells_the_gpus_and_memory_that_a_gres_allocation_sets_no_variable_for() -> None:
+    from hpoflow.engines.slurm.allocation import config_value, job_detail, node_hardware, whole_cores
+
+    detail = job_detail(JOB_DETAIL)
+    assert detail is not None
+    assert (detail.cpus, detail.memory_mb, detail.gpus, detail.gpu_ids) == (
+        {"n1": 4}, {"n1": 3000}, {"n1": 4}, {"n1": (0, 1, 2, 3)})
+    two = job_detail("JobId=9 Nodes=n[1-2] CPU_IDs=0-1,3 Mem=0 GRES= Nodes=n3 CPU_IDs=0 Mem=0 GRES=gpu:a100:2(IDX:1,3)")
+    assert two is not None and two.cpus == {"n1": 3, "n2": 3, "n3": 1} and two.gpu_ids["n3"] == (1, 3)
+    assert two.gpus == {"n1": 0, "n2": 0, "n3": 2}
+    assert job_detail("JobId=9 JobState=PENDING") is None
+    assert node_hardware(NODE_LINE)["n1"].threads_per_core == 2 and node_hardware(NODE_LINE)["n1"].gpus == 4
+    assert whole_cores("CR_CORE_MEMORY") and whole_cores("CR_Socket") and not whole_cores("CR_CPU_MEMORY")
+    assert config_value("MaxStepCount            = 40000\nSelectTypeParameters    = CR_CORE_MEMORY\n",
+                        "SelectTypeParameters") == "CR_CORE_MEMORY"
+
+    env = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_CPUS_PER_NODE": "4",
+           "SLURM_MEM_PER_NODE": "3000"}
+    bare = Allocation.from_env(env)
+    assert bare.gpus_per_node == 0 and bare.memory_mb == (3000,)  # what the environment of a --gres job tells
+    alloc = bare.refined(detail, node_hardware(NODE_LINE), whole_cores("CR_CORE_MEMORY"))
+    assert alloc.gpus_per_node == 4 and alloc.gpu_ids == ((0, 1, 2, 3),) and alloc.threads_per_core == 2
+    shape = TrialRequest.shape
+    # a 1-CPU rank takes a whole core (2 threads): 2 side by side, each with half the memory
+    assert alloc.rank_cpus(shape(1, 1, 0)) == 2 and alloc.capacity(shape(1, 1, 0)) == 2
+    assert alloc.rank_memory_mb(shape(1, 1, 0)) == 1500
+    assert alloc.capacity(shape(2, 1, 1)) == 1  # 2 ranks x 1 GPU: the 2 cores hold one such trial
+    assert alloc.capacity(shape(1, 1, 0, memory_gb=2)) == 1  # 2048 MB each: one fits in 3000
+    assert alloc.rank_memory_mb(shape(1, 1, 0, memory_gb=0.5)) == 512
+    assert replace(alloc, one_thread_per_core=True).rank_cpus(shape(1, 2, 0)) == 4  # --hint=nomultithread: cores
+    assert alloc.rank_cpus(shape(1, 3, 0)) == 4  # 3 threads: rounded up to 2 whole cores
+    assert replace(alloc, whole_cores=False).rank_cpus(shape(1, 1, 0)) == 1  # CR_CPU: threads one by one
+    with pytest.raises(EngineError, match=r"1 x 4 CPUs \(a rank's 3 CPU\(s\) take 4: SLURM gives whole cores of 2 "
+                                          r"threads\), 1 x 4096 MB memory .* \[3000\] MB memory"):
+        alloc.check_fit(shape(1, 3, 0, memory_gb=4))
+    gone = alloc.keeping([])
+    assert gone.hosts == () and gone.memory_mb == () and gone.gpu_ids == () and gone.capacity(shape(1, 1, 0)) == 0

@@ -1,0 +1,167 @@
+"""The slurm engine on the "site" profile of the test cluster (tests/infra/slurm.py): memory is a
+consumable resource (CR_Core_Memory, no DefMemPerCPU), nodes have 2 cores x 2 threads, and 4 GRES
+GPUs each (stand-in device files). Each study runs as a user at a GPU site runs one: ``hpoflow run``
+inside ``salloc`` with the flags such users pass, its trials job steps of that allocation.
+
+The trials train with ``trainfns:site_probe``: each rank writes what it saw (CUDA_VISIBLE_DEVICES, its
+node, the interval it ran in) beside its rank log. Bounds on time bound a hang, not a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+from tests.infra.slurm import SlurmCluster
+
+pytestmark = pytest.mark.slow
+
+STUDY_WAIT_S = 600  # a whole study of a few short trials; bounds a hang
+WAITED = ("Requested nodes are busy", "step creation temporarily disabled", "Memory required by task is not available")
+
+
+def _spec(path: Path, **extra: Any) -> Path:
+    data: dict[str, Any] = {
+        "study": {"name": "site", "metric": "ok", "direction": "maximize"},
+        "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+        "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 2, "seed": 0},
+        "training": {"function": "trainfns:site_probe", "epochs": 1},
+        "resources": {"processes": 1},
+        "engine": "slurm",
+        "engine_options": {"poll_interval_s": 0.1},
+    }
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def run_in_salloc(cluster: SlurmCluster, salloc: list[str], spec: Path, run_dir: Path,
+                  probe_s: float = 3.0) -> subprocess.CompletedProcess[str]:
+    """``salloc FLAGS python -m hpoflow run SPEC``, as a user types it on a login node (here: the host)."""
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "SITE_PROBE_S": str(probe_s)}
+    return cluster.run(["salloc", *salloc, sys.executable, "-m", "hpoflow", "run", str(spec), "--run-dir",
+                        str(run_dir)], env=env, cwd=ROOT / "tests", timeout=STUDY_WAIT_S, check=False,
+                       stdin=subprocess.DEVNULL)
+
+
+def _study(run_dir: Path) -> optuna.Study:
+    from hpoflow.run.open import load_run
+
+    return load_run(run_dir)[0]
+
+
+def _probes(trial_dir: Path) -> dict[int, dict[str, Any]]:
+    return {int(p.stem.removeprefix("probe")): json.loads(p.read_text()) for p in trial_dir.glob("probe*.json")}
+
+
+def _srun_logs(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("trials/*/*/srun.log")))
+
+
+def _completed(r: subprocess.CompletedProcess[str], run_dir: Path, n: int) -> optuna.Study:
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    study = _study(run_dir)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * n, (
+        out + _srun_logs(run_dir) + "".join(p.read_text() for p in run_dir.glob("trials/*/*/rank*.log")))
+    assert "Traceback" not in out
+    return study
+
+
+def test_two_one_rank_trials_run_side_by_side_in_an_allocation_of_4_gpus_and_3000_mb(
+        slurm_site_cluster: SlurmCluster) -> None:
+    shared = slurm_site_cluster.shared_dir / "site-memory"
+    spec, run_dir = _spec(shared / "s.yaml"), shared / "run"
+    r = run_in_salloc(slurm_site_cluster, ["-N1", "-c4", "--gpus-per-node=4", "--mem=3000"], spec, run_dir,
+                      probe_s=4)
+    study = _completed(r, run_dir, 2)
+    a, b = (_probes(run_dir / "trials" / str(t.number))[0] for t in study.trials)
+    assert a["start"] < b["end"] and b["start"] < a["end"], (a, b)  # their running intervals overlap
+    logs = _srun_logs(run_dir)
+    assert not any(w in logs for w in WAITED), logs  # no step waited for memory (or anything else)
+    # each step asked for its share of the job's memory: a core (2 of 4 CPUs) -> 1500 of 3000 MB
+    assert logs.count("--mem=1500M") == 2 and "--mpi=none" in logs, logs
+
+
+@pytest.mark.parametrize(("salloc", "srun_args", "nodes"), [
+    (["-N1", "--gres=gpu:4"], [], 1),
+    (["-N1", "--gpus-per-node=4"], [], 1),
+    (["-N1", "--gres=gpu:4"], ["--gpu-bind=none"], 1),
+    (["-N2", "--gpus-per-node=4"], [], 2),
+], ids=["gres", "gpus-per-node", "gpu-bind-none", "2-nodes"])
+def test_each_rank_of_a_2_rank_trial_gets_its_own_gpu(slurm_site_cluster: SlurmCluster, salloc: list[str],
+                                                       srun_args: list[str], nodes: int) -> None:
+    shared = slurm_site_cluster.shared_dir / f"site-gpus-{'-'.join(salloc + srun_args).replace('=', '')}"
+    spec = _spec(shared / "s.yaml", search={"n_trials": 1, "max_concurrent": 1},
+                 resources={"processes": 2, "nodes": nodes, "gpus_per_process": 1},
+                 engine_options={"srun_args": srun_args})
+    run_dir = shared / "run"
+    r = run_in_salloc(slurm_site_cluster, [*salloc, "-c4", "--mem=3000"], spec, run_dir, probe_s=0.5)
+    study = _completed(r, run_dir, 1)
+    trial_dir = run_dir / "trials" / str(study.trials[0].number)
+    probes = _probes(trial_dir)
+    assert sorted(probes) == [0, 1]
+    seen = {rank: p["cuda_visible_devices"] for rank, p in probes.items()}
+    assert all(v is not None and len(v.split(",")) == 1 for v in seen.values()), seen  # exactly one GPU each
+    # the GPUs differ: by the node's numbering the rank logs name (gpuN of node X)
+    named = {}
+    for rank in (0, 1):
+        log = (trial_dir / f"rank{rank}.log").read_text()
+        found = re.findall(r"rank \d+ GPUs: CUDA_VISIBLE_DEVICES=(\S+) \((gpu\d+) of node (\S+);", log)
+        assert found, log
+        named[rank] = found[-1]
+        assert named[rank][0] == seen[rank]  # what the training process saw is what the rank chose
+    assert (named[0][1], named[0][2]) != (named[1][1], named[1][2]), named
+    if nodes == 2:
+        assert {named[0][2], named[1][2]} == {"n1", "n2"}, named
+    else:
+        assert named[0][2] == named[1][2] and seen[0] != seen[1], named
+
+
+def test_a_rank_given_another_ranks_gpu_fails_at_once_with_one_line(slurm_site_cluster: SlurmCluster) -> None:
+    """``--gpu-bind=map_gpu:0`` binds both tasks of the step to the same GPU, as a site that binds
+    wrongly would: one rank holds the GPU, the other stops before its process group forms."""
+    shared = slurm_site_cluster.shared_dir / "site-gpu-clash"
+    spec = _spec(shared / "s.yaml", search={"n_trials": 1, "max_concurrent": 1},
+                 resources={"processes": 2, "gpus_per_process": 1, "max_retries": 2},
+                 engine_options={"srun_args": ["--gpu-bind=map_gpu:0"]})
+    run_dir = shared / "run"
+    r = run_in_salloc(slurm_site_cluster, ["-N1", "-c4", "--gres=gpu:4", "--mem=3000"], spec, run_dir)
+    study = _study(run_dir)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.FAIL, r.stdout + r.stderr
+    error = str(trial.user_attrs.get("error", ""))
+    assert "SLURM gave one GPU to two ranks" in error and "Fix:" in error, (error, r.stdout + r.stderr)
+    attempts = sorted(p.name for p in (run_dir / "trials" / str(trial.number)).iterdir() if p.is_dir())
+    assert attempts == ["attempt-0"] or len([a for a in attempts if a.startswith("attempt")]) == 1, attempts
+    assert not _probes(run_dir / "trials" / str(trial.number))  # neither rank trained
+
+
+def test_on_nodes_of_two_threads_per_core_the_engine_runs_what_slurm_can_place(
+        slurm_site_cluster: SlurmCluster) -> None:
+    """``-c4`` is 4 hardware threads: 2 cores. A 1-CPU rank takes a whole core, so 2 trials run at
+    once, not 4, and no step waits in srun for a core."""
+    shared = slurm_site_cluster.shared_dir / "site-threads"
+    spec = _spec(shared / "s.yaml", search={"n_trials": 4, "max_concurrent": 4})
+    run_dir = shared / "run"
+    r = run_in_salloc(slurm_site_cluster, ["-N1", "-c4", "--mem=3000"], spec, run_dir, probe_s=3)
+    study = _completed(r, run_dir, 4)
+    spans = [(p["start"], p["end"]) for t in study.trials for p in _probes(run_dir / "trials" / str(t.number)).values()]
+    most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+    assert most == 2, spans  # two at once: never more (no room), and not fewer (the room is used)
+    logs = _srun_logs(run_dir)
+    assert not any(w in logs for w in WAITED), logs
