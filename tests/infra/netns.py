@@ -8,8 +8,14 @@ bridge's subnet and their own loopback; the host reaches them through the bridge
 the pid among the subnets 198.18.16.0/24 .. 198.18.255.0/24 that no address or route of the host
 already uses (198.18.0.x and 198.18.1.x are left to the older tests that hard-code them).
 
-Names derive from the pid and a per-process counter k (``hib<pid>x<k>`` for the bridge,
-``hin<pid>x<k>n<i>`` for namespaces, ``hiv<pid>x<k>n<i>`` for the host ends), at most 15 characters.
+With ``fabric=True`` each namespace gets a second interface, ``fab0``, on a second bridge and subnet
+(198.18.Y.2, ...): a site's "fabric" beside its "management" network (``eth0``, whose addresses SLURM
+and the launch node use). ``management_rate`` limits what each namespace sends on ``eth0`` with a
+token bucket (``tc qdisc ... tbf``), as a site's 1 GbE management network is slower than its fabric.
+
+Names derive from the pid and a per-process counter k (``hib<pid>x<k>`` for the bridge, ``hif<pid>x<k>``
+for the fabric bridge, ``hin<pid>x<k>n<i>`` for namespaces, ``hiv<pid>x<k>n<i>`` and ``hiw<pid>x<k>n<i>``
+for the host ends), at most 15 characters.
 ``destroy()`` undoes everything ``create()`` did, also after a partial creation, and may be called any
 number of times; before deleting a namespace it kills every process still inside it. ``create()`` first
 sweeps what a process that died without tearing down (SIGKILL) left: namespaces and links of this
@@ -22,6 +28,7 @@ import contextlib
 import fcntl
 import ipaddress
 import itertools
+import json
 import os
 import re
 import shutil
@@ -36,7 +43,7 @@ from types import TracebackType
 
 NETNS_DIR = Path("/run/netns")
 ALLOWED = ipaddress.ip_network("198.18.0.0/15")
-STALE = re.compile(r"hi[bnv](\d+)x\d+(n\d+)?")  # our names; group 1: the pid of their creator
+STALE = re.compile(r"hi[bfnvw](\d+)x\d+(n\d+)?")  # our names; group 1: the pid of their creator
 FIRST_SUBNET = 16  # 198.18.0.x and 198.18.1.x are hard-coded by tests/engines and tests/train
 _counter = itertools.count()
 
@@ -87,10 +94,10 @@ def used_subnets() -> set[int]:
     return out
 
 
-def pick_subnet(pid: int | None = None) -> int:
+def pick_subnet(pid: int | None = None, avoid: set[int] | None = None) -> int:
     """A free third octet X for 198.18.X.0/24, starting from one derived from the pid."""
     pid = os.getpid() if pid is None else pid
-    taken = used_subnets()
+    taken = used_subnets() | (avoid or set())
     span = 256 - FIRST_SUBNET
     for k in range(span):
         x = FIRST_SUBNET + (pid + k) % span
@@ -106,6 +113,8 @@ class Node:
     name: str
     address: str
     host_veth: str
+    fabric_address: str = ""  # on fab0 (a cluster made with fabric=True)
+    fabric_host_veth: str = ""
 
     @property
     def path(self) -> Path:
@@ -117,8 +126,10 @@ class NetnsCluster:
     """A bridge on the host and ``n`` namespaces attached to it (see the module docstring)."""
 
     IFNAME = "eth0"  # the namespace end of each veth pair
+    FABRIC_IFNAME = "fab0"  # the namespace end of each fabric veth pair
 
-    def __init__(self, n: int, *, subnet: int | None = None) -> None:
+    def __init__(self, n: int, *, subnet: int | None = None, fabric: bool = False,
+                 management_rate: str | None = None) -> None:
         if not 1 <= n <= 10:
             raise ValueError(f"between 1 and 10 namespaces, not {n}")
         self.tag = f"{os.getpid()}x{next(_counter)}"
@@ -126,17 +137,25 @@ class NetnsCluster:
             raise ValueError(f"tag {self.tag!r} makes interface names longer than 15 characters")
         self._picked = subnet is None  # picked here (and so picked again if another process took it)
         self.bridge = f"hib{self.tag}"
+        self.fabric_bridge = f"hif{self.tag}" if fabric else ""
+        self.management_rate = management_rate
         self.prefix = 24
         self._n = n
+        self.fabric_subnet = -1
         self._renumber(subnet if subnet is not None else pick_subnet())
         self._created: list[tuple[str, str]] = []  # ("netns"|"link", name), in creation order
 
-    def _renumber(self, subnet: int) -> None:
+    def _renumber(self, subnet: int, fabric_subnet: int = -1) -> None:
         self.subnet = subnet
+        self.fabric_subnet = fabric_subnet
         self.bridge_address = f"198.18.{subnet}.1"
-        self.nodes = [Node(f"hin{self.tag}n{i}", f"198.18.{subnet}.{i + 2}", f"hiv{self.tag}n{i}")
+        self.fabric_bridge_address = f"198.18.{fabric_subnet}.1" if fabric_subnet >= 0 else ""
+        self.nodes = [Node(f"hin{self.tag}n{i}", f"198.18.{subnet}.{i + 2}", f"hiv{self.tag}n{i}",
+                           f"198.18.{fabric_subnet}.{i + 2}" if fabric_subnet >= 0 else "",
+                           f"hiw{self.tag}n{i}" if fabric_subnet >= 0 else "")
                       for i in range(self._n)]
-        for addr in (self.bridge_address, *(node.address for node in self.nodes)):
+        fabric = [self.fabric_bridge_address, *(n.fabric_address for n in self.nodes)] if fabric_subnet >= 0 else []
+        for addr in (self.bridge_address, *(node.address for node in self.nodes), *fabric):
             if ipaddress.ip_address(addr) not in ALLOWED:  # a guard against editing the scheme above
                 raise ValueError(f"{addr} is outside 198.18.0.0/15")
 
@@ -154,9 +173,15 @@ class NetnsCluster:
             with _subnet_lock():  # another test process (a pytest-xdist worker) may be picking one now
                 if self._picked and self.subnet in used_subnets():
                     self._renumber(pick_subnet())
+                if self.fabric_bridge:
+                    self._renumber(self.subnet, pick_subnet(self.subnet + 1, avoid={self.subnet}))
+                    self._add("link", self.fabric_bridge, "link", "add", self.fabric_bridge, "type", "bridge")
+                    ip("addr", "add", f"{self.fabric_bridge_address}/{self.prefix}", "dev", self.fabric_bridge)
                 self._add("link", self.bridge, "link", "add", self.bridge, "type", "bridge")
                 ip("addr", "add", f"{self.bridge_address}/{self.prefix}", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
+            if self.fabric_bridge:
+                ip("link", "set", self.fabric_bridge, "up")
             for node in self.nodes:
                 self._add("netns", node.name, "netns", "add", node.name)
                 self._add("link", node.host_veth, "link", "add", node.host_veth, "type", "veth",
@@ -166,6 +191,17 @@ class NetnsCluster:
                 ip("-n", node.name, "addr", "add", f"{node.address}/{self.prefix}", "dev", self.IFNAME)
                 ip("-n", node.name, "link", "set", self.IFNAME, "up")
                 ip("-n", node.name, "link", "set", "lo", "up")
+                if self.management_rate:
+                    _tc(node.name, "qdisc", "add", "dev", self.IFNAME, "root", "tbf", "rate", self.management_rate,
+                        "burst", "64kbit", "latency", "400ms")
+                if self.fabric_bridge:
+                    self._add("link", node.fabric_host_veth, "link", "add", node.fabric_host_veth, "type", "veth",
+                              "peer", "name", self.FABRIC_IFNAME, "netns", node.name)
+                    ip("link", "set", node.fabric_host_veth, "master", self.fabric_bridge)
+                    ip("link", "set", node.fabric_host_veth, "up")
+                    ip("-n", node.name, "addr", "add", f"{node.fabric_address}/{self.prefix}", "dev",
+                       self.FABRIC_IFNAME)
+                    ip("-n", node.name, "link", "set", self.FABRIC_IFNAME, "up")
         except BaseException:
             self.destroy()
             raise
@@ -198,6 +234,12 @@ class NetnsCluster:
         exec``, which also remounts /sys (and so hides the host's cgroup tree from, e.g., slurmd)."""
         return ["nsenter", f"--net={self.node(key).path}", "--", *argv]
 
+    def byte_counters(self, key: int | str, ifname: str) -> tuple[int, int]:
+        """(received, sent) bytes of interface ``ifname`` inside a node's namespace, since it was made."""
+        out = ip("-n", self.node(key).name, "-s", "-j", "link", "show", "dev", ifname).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
+
     def pids(self, key: int | str) -> list[int]:
         """Pids of the processes inside a node's namespace."""
         return netns_pids(self.node(key).name)
@@ -208,6 +250,16 @@ class NetnsCluster:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.destroy()
+
+
+def _tc(namespace: str, *args: str) -> None:
+    """``tc`` inside a namespace (``ip netns exec`` is not needed: ``tc -n``); ``NetnsError`` on failure."""
+    try:
+        proc = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetnsError(f"tc {' '.join(args)}: {exc}") from exc
+    if proc.returncode != 0:
+        raise NetnsError(f"tc {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()}")
 
 
 @contextlib.contextmanager

@@ -51,15 +51,19 @@ REPO = Path(__file__).resolve().parents[2]
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 KEEP_ENV = "HPOFLOW_INFRA_KEEP"  # set to 1 to keep ROOT (logs, conf) after stop() for debugging
-# "plain": CR_Core, one thread per core as this host has, no GRES, memory not accounted. "site": what a
-# GPU site declares: memory a consumable resource (CR_Core_Memory, no DefMemPerCPU: a job or step
-# without --mem takes all of its nodes' memory), nodes of 2 cores x 2 threads, and 4 GRES GPUs per
+# "plain": CR_Core, one thread per core as this host has, no GRES, memory not accounted, one network.
+# "site": what a GPU site declares: memory a consumable resource (CR_Core_Memory, no DefMemPerCPU: a job
+# or step without --mem takes all of its nodes' memory), nodes of 2 cores x 2 threads, 4 GRES GPUs per
 # node backed by stand-in device files (character devices 1:3, /dev/null's), which SLURM hands out
-# through CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS and SLURM_JOB_GPUS as it would real ones.
+# through CUDA_VISIBLE_DEVICES and SLURM_STEP_GPUS as it would real ones, and two networks per node.
 PROFILES = ("plain", "site")
 SITE_NODE = {"CPUs": "4", "Boards": "1", "SocketsPerBoard": "1", "CoresPerSocket": "2", "ThreadsPerCore": "2"}
 SITE_GPUS = 4
 SITE_MEMORY_MB = 3000
+# the site profile's two networks per node: "management" (eth0: NodeAddr, so slurmctld, srun and the launch
+# node's address use it), rate-limited, and "fabric" (fab0), which nothing names unless the job's
+# environment does (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, as a site's module sets them)
+SITE_MANAGEMENT_RATE = "200mbit"
 
 
 class SlurmError(RuntimeError):
@@ -269,6 +273,13 @@ class SlurmCluster:
         return {name: node.address for name, node in zip(self.node_names, self.net.nodes, strict=True)}
 
     @property
+    def fabric_addresses(self) -> dict[str, str]:
+        """Node name -> its address on the fabric network (site profile; empty otherwise)."""
+        if self.net is None or not self.net.fabric_bridge:
+            return {}
+        return {name: node.fabric_address for name, node in zip(self.node_names, self.net.nodes, strict=True)}
+
+    @property
     def controller_address(self) -> str:
         """slurmctld's address: the bridge's (198.18.X.1)."""
         if self.net is None:
@@ -304,7 +315,8 @@ class SlurmCluster:
         self.root = temp_root(f"hpoflow-slurm-{os.getpid()}-")
         for sub in ("munge", "etc", "ctld/state", "log", "shared", *(f"nodes/{n}/spool" for n in self.node_names)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        self.net = NetnsCluster(self.n_nodes)
+        site = self.profile == "site"
+        self.net = NetnsCluster(self.n_nodes, fabric=site, management_rate=SITE_MANAGEMENT_RATE if site else None)
         self.net.create()
         self.cluster_name = f"hpo{self.net.tag}"
         self._start_munged(timeout)
