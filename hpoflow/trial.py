@@ -273,6 +273,7 @@ class RankJob:
     threads: int = 1
     pg_timeout_s: float = 120.0
     store_path: str = ""  # a single-host trial's file store (no rendezvous socket); "" for TCP
+    announce_path: str = ""  # where rank 0 announces the TCP store it holds (slurm steps of several nodes)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,12 @@ class Engine(abc.ABC):
         """Ask trial ``number`` to stop at its next step with a checkpoint (see the module docstring)."""
         self.cancel(number, reason)
 
+    def expect_runs(self, runs: int, worst: int) -> None:
+        """Before its first trial the driver says how many trial runs the study may start: ``runs``
+        (every trial, each rung or interval a run of its own) and ``worst`` (each run also retried
+        ``resources.max_retries`` times). An engine with a limit on them warns; the default does nothing."""
+        return None
+
     @abc.abstractmethod
     def running(self) -> list[int]:
         """Numbers of the trials submitted whose result has not been returned by ``poll`` yet."""

@@ -131,6 +131,11 @@ class Driver:
                 "here. Fix: lower resources, or use an engine/allocation that has them"
             )
         slots = max(1, min(self.spec.search.max_concurrent, capacity))
+        epochs = self.spec.training.get("epochs")  # a placeholder (a searched epoch count): the default's
+        per_trial = (self.scheduling.most_runs_per_trial(epochs if isinstance(epochs, int) else 10)
+                     if self.scheduling else 1)
+        runs = self.n_trials * per_trial
+        self.engine.expect_runs(runs, runs * (1 + self.spec.resources.max_retries))
         cancelling = False
         self.shared.lease.start()  # before the first ask: other drivers see this one's trials as alive
         try:

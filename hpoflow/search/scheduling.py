@@ -50,6 +50,12 @@ class Scheduling:
         self.n_promoted = 0  # this run's promotions (a paused trial resumed)
         self.n_went_on = 0  # rungs passed without a pause (in the top 1/eta on arrival)
 
+    def most_runs_per_trial(self, epochs: int) -> int:
+        """The most runs a trial may take: one, and one more after each rung it may pause at (the
+        bracket with the most rungs)."""
+        brackets = self.policy.n_brackets(epochs)
+        return 1 + max(len(self.policy.rungs(self.policy.base + b, epochs)) for b in range(brackets))
+
     def at_report(self, trial: optuna.trial.Trial, request: TrialRequest, step: int, value: float) -> bool:
         """A report that wants an answer: records the rung value if ``step`` is a rung of the trial;
         True when the trial should pause here (the driver answers pause)."""

@@ -215,7 +215,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
             from hpoflow.train import dist as hdist
 
             hdist.init_process_group(job.rank, job.world_size, job.master_addr, job.master_port,
-                                     use_cuda, job.pg_timeout_s, job.store_path)
+                                     use_cuda, job.pg_timeout_s, job.store_path, job.announce_path)
         # The trial's clock starts with the user's code (its module's import included). A cold torch
         # import inside it (a light worker: a function that gave no sign of torch) is timed apart as
         # cold_start_s and left out of run_s, so durations compare across trials.

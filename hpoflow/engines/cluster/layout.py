@@ -28,6 +28,7 @@ __all__ = [
     "bound_cpus",
     "bound_gpus",
     "choose_ifname",
+    "fabric_candidates",
     "launcher_argv",
     "mpirun_argv",
     "node_index_from_env",
@@ -258,6 +259,29 @@ def choose_ifname(master_addr: str, port: int = 9) -> str | None:
     except (OSError, IndexError, ImportError):
         return None
     return None
+
+
+# interfaces that are never a cluster's fabric: containers, virtual machines, tunnels
+_VIRTUAL = ("lo", "docker", "virbr", "veth", "br-", "cni", "flannel", "cali", "vxlan", "tun", "tap", "podman", "lxc")
+
+
+def fabric_candidates(exclude: str | None = None) -> list[str]:
+    """This host's interfaces that could carry a trial's collectives besides ``exclude``: up, with an
+    IPv4 address that is neither loopback nor link-local, and not a container's or a VM's bridge."""
+    try:
+        import psutil
+
+        stats = psutil.net_if_stats()
+        addrs = psutil.net_if_addrs()
+    except (ImportError, OSError):
+        return []
+    out = []
+    for name, items in sorted(addrs.items()):
+        if name == exclude or name.startswith(_VIRTUAL) or not (name in stats and stats[name].isup):
+            continue
+        if any(a.family == socket.AF_INET and not a.address.startswith(("127.", "169.254.")) for a in items):
+            out.append(name)
+    return out
 
 
 @dataclass(frozen=True)

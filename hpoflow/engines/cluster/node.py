@@ -43,6 +43,7 @@ from hpoflow.engines.cluster.layout import (
     bound_cpus,
     bound_gpus,
     choose_ifname,
+    fabric_candidates,
     node_index_from_env,
     parse_id_list,
     resolve_node_index,
@@ -328,12 +329,7 @@ def _step(args: argparse.Namespace) -> int:
         "HPOFLOW_TRIAL": str(req["number"]), "LOCAL_RANK": str(local), "RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", str(job.get("ppn", world))).split("(")[0],
     })
-    # the interface that routes to the driver's node is the one the step's hosts share: never all of them
-    target = env.get("SLURM_LAUNCH_NODE_IPADDR") or str(job.get("master_addr") or "")
-    if job.get("socket_ifname") == "auto" and world > 1 and "GLOO_SOCKET_IFNAME" not in os.environ and target:
-        ifname = choose_ifname(target)
-        if ifname:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    why = _choose_gloo_interface(job, world)
     node_name = env.get("SLURMD_NODENAME") or os.uname().nodename
     per_rank = int(req.get("gpus_per_process") or 0)
     if per_rank:
@@ -348,8 +344,15 @@ def _step(args: argparse.Namespace) -> int:
             os._exit(1)
     _log(f"rank {rank} of {world} (local rank {local}) on node {node_name} "
          f"({_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
-         f"{env.get('SLURM_STEP_ID')}, gloo interface {os.environ.get('GLOO_SOCKET_IFNAME', 'default')}")
-    code = _run(job, files, rank, world, local, threads)
+         f"{env.get('SLURM_STEP_ID')}, gloo interface {os.environ.get('GLOO_SOCKET_IFNAME', 'default')} ({why})")
+    # the ranks meet without a file lock on the shared file system: a trial on one node through a file
+    # store on the node's own memory file system, one on several through a TCP store its rank 0 holds
+    store = announce = ""
+    if world > 1 and int(req.get("nodes") or 1) == 1:
+        store = _node_local_store(env)
+    elif world > 1:
+        announce = str(files.dir / "rendezvous.addr")
+    code = _run(job, files, rank, world, local, threads, store=store, announce=announce)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -471,14 +474,53 @@ def _addresses(ifname: str | None) -> str:
     return ", ".join(found) or "no address"
 
 
-def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: int, threads: int) -> int:
+def _choose_gloo_interface(job: dict[str, Any], world: int) -> str:
+    """Set ``GLOO_SOCKET_IFNAME`` for a step rank of a multi-rank trial; why it is what it is (for the
+    rank log). The site's ``GLOO_SOCKET_IFNAME`` stands; else its ``NCCL_SOCKET_IFNAME`` when that names
+    interfaces (not a ``^`` exclusion or ``=`` exact-match form), as a site module sets it for its
+    fabric; else, with ``socket_ifname: auto``, the interface that routes to the launch node (the
+    one the step's hosts share; never all of them)."""
+    env = os.environ
+    if "GLOO_SOCKET_IFNAME" in env:
+        return "GLOO_SOCKET_IFNAME was set"
+    if world <= 1:
+        return "one rank"
+    nccl = env.get("NCCL_SOCKET_IFNAME", "").strip()
+    if nccl and not nccl.startswith(("^", "=")):
+        env["GLOO_SOCKET_IFNAME"] = nccl
+        return "from NCCL_SOCKET_IFNAME"
+    target = env.get("SLURM_LAUNCH_NODE_IPADDR") or str(job.get("master_addr") or "")
+    if job.get("socket_ifname") == "auto" and target:
+        ifname = choose_ifname(target)
+        others = fabric_candidates(exclude=ifname)
+        if ifname and len(others) == 1:
+            env["GLOO_SOCKET_IFNAME"] = others[0]
+            return (f"the one other network besides {ifname}, which routes to the launch node {target} (a site's "
+                    "management network)")
+        if ifname:
+            env["GLOO_SOCKET_IFNAME"] = ifname
+            more = (f"; other networks here: {', '.join(others)}: set GLOO_SOCKET_IFNAME to the fabric's"
+                    if others else "")
+            return f"routes to the launch node {target}{more}"
+    return "gloo's default"
+
+
+def _node_local_store(env: Any) -> str:
+    """The file store of a one-node step's ranks: on the node's memory file system, named by the step
+    (every rank of it computes the same path), never on the shared file system."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"hpoflow-step-{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}.store")
+
+
+def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: int, threads: int, *,
+         store: str = "", announce: str = "") -> int:
     """Run this rank (``run_rank``, rank 0 with the file channel) and write its outcome."""
     from hpoflow.train.runner import run_rank
     from hpoflow.train.transport import Channel, FileChannel, NullChannel
     from hpoflow.trial import RankJob
 
     rj = RankJob(_request(job), rank, world, local, str(job["master_addr"]), int(job["master_port"]), threads,
-                 float(job.get("pg_timeout_s", 120.0)), str(job.get("store") or ""))
+                 float(job.get("pg_timeout_s", 120.0)), store or str(job.get("store") or ""), announce)
     channel: Channel = (FileChannel(files, float(job.get("answer_timeout_s", 600.0))) if rank == 0
                         else NullChannel())
     outcome = run_rank(rj, channel)

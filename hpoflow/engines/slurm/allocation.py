@@ -194,6 +194,7 @@ class Allocation:
     whole_cores: bool = False
     one_thread_per_core: bool = False
     gpu_ids: tuple[tuple[int, ...], ...] = ()  # per host: the node's indices of the job's GPUs, where known
+    max_step_count: int = 0  # scontrol show config's MaxStepCount: the steps a job may start (0: unknown)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Allocation:

@@ -6,9 +6,10 @@ Modes (``engine_options.mode``; ``auto``: steps inside an allocation, else jobs)
   one ``srun --exact`` step that asks for exactly the trial's nodes, tasks, CPUs per task, GPUs per
   task and memory, so steps never share cores; SLURM places it. Each task of the step is one rank
   (``python -m hpoflow.engines.cluster.node step``): the rank and the world come from the step's
-  environment, the ranks meet through a ``torch.distributed.FileStore`` in the attempt directory on
-  the shared file system (no rendezvous socket), and gloo binds the interface that routes to the
-  driver's node (``SLURM_LAUNCH_NODE_IPADDR``). ``--kill-on-bad-exit`` ends the step when a rank fails.
+  environment; the ranks of one node meet through a file store in the node's /dev/shm, those of
+  several through a TCP store rank 0 holds and announces in the attempt directory (no file lock on
+  the shared file system), and gloo binds the site's fabric or the interface that routes to the
+  driver's node (``hpoflow.engines.cluster.node``). ``--kill-on-bad-exit`` ends the step when a rank fails.
 - **jobs**: each trial is its own ``sbatch`` job (for users without an allocation, long trials, or
   per-job limits), tracked with ``squeue`` and its heartbeat; the job runs one attempt of the trial
   (``python -m hpoflow.engines.cluster.attempt``), which starts one node launcher per node, as a COMPSs
@@ -139,6 +140,17 @@ class SlurmEngine(Engine):
             return self.allocation.capacity(request)
         return self.options.max_jobs
 
+    def expect_runs(self, runs: int, worst: int) -> None:
+        """Steps mode: warn when the study's trial runs approach SLURM's ``MaxStepCount`` (each run is one
+        step; a job's steps past it fail to start)."""
+        limit = self.allocation.max_step_count if self.allocation is not None else 0
+        if not limit or worst < 0.8 * limit:
+            return
+        print(f"hpoflow: warning: this study may start {runs} job steps ({worst} with every retry), and SLURM "
+              f"starts at most MaxStepCount={limit} steps in job {self.allocation.job_id if self.allocation else '?'}"
+              ": the steps past it fail. Fix: fewer trials per job (--n-trials, then submit the study again: "
+              "it resumes), or ask the site to raise MaxStepCount", file=sys.stderr, flush=True)
+
     def submit(self, request: TrialRequest) -> None:
         if self._closed:
             raise EngineError("the slurm engine is closed")
@@ -258,7 +270,6 @@ class SlurmEngine(Engine):
     # -- starting a trial ---------------------------------------------------------------------------
     def _job(self, request: TrialRequest, files: TrialFiles) -> dict[str, Any]:
         """What the rank processes (steps) or the attempt (jobs) read: the request and the options."""
-        store = str(files.dir / f"rendezvous-{os.urandom(4).hex()}.store") if request.processes > 1 else ""
         env = dict(self.options.env)
         env.setdefault("PYTHONPATH", default_pythonpath())
         a = self.allocation
@@ -266,7 +277,7 @@ class SlurmEngine(Engine):
             "request": json.loads(request.to_json()), "ppn": processes_per_node(request),
             "world_size": request.processes, "pg_timeout_s": self.options.pg_timeout_s,
             "answer_timeout_s": self.options.answer_timeout_s, "env": env,
-            "socket_ifname": self.options.socket_ifname, "master_addr": "", "master_port": 0, "store": store,
+            "socket_ifname": self.options.socket_ifname, "master_addr": "", "master_port": 0, "store": "",
             "deadline": time.time() + request.timeout + 30.0 if request.timeout else None,
             # where SLURM says nothing of a step's GPUs (--gpu-bind=none), ranks claim theirs among these
             "node_gpus": dict(zip(a.hosts, (list(g) for g in a.gpu_ids), strict=True)) if a and a.gpu_ids else {},
@@ -550,7 +561,9 @@ def read_allocation(environ: Mapping[str, str], options: SlurmOptions) -> Alloca
               flush=True)
     alloc = alloc.refined(job_detail(detail_text or ""), node_hardware(nodes_text or ""),
                           whole_cores(config_value(config, "SelectTypeParameters") or ""))
-    return replace(alloc, one_thread_per_core=options.threads_per_core == 1)
+    max_steps = config_value(config, "MaxStepCount") or ""
+    return replace(alloc, one_thread_per_core=options.threads_per_core == 1,
+                   max_step_count=int(max_steps) if max_steps.isascii() and max_steps.isdigit() else 0)
 
 
 def _check_shape(request: TrialRequest) -> None:

@@ -50,9 +50,9 @@ def _spec(path: Path, **extra: Any) -> Path:
 
 
 def run_in_salloc(cluster: SlurmCluster, salloc: list[str], spec: Path, run_dir: Path,
-                  probe_s: float = 3.0) -> subprocess.CompletedProcess[str]:
+                  probe_s: float = 3.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``salloc FLAGS python -m hpoflow run SPEC``, as a user types it on a login node (here: the host)."""
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "SITE_PROBE_S": str(probe_s)}
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "SITE_PROBE_S": str(probe_s), **(env or {})}
     return cluster.run(["salloc", *salloc, sys.executable, "-m", "hpoflow", "run", str(spec), "--run-dir",
                         str(run_dir)], env=env, cwd=ROOT / "tests", timeout=STUDY_WAIT_S, check=False,
                        stdin=subprocess.DEVNULL)
@@ -165,3 +165,43 @@ def test_on_nodes_of_two_threads_per_core_the_engine_runs_what_slurm_can_place(
     assert most == 2, spans  # two at once: never more (no room), and not fewer (the room is used)
     logs = _srun_logs(run_dir)
     assert not any(w in logs for w in WAITED), logs
+
+
+@pytest.mark.parametrize("site_env", [{"NCCL_SOCKET_IFNAME": "fab0"}, {}], ids=["the-site-names-it", "nothing-named"])
+def test_the_ranks_of_a_2_node_trial_meet_without_a_file_store_over_the_fabric(
+        slurm_site_cluster: SlurmCluster, site_env: dict[str, str]) -> None:
+    """Each node has a rate-limited management network (eth0: SLURM's addresses, the launch node's
+    route) and a fabric (fab0). Whether a site's module names the fabric (NCCL_SOCKET_IFNAME) or
+    nothing does, the trial's store and its all-reduces travel the fabric."""
+    cluster = slurm_site_cluster
+    assert cluster.net is not None
+    shared = cluster.shared_dir / f"site-fabric-{'-'.join(site_env) or 'none'}"
+    floats, steps = 1_000_000, 10  # 4 MB all-reduced 10 times: each rank sends about 40 MB
+    spec = _spec(shared / "s.yaml", search={"n_trials": 1, "max_concurrent": 1},
+                 training={"function": "trainfns:allreduce_volume", "epochs": 1,
+                           "options": {"floats": floats, "steps": steps}},
+                 resources={"processes": 2, "nodes": 2}, study={"name": "fabric", "metric": "loss",
+                                                                "direction": "minimize"})
+    run_dir = shared / "run"
+
+    def counters() -> dict[tuple[int, str], int]:  # bytes each node sent on each network
+        assert cluster.net is not None
+        return {(i, ifname): cluster.net.byte_counters(i, ifname)[1] for i in range(2) for ifname in ("eth0", "fab0")}
+
+    before = counters()
+    r = run_in_salloc(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir, env=site_env)
+    sent = {k: v - before[k] for k, v in counters().items()}
+    study = _completed(r, run_dir, 1)
+    trial_dir = run_dir / "trials" / str(study.trials[0].number)
+    attempt = trial_dir / "attempt-0"
+    assert not list(trial_dir.rglob("*.store")), list(trial_dir.rglob("*"))  # no file store on the shared disk
+    host, _port = (attempt / "rendezvous.addr").read_text().split()
+    assert host in cluster.fabric_addresses.values(), (host, cluster.fabric_addresses)  # the store on the fabric
+    logs = {rank: (trial_dir / f"rank{rank}.log").read_text() for rank in (0, 1)}
+    for log in logs.values():
+        assert "gloo interface fab0" in log, log
+    assert f"rank 0 holds the trial's TCP store at {host}:" in logs[0], logs[0]
+    volume = 4 * floats * steps
+    for i in range(2):
+        assert sent[(i, "fab0")] >= 0.8 * volume, sent  # the all-reduces went over the fabric...
+        assert sent[(i, "eth0")] < 0.1 * volume, sent  # ...and not over management (SLURM's own traffic only)

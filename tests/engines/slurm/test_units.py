@@ -236,3 +236,19 @@ def test_the_controller_tells_the_gpus_and_memory_that_a_gres_allocation_sets_no
         alloc.check_fit(shape(1, 3, 0, memory_gb=4))
     gone = alloc.keeping([])
     assert gone.hosts == () and gone.memory_mb == () and gone.gpu_ids == () and gone.capacity(shape(1, 1, 0)) == 0
+
+
+def test_a_study_whose_steps_approach_max_step_count_is_warned_before_it_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from hpoflow.engines.slurm.engine import SlurmEngine
+
+    engine = object.__new__(SlurmEngine)  # steps mode without SLURM: only the allocation matters here
+    engine.allocation = Allocation("7", ("n1",), (4,), 0, max_step_count=1000)
+    engine.expect_runs(200, 600)  # 600 < 80 % of 1000: quiet
+    assert capsys.readouterr().err == ""
+    engine.expect_runs(300, 900)
+    err = capsys.readouterr().err
+    assert "may start 300 job steps (900 with every retry)" in err and "MaxStepCount=1000" in err and "Fix:" in err
+    engine.allocation = replace(engine.allocation, max_step_count=0)  # unknown: nothing to say
+    engine.expect_runs(10**6, 10**6)
+    assert capsys.readouterr().err == ""
