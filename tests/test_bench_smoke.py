@@ -32,6 +32,7 @@ CASES = {
     "peers.py": (["--digits-trials", "2", "--epochs", "1", "--short-trials", "4", "--repeats", "1"],
                  {"digits_wall_ratio", "digits_pss_ratio", "digits_first_vs_later_duration",
                   "short_hpoflow_overhead_ms_per_trial_slot", "short_optuna_overhead_ms_per_trial_slot"}),
+    "busy.py": (["true"], {"exit", "wall_s", "busy_core_s", "idle_core_s", "mean_busy_cores"}),
     "slurm_steps.py": (["--trials", "4", "--repeats", "1"],
                        {"submit_to_first_step_s", "steps_overhead_ms_per_trial_slot",
                         "local_overhead_ms_per_trial_slot"}),

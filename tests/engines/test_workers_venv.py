@@ -143,15 +143,16 @@ def test_three_torch_trials_in_a_row_on_a_warm_and_a_light_worker(tmp_path: Path
     assert not torch_file.startswith(sys.base_prefix)
 
 
-def test_a_slice_of_the_suite_passes_with_packages_from_outside_the_prefix(outside_packages: tuple[Path, Path]
-                                                                          ) -> None:
+@pytest.mark.parametrize("tests", ["tests/engines/test_local.py", "tests/engines/test_workers.py"])
+def test_a_slice_of_the_suite_passes_with_packages_from_outside_the_prefix(outside_packages: tuple[Path, Path],
+                                                                          tests: str) -> None:
     """The local engine's own tests (state isolation between trials, light workers importing torch,
-    failures, timeouts, cancel) with every package reached through PYTHONPATH."""
+    failures, timeouts, cancel) with every package reached through PYTHONPATH; one file per test, so
+    neither runs for a minute on a loaded machine."""
     python, pkgs = outside_packages
     env = _env("PYTHONPATH", python, pkgs)
     # one process, as the slice ran before pytest-xdist: no addopts of the project's (-n auto)
     p = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "not slow",
-                        "tests/engines/test_local.py", "tests/engines/test_workers.py"],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=290)
+                        tests], capture_output=True, text=True, env=env, cwd=ROOT, timeout=290)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert " passed" in p.stdout and "failed" not in p.stdout
