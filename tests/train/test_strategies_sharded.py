@@ -399,14 +399,42 @@ def test_a_killed_rank_resumes_from_its_shards_to_bitwise_the_same_weights(
     assert resumed.metrics["ranks_identical"] == 1.0
 
 
+@pytest.fixture(scope="module")
+def pause_references() -> dict[str, TrialResult]:
+    """The uninterrupted runs the pause test compares with, by strategy (``_pause_reference`` fills it)."""
+    return {}
+
+
+def _pause_reference(engine: LocalEngine, references: dict[str, TrialResult],
+                     tmp_path_factory: pytest.TempPathFactory, strategy: str) -> tuple[TrialResult, Path]:
+    """Two epochs of ``strategy`` at batch 4 without a pause, run once per module; the result and its
+    trial directory."""
+    trial_dir = tmp_path_factory.getbasetemp() / f"pause-ref-{strategy}"
+    if strategy not in references:
+        references[strategy] = _run(engine, _request(trial_dir, strategy, batch=4, epochs=2, every=0))
+    return references[strategy], trial_dir
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # two epochs of ~100 steps, twice: 10-30 s alone, minutes at load 20 on 2 cores
+@pytest.mark.timeout(1800)  # two epochs of ~100 steps: 5-15 s alone, minutes at load 20 on 2 cores
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_the_pause_tests_uninterrupted_reference_completes(
+        engine: LocalEngine, pause_references: dict[str, TrialResult], tmp_path_factory: pytest.TempPathFactory,
+        strategy: str) -> None:
+    """Run before the pause test (one xdist group: the module), so neither runs for a minute alone."""
+    reference, _ = _pause_reference(engine, pause_references, tmp_path_factory, strategy)
+    assert reference.status == "complete", (reference.error, reference.stderr_tail)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two epochs of ~100 steps, paused and resumed: 10-30 s alone, minutes at load 20
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
 def test_a_paused_sharded_trial_stops_mid_epoch_and_resumes_bitwise(
-        engine: LocalEngine, tmp_path: Path, strategy: str) -> None:
+        engine: LocalEngine, pause_references: dict[str, TrialResult], tmp_path_factory: pytest.TempPathFactory,
+        tmp_path: Path, strategy: str) -> None:
     # batch 4: an epoch of ~100 steps of ~25 ms (more under load), so a pause 0.2 s after epoch 1's report
     # lands inside epoch 2, tens of steps before its end
-    reference = _run(engine, _request(tmp_path / "ref", strategy, batch=4, epochs=2, every=0))
+    reference, reference_dir = _pause_reference(engine, pause_references, tmp_path_factory, strategy)
     assert reference.status == "complete", (reference.error, reference.stderr_tail)
     req = _request(tmp_path / "paused", strategy, batch=4, epochs=2, every=0)
     engine.submit(req)
@@ -427,7 +455,7 @@ def test_a_paused_sharded_trial_stops_mid_epoch_and_resumes_bitwise(
     assert resumed.status == "complete", (resumed.error, resumed.stderr_tail)
     assert resumed.metrics["resumed_from_epoch"] == 1.0
     assert {k: resumed.metrics[k] for k in COMPARED} == {k: reference.metrics[k] for k in COMPARED}
-    assert _weights(tmp_path / "paused") == _weights(tmp_path / "ref")
+    assert _weights(tmp_path / "paused") == _weights(reference_dir)
 
 
 def test_a_sharded_state_is_refused_on_another_world_size_with_the_fix() -> None:
