@@ -91,6 +91,9 @@ class Driver:
             raise ValueError("n_trials is required")
         self.n_trials = budget
         self._stop_reason: str | None = None
+        r = spec.resources
+        self._probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes,
+                                         memory_gb=r.memory_gb or 0.0)  # the study's trial shape
         self._inflight: dict[int, _InFlight] = {}
         self._failures = 0
         self.shared = SharedStudy(study, run_dir, spec.search.lease_s, on_finished=self._on_finished)
@@ -120,9 +123,7 @@ class Driver:
         overhead = 0.0
         summary = self.summary
         deadline = t_start + self.spec.search.timeout if self.spec.search.timeout else None
-        r = self.spec.resources
-        probe = TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes,
-                                   memory_gb=r.memory_gb or 0.0)
+        probe = self._probe
         capacity = self.engine.capacity(probe)
         if capacity < 1:  # refuse before asking the study for a trial that could never run
             raise EngineError(
@@ -444,6 +445,8 @@ class Driver:
         if fl is None:
             return
         mr = self.spec.resources.max_retries
+        if res.status == "failed" and res.retryable and self.engine.capacity(self._probe) < 1:
+            res = self._out_of_room(res)
         if (res.status == "failed" and res.retryable and fl.request.attempt - fl.first_attempt < mr
                 and self._stop_reason is None):
             retry = replace(fl.request, attempt=fl.request.attempt + 1)
@@ -461,6 +464,19 @@ class Driver:
         except optuna.exceptions.UpdateFinishedTrialError:
             _log.warning("trial %d was finished by another driver (this one did not beat for search.lease_s); "
                          "its result here is in %s only", res.number, fl.request.trial_dir)
+
+    def _out_of_room(self, res: TrialResult) -> TrialResult:
+        """A trial the system killed (its node failed) when the engine can no longer run a trial of this
+        shape (the nodes left are too few): recorded interrupted, its retries kept, and the study stops;
+        a resume where it fits reruns it from its checkpoint."""
+        if self._stop_reason is None:
+            p = self._probe
+            self.summary.reason = (
+                f"the {self.engine.name} engine can no longer run a trial of {p.nodes} node(s) x {p.processes} "
+                f"process(es) (trial {res.number}: {(res.error or 'killed').splitlines()[0][:200]}); its trials are "
+                "interrupted, to rerun from their checkpoints: rerun the same command where they fit (more nodes)")
+            self.request_stop("capacity")
+        return replace(res, status="cancelled", error=f"interrupted: {res.error or 'killed'}")
 
     def _tell(self, fl: _InFlight, res: TrialResult) -> None:
         """Record a finished trial in the study (and its result file), and count it."""

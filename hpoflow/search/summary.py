@@ -50,7 +50,7 @@ class DriverSummary:
     n_complete: int = 0
     n_pruned: int = 0
     n_failed: int = 0
-    # budget | timeout | max_failures | fail_fast | signal | preempted | grid_exhausted | storage
+    # budget | timeout | max_failures | fail_fast | signal | preempted | grid_exhausted | storage | capacity
     stopped_by: str = "budget"
     reason: str = ""  # why the study stopped early, in one line
     errors: list[str] = field(default_factory=list)  # the first distinct errors of failed trials
@@ -62,10 +62,11 @@ class DriverSummary:
     def exit_code(self) -> int:
         """The CLI's exit code for this outcome (README, "Exit codes"): 130 stopped by a signal (a walltime
         warning included); 1 stopped by the storage (an outage past storage_retry_s, a full disk); 3 no
-        trial of the study completed; 1 stopped early by max_failures or fail_fast; 0 otherwise."""
+        trial of the study completed; 1 stopped early by max_failures or fail_fast, or because the engine
+        can no longer run a trial (capacity: nodes lost); 0 otherwise."""
         if self.stopped_by in ("signal", "preempted"):
             return 130
-        if self.stopped_by == "storage":
+        if self.stopped_by in ("storage", "capacity"):
             return 1
         if self.n_complete == 0:
             return 3
@@ -78,7 +79,7 @@ class DriverSummary:
         if self.stopped_by == "preempted":
             return ("stopped by a walltime warning (SIGUSR1): the running trials paused with a checkpoint; rerun "
                     "the same command (or resubmit the job) to resume")
-        if self.stopped_by == "storage":
+        if self.stopped_by in ("storage", "capacity"):
             return f"stopped: {self.reason}"
         errors = "".join(f"\n  - {e}" for e in self.errors)
         if self.n_complete == 0:

@@ -5,6 +5,13 @@ Rank 0 sends reports out and receives pruning decisions back over a ``Channel``:
 - ``PipeChannel``: the local engine's (a duplex ``multiprocessing`` connection to the worker's parent).
 - ``FileChannel``: for engines whose ranks run on other nodes (compss), through files in the shared
   run directory, laid out by ``TrialFiles``; the engine side reads them with ``ReportReader``.
+- ``SocketChannel``: the slurm engine's steps mode. Reports go to the file as with ``FileChannel``
+  (the durable record) and, as they are made, over a TCP connection the engine opens to rank 0
+  (``ControlLink``); decisions come back over it, so rank 0 waits on the connection, not by polling
+  answer files on the shared file system (a Lustre metadata server's load at hundreds of ranks;
+  NFS attribute caching delays a file by seconds). Rank 0 listens on a kernel-picked port and
+  announces ``ADDRESS PORT TOKEN`` in ``control.addr`` (mode 0600); the engine's first line must be
+  the token. Where no engine connects within ``FALLBACK_S``, rank 0 falls back to answer files.
 
 The file protocol: one directory per attempt of a trial (``TrialFiles``); every write atomic (temp
 file, fsync, rename: ``hpoflow.fileio``) except the report log, which is append-only JSON lines:
@@ -31,15 +38,19 @@ launchers use it without importing torch.
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import logging
+import secrets
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from hpoflow.fileio import append_jsonl, read_json
+from hpoflow.fileio import append_jsonl, read_json, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +152,11 @@ class TrialFiles:
     def answer(self, seq: int) -> Path:
         return self.dir / f"answer-{seq}.json"
 
+    @property
+    def control(self) -> Path:
+        """Where rank 0 announces its control socket (``SocketChannel``): ``ADDRESS PORT TOKEN``."""
+        return self.dir / "control.addr"
+
     def outcome(self, rank: int) -> Path:
         return self.dir / f"outcome-{rank}.json"
 
@@ -223,3 +239,174 @@ class FileChannel(Channel):
 
     def send(self, kind: str, payload: Any) -> None:
         self._append({"kind": kind, "payload": payload, "time": time.time()})
+
+
+FALLBACK_S = 30.0  # SocketChannel: no engine connected by then: decisions are read from answer files
+
+
+class SocketChannel(FileChannel):
+    """Rank 0's channel in steps mode (see the module docstring): reports to the file and over the
+    engine's connection, decisions from it. ``address``: where the engine reaches this node."""
+
+    def __init__(self, files: TrialFiles, answer_timeout_s: float = 600.0, address: str = "127.0.0.1") -> None:
+        super().__init__(files, answer_timeout_s)
+        self._server = socket.create_server(("", 0))
+        self.token = secrets.token_hex(16)
+        self._cv = threading.Condition()
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._conn: socket.socket | None = None
+        self._stopped = False
+        self._opened = time.monotonic()
+        threading.Thread(target=self._serve, name="hpoflow-control", daemon=True).start()
+        write_atomic(files.control, f"{address} {self._server.getsockname()[1]} {self.token}\n", mode=0o600)
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        """One connection: its first line is the token (else it is closed), then one JSON object a line."""
+        with contextlib.suppress(OSError), conn:
+            conn.settimeout(10.0)
+            reader = conn.makefile("rb")
+            if reader.readline().strip() != self.token.encode():
+                return
+            conn.settimeout(None)
+            with self._cv:
+                self._conn = conn  # the engine's latest connection: reports go there
+                self._cv.notify_all()
+            for line in reader:
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(msg, dict):
+                    continue
+                with self._cv:
+                    if "seq" in msg:
+                        self._answers[int(msg["seq"])] = msg
+                    if msg.get("stop"):
+                        self._stopped = True
+                    self._cv.notify_all()
+            with self._cv:
+                if self._conn is conn:
+                    self._conn = None
+
+    def report(self, step: int, metrics: dict[str, float], wants_answer: bool) -> bool:
+        seq = self.seq
+        self.seq += 1
+        record = {"seq": seq, "step": int(step), "metrics": metrics, "wants_answer": bool(wants_answer),
+                  "time": time.time()}
+        self._append(record)
+        self._push(record)
+        if not wants_answer:
+            return False
+        deadline = time.monotonic() + self.answer_timeout_s
+        with self._cv:
+            while seq not in self._answers and not self._stopped:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                if self._conn is None and now - self._opened > FALLBACK_S:
+                    self._cv.release()
+                    try:  # no engine connected: answer files, as FileChannel reads them
+                        return self._wait_for_file(seq, step, deadline)
+                    finally:
+                        self._cv.acquire()
+                self._cv.wait(min(1.0, deadline - now))
+            if self._stopped:
+                return True  # cancelled: stop training as if pruned; srun's SIGTERM ends us anyway
+            data = self._answers.pop(seq, None)
+        if data is None:
+            log.warning("no pruning decision for report %d (step %d) within %g s; training on", seq, step,
+                        self.answer_timeout_s)
+            return False
+        return self._answered(data)
+
+    def _wait_for_file(self, seq: int, step: int, deadline: float) -> bool:
+        path = self.files.answer(seq)
+        delay = 0.05
+        while time.monotonic() < deadline:
+            data = read_json(path)
+            if isinstance(data, dict):
+                return self._answered(data)
+            with self._cv:
+                if seq in self._answers:  # the engine connected meanwhile
+                    return self._answered(self._answers.pop(seq))
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+        log.warning("no pruning decision for report %d (step %d) within %g s; training on", seq, step,
+                    self.answer_timeout_s)
+        return False
+
+    def send(self, kind: str, payload: Any) -> None:
+        record = {"kind": kind, "payload": payload, "time": time.time()}
+        self._append(record)
+        self._push(record)
+
+    def _push(self, record: dict[str, Any]) -> None:
+        with self._cv:
+            conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps(record).encode() + b"\n")
+
+
+class ControlLink:
+    """The engine's end of a ``SocketChannel``: connects to what ``control.addr`` announces, sends
+    decisions, and reads the reports rank 0 pushes (``read_new``, without blocking)."""
+
+    def __init__(self, announced: str, timeout_s: float = 5.0) -> None:
+        host, port, token = announced.split()
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self.sock.sendall(token.encode() + b"\n")
+        self.sock.setblocking(False)
+        self._buf = b""
+        self.closed = False
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """Send one message; False when the connection is gone."""
+        try:
+            self.sock.setblocking(True)
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
+            self.sock.setblocking(False)
+            return True
+        except OSError:
+            self.close()
+            return False
+
+    def read_new(self) -> list[dict[str, Any]]:
+        """The records rank 0 pushed since the last call (complete lines only)."""
+        while not self.closed:
+            try:
+                chunk = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.close()
+                break
+            if not chunk:
+                self.close()
+                break
+            self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        out = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                item = json.loads(line)
+                if isinstance(item, dict):
+                    out.append(item)
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()

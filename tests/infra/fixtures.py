@@ -42,11 +42,11 @@ def slurm_session_cluster() -> Iterator[slurm.SlurmCluster]:
     yield from _session_cluster("plain")
 
 
-def _session_cluster(profile: str) -> Iterator[slurm.SlurmCluster]:
+def _session_cluster(profile: str, nodes: int = 2) -> Iterator[slurm.SlurmCluster]:
     reason = slurm.unavailable_reason()
     if reason:
         pytest.skip(f"no SLURM cluster: {reason}")
-    cluster = slurm.SlurmCluster(2, profile=profile)
+    cluster = slurm.SlurmCluster(nodes, profile=profile)
     try:
         cluster.start()  # undoes itself if it fails
     except NetnsError as exc:
@@ -59,9 +59,10 @@ def _session_cluster(profile: str) -> Iterator[slurm.SlurmCluster]:
 
 @pytest.fixture(scope="session")
 def slurm_site_session_cluster() -> Iterator[slurm.SlurmCluster]:
-    """A real two-node SLURM cluster of the "site" profile (``tests/infra/slurm.py``: memory accounted,
-    two threads per core, four GRES GPUs per node), started once; tests use ``slurm_site_cluster``."""
-    yield from _session_cluster("site")
+    """A real three-node SLURM cluster of the "site" profile (``tests/infra/slurm.py``: memory accounted,
+    two threads per core, four GRES GPUs and two networks per node), started once; tests use
+    ``slurm_site_cluster``."""
+    yield from _session_cluster("site", 3)
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ __all__ = [
     "rank_layout",
     "repeated_hosts",
     "resolve_node_index",
+    "route_address",
     "split_for_ranks",
     "srun_argv",
     "ssh_argv",
@@ -242,6 +243,18 @@ def node_index_from_env(env: Mapping[str, str]) -> int | None:
         if _digits(v):
             return int(v)
     return None
+
+
+def route_address(target: str, port: int = 9) -> str:
+    """This host's IPv4 address on the route to ``target`` (where ``target`` reaches it back); the host
+    name where there is no route."""
+    try:
+        infos = socket.getaddrinfo(target, port, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])  # UDP connect: picks a route, sends nothing
+            return str(s.getsockname()[0])
+    except (OSError, IndexError):
+        return socket.gethostname()
 
 
 def choose_ifname(master_addr: str, port: int = 9) -> str | None:

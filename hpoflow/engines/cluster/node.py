@@ -22,6 +22,7 @@ a cap (``hpoflow.engines.logcap``, ``HPOFLOW_RANK_LOG_MB``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -47,6 +48,7 @@ from hpoflow.engines.cluster.layout import (
     node_index_from_env,
     parse_id_list,
     resolve_node_index,
+    route_address,
     split_for_ranks,
     step_rank_gpus,
 )
@@ -86,21 +88,24 @@ def _kill_own_group() -> None:
         os._exit(137)
 
 
-def start_stop_watcher(files: TrialFiles, deadline: float | None = None, *, pause: bool = False) -> threading.Thread:
+def start_stop_watcher(files: TrialFiles, deadline: float | None = None, *, pause: bool = False,
+                       watch_files: bool = True) -> threading.Thread:
     """A daemon thread that kills this process group when ``files.stop`` exists (or at ``deadline``);
     with ``pause`` (a rank), it also turns ``files.pause`` into SIGUSR1 to this process, once: the
-    rank's training loop then stops at its next step with a checkpoint."""
+    rank's training loop then stops at its next step with a checkpoint. ``watch_files=False`` (a SLURM
+    step's rank, which srun signals: SIGTERM to stop, SIGUSR1 to pause): the deadline only, so the rank
+    makes no periodic ``stat`` on the shared file system."""
 
     def watch() -> None:
         paused = False
         while True:
-            if files.stop_requested():
+            if watch_files and files.stop_requested():
                 _log(f"{files.stop} appeared: killing process group {os.getpgrp()}")
                 _kill_own_group()
             if deadline is not None and time.time() > deadline:
                 _log("the trial's deadline passed: killing process group")
                 _kill_own_group()
-            if pause and not paused and files.pause.exists():
+            if watch_files and pause and not paused and files.pause.exists():
                 paused = True
                 _log(f"{files.pause} appeared: pausing at the next step")
                 os.kill(os.getpid(), signal.SIGUSR1)
@@ -321,7 +326,7 @@ def _step(args: argparse.Namespace) -> int:
     if world != int(job["world_size"]):
         _log(f"the step has {world} tasks but the trial {job['world_size']} ranks")
         return 3
-    start_stop_watcher(files, job.get("deadline"), pause=True)
+    start_stop_watcher(files, job.get("deadline"), pause=True, watch_files=False)  # srun signals a step's ranks
     threads = max(1, int(req["cpus_per_process"]))
     os.environ.update({str(k): str(v) for k, v in (job.get("env") or {}).items()})
     os.environ.update({
@@ -349,10 +354,14 @@ def _step(args: argparse.Namespace) -> int:
     # store on the node's own memory file system, one on several through a TCP store its rank 0 holds
     store = announce = ""
     if world > 1 and int(req.get("nodes") or 1) == 1:
-        store = _node_local_store(env)
+        step = f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}"
+        store = _node_local_store(str(job.get("rendezvous_id") or step))
     elif world > 1:
         announce = str(files.dir / "rendezvous.addr")
-    code = _run(job, files, rank, world, local, threads, store=store, announce=announce)
+    code = _run(job, files, rank, world, local, threads, store=store, announce=announce, socket_channel=True)
+    if store and rank == 0:  # the ranks left the group together (or failed): the store is done with
+        with contextlib.suppress(OSError):
+            os.unlink(store)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -505,15 +514,16 @@ def _choose_gloo_interface(job: dict[str, Any], world: int) -> str:
     return "gloo's default"
 
 
-def _node_local_store(env: Any) -> str:
-    """The file store of a one-node step's ranks: on the node's memory file system, named by the step
-    (every rank of it computes the same path), never on the shared file system."""
+def _node_local_store(name: str) -> str:
+    """The file store of a one-node step's ranks: on the node's memory file system, named by the
+    attempt's random rendezvous id (every rank reads it from the job file; no stale store of an earlier
+    job, of a cluster whose job ids started again, is ever joined), never on the shared file system."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, f"hpoflow-step-{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}.store")
+    return os.path.join(base, f"hpoflow-step-{name}.store")
 
 
 def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: int, threads: int, *,
-         store: str = "", announce: str = "") -> int:
+         store: str = "", announce: str = "", socket_channel: bool = False) -> int:
     """Run this rank (``run_rank``, rank 0 with the file channel) and write its outcome."""
     from hpoflow.train.runner import run_rank
     from hpoflow.train.transport import Channel, FileChannel, NullChannel
@@ -521,8 +531,15 @@ def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: i
 
     rj = RankJob(_request(job), rank, world, local, str(job["master_addr"]), int(job["master_port"]), threads,
                  float(job.get("pg_timeout_s", 120.0)), store or str(job.get("store") or ""), announce)
-    channel: Channel = (FileChannel(files, float(job.get("answer_timeout_s", 600.0))) if rank == 0
-                        else NullChannel())
+    timeout = float(job.get("answer_timeout_s", 600.0))
+    channel: Channel = NullChannel()
+    if rank == 0 and socket_channel:  # a step: the engine connects to rank 0 (no answer files polled)
+        from hpoflow.train.transport import SocketChannel
+
+        target = os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "")
+        channel = SocketChannel(files, timeout, route_address(target) if target else socket.gethostname())
+    elif rank == 0:
+        channel = FileChannel(files, timeout)
     outcome = run_rank(rj, channel)
     host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     write_json_atomic(files.outcome(rank), {**dataclasses.asdict(outcome), "host": host})

@@ -15,11 +15,15 @@ Modes (``engine_options.mode``; ``auto``: steps inside an allocation, else jobs)
   (``python -m hpoflow.engines.cluster.attempt``), which starts one node launcher per node, as a COMPSs
   task does. The driver may run on a login node.
 
-Reports, pruning answers and results travel through the run directory on the shared file system, as
-in the compss engine (``hpoflow.train.transport``). Cancel: a ``STOP`` file every rank watches, then
-SIGTERM to the step's ``srun`` (it ends the step) or ``scancel`` of the trial's job. A rank that ends
-without an outcome (its node failed: ``srun`` may exit 0 then) fails the attempt as retryable, so the
-driver reruns it from its checkpoint on the nodes that are left (``resources.max_retries``).
+Results and checkpoints are written to the run directory on the shared file system. In jobs mode,
+reports and pruning answers travel through it too, as in the compss engine; in steps mode they go
+over a TCP connection the engine opens to rank 0 (``SocketChannel`` / ``ControlLink`` in
+``hpoflow.train.transport``; the files stay the record), and a step's ranks watch no file: a cancel
+is SIGTERM to the step's ``srun`` (it ends the step), a pause SIGUSR1 (srun forwards both). Jobs mode
+cancels with a ``STOP`` file every rank watches and ``scancel``. A rank that ends without an outcome
+(its node failed: ``srun`` may exit 0 then) fails the attempt as retryable, so the driver reruns it
+from its checkpoint on the nodes that are left (``resources.max_retries``); where those can no longer
+hold a trial the driver records it interrupted and stops (``Driver._out_of_room``).
 
 In steps mode the engine starts a step only when the allocation has room for it (the trials it runs
 against ``Allocation.capacity``); a trial submitted without room waits here, its timeout not yet
@@ -62,7 +66,7 @@ from hpoflow.engines.slurm.allocation import (
 from hpoflow.engines.slurm.options import SlurmOptions
 from hpoflow.errors import EngineError
 from hpoflow.fileio import read_json, write_atomic, write_json_atomic
-from hpoflow.train.transport import ReportReader, TrialFiles
+from hpoflow.train.transport import ControlLink, ReportReader, TrialFiles
 from hpoflow.trial import RankOutcome, result_from_ranks
 
 __all__ = ["SlurmEngine", "read_allocation", "step_environ"]
@@ -92,6 +96,9 @@ class _Trial:
     signalled_at: float = 0.0
     gone_since: float | None = None
     started: bool = False  # steps: its srun runs (False: waiting for room in the allocation)
+    link: ControlLink | None = None  # steps: the connection to rank 0's control socket
+    link_failed: bool = False
+    seen: set[int] = field(default_factory=set)  # report seqs passed on (each arrives by socket and file)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -128,6 +135,7 @@ class SlurmEngine(Engine):
         self._events: list[Event] = []
         self._last_squeue = 0.0
         self._queued: dict[str, str] = {}  # job id -> state, from the last squeue
+        self._overlap = False  # steps run with --overlap (after a multi-node step lost a node: _result)
         self._closed = False
 
     # -- contract -------------------------------------------------------------------------------
@@ -210,6 +218,8 @@ class SlurmEngine(Engine):
         if t is None or t.pending_answer is None:
             return
         seq, t.pending_answer = t.pending_answer, None
+        if t.link is not None:  # rank 0 waits on the connection; the file is the record (and its fallback)
+            t.link.send({"seq": seq, "prune": bool(prune), "pause": bool(pause)})
         with contextlib.suppress(OSError):
             write_json_atomic(t.files.answer(seq), {"prune": bool(prune), "pause": bool(pause)})
 
@@ -276,7 +286,7 @@ class SlurmEngine(Engine):
         return {
             "request": json.loads(request.to_json()), "ppn": processes_per_node(request),
             "world_size": request.processes, "pg_timeout_s": self.options.pg_timeout_s,
-            "answer_timeout_s": self.options.answer_timeout_s, "env": env,
+            "answer_timeout_s": self.options.answer_timeout_s, "env": env, "rendezvous_id": os.urandom(8).hex(),
             "socket_ifname": self.options.socket_ifname, "master_addr": "", "master_port": 0, "store": "",
             "deadline": time.time() + request.timeout + 30.0 if request.timeout else None,
             # where SLURM says nothing of a step's GPUs (--gpu-bind=none), ranks claim theirs among these
@@ -305,6 +315,8 @@ class SlurmEngine(Engine):
                 out.append(f"--mem={ppn * rank_mb}M")
             if not any(a == "--mpi" or a.startswith("--mpi=") for a in o.srun_args):
                 out.append("--mpi=none")  # a site whose default is PMIx would set it up for every step
+            if self._overlap:
+                out.append("--overlap")
             return out
         out += ["--ntasks-per-node=1", f"--cpus-per-task={ppn * request.cpus_per_process}"]
         if o.threads_per_core == 1:
@@ -388,10 +400,32 @@ class SlurmEngine(Engine):
             return  # slurmctld did not answer: keep the last states
         self._queued = dict(line.split(None, 1) for line in r.splitlines() if len(line.split(None, 1)) == 2)
 
+    def _connect(self, t: _Trial) -> None:
+        """Steps mode: connect to rank 0's control socket once it is announced (``SocketChannel``)."""
+        if t.link is not None or t.link_failed or self.mode != "steps":
+            return
+        try:
+            announced = t.files.control.read_text()
+        except OSError:
+            return  # not yet
+        try:
+            t.link = ControlLink(announced)
+        except (OSError, ValueError) as exc:
+            t.link_failed = True
+            print(f"hpoflow: warning: cannot reach trial {t.request.number}'s rank 0 at {announced.split()[:2]} "
+                  f"({exc}): its pruning decisions go through answer files", file=sys.stderr, flush=True)
+
     def _read_reports(self, t: _Trial) -> None:
-        for item in t.reader.read_new():
+        self._connect(t)
+        items = t.link.read_new() if t.link is not None else []
+        items += t.reader.read_new()
+        for item in sorted(items, key=lambda i: int(i.get("seq", -1))):
             if "step" not in item:
                 continue
+            seq = int(item.get("seq", -1))
+            if seq in t.seen:
+                continue
+            t.seen.add(seq)
             if t.first_report is None:
                 t.first_report = time.monotonic()
             if item.get("wants_answer"):
@@ -403,6 +437,8 @@ class SlurmEngine(Engine):
     def _stop(self, t: _Trial) -> None:
         """Ask every rank to stop (STOP file), then end the step or the job."""
         t.stop_time = time.monotonic()
+        if t.link is not None:  # rank 0 may be waiting for a decision: it stops waiting at once
+            t.link.send({"stop": str(t.cancel_reason or t.failure)})
         with contextlib.suppress(OSError):
             t.files.stop.write_text(f"{t.cancel_reason or t.failure}\n")
         if t.proc is not None and t.proc.poll() is None:
@@ -441,6 +477,8 @@ class SlurmEngine(Engine):
         if not done:
             return
         self._read_reports(t)  # every report before the result
+        if t.link is not None:
+            t.link.close()
         self._events.append(self._result(t))
         del self._trials[t.request.number]
 
@@ -485,7 +523,13 @@ class SlurmEngine(Engine):
                 failure = (f"rank(s) {missing} ended without a result (srun exit {code}; see "
                            f"{t.files.dir / 'srun.log'}): a node failed, or a rank was killed or ran out of memory")
                 retryable = True
-                self._refresh_allocation()
+                if self._refresh_allocation() and req.nodes > 1 and not self._overlap:
+                    # SLURM 22.05 never frees the surviving nodes of a step that lost a node: a new step
+                    # there waits in srun ("Requested nodes are busy") for good. --overlap lets it start;
+                    # the engine's own count of the allocation keeps trials from sharing CPUs
+                    self._overlap = True
+                    print("hpoflow: SLURM holds the nodes left of a multi-node step that lost a node; later "
+                          "steps of this job run with --overlap", file=sys.stderr, flush=True)
 
         def stderr() -> str:
             text = stderr_tail(t.files, req.processes, 0)
@@ -496,19 +540,21 @@ class SlurmEngine(Engine):
                                  cancelled=t.cancel_reason if failure is None else None, stderr_tail=stderr,
                                  submitted_wall=t.submitted_wall)
 
-    def _refresh_allocation(self) -> None:
+    def _refresh_allocation(self) -> bool:
         """Steps mode, after a step lost ranks: the job's nodes as SLURM has them now (a failed node is
-        taken out of a ``--no-kill`` job), so no step waits in ``srun`` for a node that is gone."""
+        taken out of a ``--no-kill`` job), so no step waits in ``srun`` for a node that is gone; whether
+        a node left."""
         if self.allocation is None:
-            return
+            return False
         out = _run_quiet(["scontrol", "show", "job", "-o", self.allocation.job_id])
         nodes = job_nodes(out) if out else None
         if not nodes or set(nodes) >= set(self.allocation.hosts):
-            return
+            return False
         lost = [h for h in self.allocation.hosts if h not in nodes]
         self.allocation = self.allocation.keeping(nodes)
         print(f"hpoflow: node(s) {','.join(lost)} left the allocation (job {self.allocation.job_id}); trials now run "
               f"on {','.join(self.allocation.hosts) or 'no node'}", file=sys.stderr, flush=True)
+        return True
 
     def _job_result(self, t: _Trial, timings: dict[str, float]) -> TrialResult:
         n = t.request.number

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,63 @@ def run_in_salloc(cluster: SlurmCluster, salloc: list[str], spec: Path, run_dir:
     return cluster.run(["salloc", *salloc, sys.executable, "-m", "hpoflow", "run", str(spec), "--run-dir",
                         str(run_dir)], env=env, cwd=ROOT / "tests", timeout=STUDY_WAIT_S, check=False,
                        stdin=subprocess.DEVNULL)
+
+
+def start_in_salloc(cluster: SlurmCluster, salloc: list[str], spec: Path, run_dir: Path,
+                    log: Path) -> subprocess.Popen[str]:
+    """``run_in_salloc`` in the background, its output into ``log``."""
+    env = {**cluster.env, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    with open(log, "w") as out:
+        return subprocess.Popen(["salloc", *salloc, sys.executable, "-m", "hpoflow", "run", str(spec), "--run-dir",
+                                 str(run_dir)], env=env, cwd=ROOT / "tests", stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+def _digits_spec(path: Path, epochs: int = 8, **resources: Any) -> Path:
+    data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    data["engine"] = "slurm"
+    data["search"].update(n_trials=1, max_concurrent=1)
+    data["training"].update(epochs=epochs, checkpoint={"every": 1, "keep": 2, "async": True})
+    data["resources"] = {**data.get("resources", {}), **resources}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _wait_for(what: str, ok: Any, timeout: float = STUDY_WAIT_S) -> None:
+    end = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.3)
+
+
+def _nodes_of(trial_dir: Path) -> dict[int, str]:
+    """rank -> the node its latest attempt runs on, from the rank logs' first lines."""
+    out = {}
+    for log in sorted(trial_dir.glob("rank*.log")):
+        found = re.findall(r"rank (\d+) of \d+ .*? on node (\S+) ", log.read_text(errors="replace"))
+        if found:
+            out[int(found[-1][0])] = found[-1][1]
+    return out
+
+
+def _down_a_node_of_the_trial_after_epoch_2(cluster: SlurmCluster, run_dir: Path,
+                                            proc: subprocess.Popen[str]) -> str:
+    """Once epoch 2's checkpoint of trial 0 is on disk for both ranks, take one of its nodes down; its name."""
+    from hpoflow.train.checkpoint import checkpoint_name
+
+    trial_dir = run_dir / "trials" / "0"
+
+    def saved() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the study ended before its node could be taken down (exit {proc.returncode})")
+        return all((trial_dir / "checkpoints" / checkpoint_name(2, r)).exists() for r in (0, 1))
+
+    _wait_for("trial 0's checkpoint of epoch 2", saved)
+    victim = _nodes_of(trial_dir)[1]
+    cluster.down_node(victim)
+    return victim
 
 
 def _study(run_dir: Path) -> optuna.Study:
@@ -205,3 +263,133 @@ def test_the_ranks_of_a_2_node_trial_meet_without_a_file_store_over_the_fabric(
     for i in range(2):
         assert sent[(i, "fab0")] >= 0.8 * volume, sent  # the all-reduces went over the fabric...
         assert sent[(i, "eth0")] < 0.1 * volume, sent  # ...and not over management (SLURM's own traffic only)
+
+
+def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_two_nodes_left(
+        slurm_site_cluster: SlurmCluster) -> None:
+    cluster = slurm_site_cluster
+    shared = cluster.shared_dir / "site-node-loss-3"
+    spec, run_dir = _digits_spec(shared / "s.yaml", processes=2, nodes=2), shared / "run"
+    proc = start_in_salloc(cluster, ["-N3", "-c2", "--mem=2000", "--no-kill"], spec, run_dir, shared / "out.txt")
+    try:
+        victim = _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
+        proc.wait(STUDY_WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for name in cluster.node_names:
+            cluster.resume_node(name, check=False)
+    out = (shared / "out.txt").read_text()
+    assert proc.returncode == 0, out
+    (trial,) = _study(run_dir).trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE, out
+    assert trial.user_attrs.get("attempts") == 2, trial.user_attrs  # rerun once, as the same trial
+    assert trial.user_attrs["metrics"]["resumed_from_epoch"] >= 2, trial.user_attrs  # from its checkpoint
+    rerun = _nodes_of(run_dir / "trials" / "0")
+    assert len(set(rerun.values())) == 2 and victim not in rerun.values(), (victim, rerun)  # the two nodes left
+    assert f"node(s) {victim} left the allocation" in out, out
+    # SLURM 22.05 keeps the surviving node of the failed step busy: the rerun needed --overlap to start
+    assert "--overlap" in (run_dir / "trials" / "0" / "attempt-1" / "srun.log").read_text()
+
+
+def test_with_one_node_left_a_2_node_trial_stops_as_interrupted_keeps_its_retries_and_resumes_later(
+        slurm_site_cluster: SlurmCluster) -> None:
+    cluster = slurm_site_cluster
+    shared = cluster.shared_dir / "site-node-loss-2"
+    spec, run_dir = _digits_spec(shared / "s.yaml", processes=2, nodes=2), shared / "run"
+    proc = start_in_salloc(cluster, ["-N2", "-c2", "--mem=2000", "--no-kill"], spec, run_dir, shared / "out.txt")
+    try:
+        _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
+        proc.wait(STUDY_WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for name in cluster.node_names:
+            cluster.resume_node(name, check=False)
+    out = (shared / "out.txt").read_text()
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    stopped = [line for line in out.splitlines() if line.startswith("hpoflow: stopped:")]
+    assert len(stopped) == 1 and "can no longer run a trial of 2 node(s)" in stopped[0], out  # one line
+    first = _study(run_dir).trials[0]
+    assert first.user_attrs.get("attempts", 1) == 1, first.user_attrs  # no retry spent
+    assert str(first.user_attrs.get("error", "")).startswith("interrupted:"), first.user_attrs
+    # where it fits again (both nodes up), the same command finishes it from its checkpoint
+    cluster.wait_idle()
+    r = run_in_salloc(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    done = [t for t in _study(run_dir).trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 1 and done[0].user_attrs["metrics"]["resumed_from_epoch"] >= 2, done
+
+
+STAT_CALLS = ("stat", "lstat", "newfstatat", "statx", "access", "faccessat", "faccessat2")
+
+
+def test_a_studys_ranks_make_no_periodic_stat_on_the_run_directory(slurm_site_cluster: SlurmCluster) -> None:
+    """``strace -f -e trace=%file`` on every rank process of a 2-rank trial for 10 s of training with a
+    pruning decision every epoch: not one stat-like call on a path under the run directory (no STOP or
+    PAUSE file watched, no answer file waited for: decisions come by rank 0's control socket)."""
+    import shutil
+
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (Debian: apt-get install strace)")
+    cluster = slurm_site_cluster
+    shared = cluster.shared_dir / "site-no-stat"
+    spec = _digits_spec(shared / "s.yaml", epochs=200, processes=2, nodes=2)
+    data = yaml.safe_load(spec.read_text())
+    data["training"]["checkpoint"] = {"every": 0}  # what is left is the trial's steady state
+    data["search"]["pruner"] = {"type": "median", "options": {"startup_trials": 0}}
+    data["resources"]["timeout"] = 600
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    run_dir = shared / "run"
+    proc = start_in_salloc(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
+    try:
+        trial_dir = run_dir / "trials" / "0"
+        reports = trial_dir / "attempt-0" / "reports.jsonl"
+
+        def reported_3() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError((shared / "out.txt").read_text())
+            return reports.exists() and len(reports.read_text().splitlines()) >= 3
+
+        _wait_for("trial 0's third report", reported_3)
+        ranks = {p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _is_rank_of(p, str(run_dir))}
+        # every process of both ranks: the task processes and the rank children they forked (strace -f
+        # follows only what forks after it attached)
+        pids = sorted(ranks)
+        assert len([pid for pid in pids if _ppid(pid) not in ranks]) >= 2, ranks  # both ranks' task processes
+        reports_before = len(reports.read_text().splitlines())
+        argv = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", str(shared / "strace.txt")]
+        for pid in pids:
+            argv += ["-p", pid]
+        tracer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(10.0)
+        tracer.terminate()
+        tracer.wait(60)
+        reports_during = len(reports.read_text().splitlines())
+    finally:
+        proc.kill()
+        proc.wait(60)
+        cluster.ensure_healthy()
+    trace = (shared / "strace.txt").read_text(errors="replace").splitlines()
+    assert any("/proc/" in line for line in trace), trace[:20]  # it traced them (their usage samples read /proc)
+    assert reports_during - reports_before >= 2, (reports_before, reports_during)  # decided while traced
+    under_run_dir = [line for line in trace if str(run_dir) in line]
+    stats = [line for line in under_run_dir if re.search(rf"\b({'|'.join(STAT_CALLS)})\(", line)]
+    assert not stats, stats[:20]
+    assert not [line for line in under_run_dir if "answer-" in line or "/STOP" in line or "/PAUSE" in line]
+
+
+def _ppid(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]
+    except (OSError, IndexError):
+        return ""
+
+
+def _is_rank_of(proc: Path, run_dir: str) -> bool:
+    try:
+        cmd = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    text = b" ".join(cmd).decode(errors="replace")
+    return "hpoflow.engines.cluster.node step" in text and run_dir in text
