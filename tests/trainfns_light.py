@@ -78,7 +78,8 @@ def environment(ctx: Any) -> dict[str, float]:
 
 def fills_the_disk(ctx: Any) -> dict[str, float]:
     """Trial ``options['at']`` fills the run directory's file system (``RUN_DIR/filler``, until it is
-    full) and then prints; the others sleep ``options['sleep']`` s. Returns ``params['x']``."""
+    full), prints, and sleeps ``options['hold']`` s (default: ``sleep``); the others sleep
+    ``options['sleep']`` s. Returns ``params['x']``."""
     import time
     from pathlib import Path
 
@@ -92,7 +93,9 @@ def fills_the_disk(ctx: Any) -> dict[str, float]:
                 pass
         for _ in range(100):
             print("x" * 1000, flush=True)
-    time.sleep(float(ctx.options.get("sleep", 0.2)))
+        time.sleep(float(ctx.options.get("hold", ctx.options.get("sleep", 0.2))))
+    else:
+        time.sleep(float(ctx.options.get("sleep", 0.2)))
     return {"value": float(ctx.params["x"])}
 
 

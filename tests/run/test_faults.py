@@ -220,11 +220,13 @@ def test_a_disk_that_fills_mid_study_stops_it_cleanly_and_the_resume_completes(s
 
 def test_a_trial_that_fails_because_the_disk_filled_is_rerun_on_resume(small_disk: Path, tmp_path: Path) -> None:
     """The journal lives elsewhere; trial 2 fills the run directory's disk and then prints: its rank log
-    write fails (the rest of its output is dropped and the trial runs on), the driver cannot write
-    result.json and stops; the trial is recorded interrupted (not counted), and the resume reruns it."""
+    write fails (the rest of its output is dropped and the trial runs on), the driver cannot write the
+    next result.json and stops; trial 2, still running (it holds 30 s: under load it finished before
+    the next trial and its result found room freed by a failed write), is recorded interrupted (not
+    counted), and the resume reruns it."""
     journal = tmp_path / "elsewhere" / "study.journal"
-    _spec(tmp_path / "spec.yaml", 6, function="trainfns_light:fills_the_disk", options={"at": 2, "sleep": 0.2},
-          storage=str(journal))
+    _spec(tmp_path / "spec.yaml", 6, function="trainfns_light:fills_the_disk",
+          options={"at": 2, "sleep": 0.2, "hold": 30}, storage=str(journal))
     rd = small_disk / "run"
     r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", str(rd), "--quiet")
     assert r.returncode == 1, r.stderr
