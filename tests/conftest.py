@@ -20,12 +20,6 @@ sys.path.insert(0, str(ROOT / "tests"))  # so trial processes can import tests' 
 
 pytest_plugins = ["tests.infra.fixtures"]  # slurm_cluster, postgres_server: real daemons, see tests/infra
 
-# The forkservers the suite starts (over a hundred: every local engine, driver and bench script) skip the
-# warm-up that makes a study's first trial as fast as its later ones: ~1 CPU-s each, on a suite that is
-# CPU-bound on 2 cores. They still preload torch. tests/engines/test_preload.py runs the warm-up itself
-# (HPOFLOW_NO_WARMUP removed). Set HPOFLOW_NO_WARMUP=0 to run the whole suite with it.
-os.environ.setdefault("HPOFLOW_NO_WARMUP", "1")
-
 TINY: dict[str, Any] = {
     "study": {"name": "tiny", "metric": "val_accuracy", "direction": "maximize"},
     "space": {

@@ -156,6 +156,20 @@ def prune_probe(ctx: TrialContext) -> dict[str, float]:
     return {"score": 20.0}
 
 
+def slow_reports(ctx: TrialContext) -> dict[str, float]:
+    """``options.steps`` steps of ``options.step_s`` s of sleep, each with a collective and a report (a
+    pruning decision when the study prunes): a trial's steady state at almost no CPU."""
+    steps, step_s = int(ctx.options.get("steps", 100)), float(ctx.options.get("step_s", 0.2))
+    for step in range(1, steps + 1):
+        time.sleep(step_s)
+        if ctx.distributed:
+            dist.all_reduce(torch.ones(1))
+        ctx.report(step, loss=1.0 / step)
+        if ctx.should_stop():
+            break
+    return {"loss": 1.0 / steps}
+
+
 def behave(ctx: TrialContext) -> dict[str, float]:
     """What the engine contract suite asks of a trial, from its params: ``mode`` ok | raise | crash |
     sleep, ``value``, ``sleep`` seconds, ``reports`` intermediate reports before the end; returns

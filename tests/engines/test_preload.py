@@ -18,8 +18,7 @@ import pytest
 from hpoflow.engines.local._pool import WorkerPool
 from tests.conftest import ROOT
 
-# with the warm-up (the suite's conftest turns it off for every other test)
-ENV = {**{k: v for k, v in os.environ.items() if k != "HPOFLOW_NO_WARMUP"}, "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 

@@ -224,7 +224,7 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     from hpoflow.train.checkpoint import checkpoint_name
 
     shared = slurm_cluster.shared_dir / "nodefail"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=30, processes=2, nodes=1)  # a node each
+    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=16, processes=2, nodes=1)  # a node each
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
 

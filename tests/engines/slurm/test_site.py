@@ -325,21 +325,21 @@ STAT_CALLS = ("stat", "lstat", "newfstatat", "statx", "access", "faccessat", "fa
 
 
 def test_a_studys_ranks_make_no_periodic_stat_on_the_run_directory(slurm_site_cluster: SlurmCluster) -> None:
-    """``strace -f -e trace=%file`` on every rank process of a 2-rank trial for 10 s of training with a
-    pruning decision every epoch: not one stat-like call on a path under the run directory (no STOP or
-    PAUSE file watched, no answer file waited for: decisions come by rank 0's control socket)."""
+    """``strace -f -e trace=%file`` on every rank process of a 2-node trial for 10 s of its steady state
+    (a collective and a report with a pruning decision every 0.2 s): not one stat-like call on a path
+    under the run directory (no STOP or PAUSE file watched, no answer file waited for: decisions come
+    by rank 0's control socket)."""
     import shutil
 
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed (Debian: apt-get install strace)")
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-no-stat"
-    spec = _digits_spec(shared / "s.yaml", epochs=200, processes=2, nodes=2)
-    data = yaml.safe_load(spec.read_text())
-    data["training"]["checkpoint"] = {"every": 0}  # what is left is the trial's steady state
-    data["search"]["pruner"] = {"type": "median", "options": {"startup_trials": 0}}
-    data["resources"]["timeout"] = 600
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = _spec(shared / "s.yaml", search={"n_trials": 1, "max_concurrent": 1,
+                                            "pruner": {"type": "median", "options": {"startup_trials": 0}}},
+                 training={"function": "trainfns:slow_reports", "epochs": 1, "options": {"steps": 150, "step_s": 0.2}},
+                 resources={"processes": 2, "nodes": 2, "timeout": 600},
+                 study={"name": "nostat", "metric": "loss", "direction": "minimize"})
     run_dir = shared / "run"
     proc = start_in_salloc(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     try:
