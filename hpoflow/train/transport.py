@@ -45,6 +45,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -222,20 +223,32 @@ class FileChannel(Channel):
                       "time": time.time()})
         if not wants_answer:
             return False
+        stop = lambda: True if self.files.stop_requested() else None  # noqa: E731  # cancelled: as if pruned
+        return self._wait_for_file(seq, step, time.monotonic() + self.answer_timeout_s, stop)
+
+    def _wait_for_file(self, seq: int, step: int, deadline: float, other: Callable[[], bool | dict[str, Any] | None],
+                       first_delay: float = 0.02, max_delay: float = 0.5) -> bool:
+        """Wait for ``answer-<seq>.json`` until ``deadline``, polling with a growing delay; ``other()``
+        may decide first (True: stop as if pruned; a dict: the decision). No decision: train on."""
         path = self.files.answer(seq)
-        deadline = time.monotonic() + self.answer_timeout_s
-        delay = 0.02
+        delay = first_delay
         while time.monotonic() < deadline:
             data = read_json(path)
             if isinstance(data, dict):
                 return self._answered(data)
-            if self.files.stop_requested():
-                return True  # cancelled: stop training as if pruned; the watcher kills us anyway
+            got = other()
+            if got is True:
+                return True
+            if isinstance(got, dict):
+                return self._answered(got)
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
+            delay = min(delay * 1.5, max_delay)
+        self._no_answer(seq, step)
+        return False
+
+    def _no_answer(self, seq: int, step: int) -> None:
         log.warning("no pruning decision for report %d (step %d) within %g s; training on", seq, step,
                     self.answer_timeout_s)
-        return False
 
     def send(self, kind: str, payload: Any) -> None:
         self._append({"kind": kind, "payload": payload, "time": time.time()})
@@ -318,7 +331,7 @@ class SocketChannel(FileChannel):
                 if self._conn is None and now - self._opened > FALLBACK_S:
                     self._cv.release()
                     try:  # no engine connected: answer files, as FileChannel reads them
-                        return self._wait_for_file(seq, step, deadline)
+                        return self._wait_for_file(seq, step, deadline, lambda: self._socket_answer(seq), 0.05, 1.0)
                     finally:
                         self._cv.acquire()
                 self._cv.wait(min(1.0, deadline - now))
@@ -326,26 +339,13 @@ class SocketChannel(FileChannel):
                 return True  # cancelled: stop training as if pruned; srun's SIGTERM ends us anyway
             data = self._answers.pop(seq, None)
         if data is None:
-            log.warning("no pruning decision for report %d (step %d) within %g s; training on", seq, step,
-                        self.answer_timeout_s)
+            self._no_answer(seq, step)
             return False
         return self._answered(data)
 
-    def _wait_for_file(self, seq: int, step: int, deadline: float) -> bool:
-        path = self.files.answer(seq)
-        delay = 0.05
-        while time.monotonic() < deadline:
-            data = read_json(path)
-            if isinstance(data, dict):
-                return self._answered(data)
-            with self._cv:
-                if seq in self._answers:  # the engine connected meanwhile
-                    return self._answered(self._answers.pop(seq))
-            time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
-        log.warning("no pruning decision for report %d (step %d) within %g s; training on", seq, step,
-                    self.answer_timeout_s)
-        return False
+    def _socket_answer(self, seq: int) -> dict[str, Any] | None:
+        with self._cv:
+            return self._answers.pop(seq, None)  # the engine connected meanwhile
 
     def send(self, kind: str, payload: Any) -> None:
         record = {"kind": kind, "payload": payload, "time": time.time()}

@@ -157,12 +157,12 @@ def _digits_spec(path: Path, n_trials: int, epochs: int, **resources: Any) -> Pa
     return path
 
 
-def _wait_for(what: str, ok: Any, timeout: float = JOB_WAIT_S) -> None:
+def _wait_for(what: str, ok: Any, timeout: float = JOB_WAIT_S, every: float = 0.5) -> None:
     end = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > end:
             raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.5)
+        time.sleep(every)
 
 
 def _reported_epochs(run_dir: Path) -> dict[int, int]:

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.engines.slurm.test_cluster import _digits_spec, _wait_for
 from tests.infra.slurm import SlurmCluster
 
 pytestmark = pytest.mark.slow
@@ -69,25 +70,6 @@ def start_in_salloc(cluster: SlurmCluster, salloc: list[str], spec: Path, run_di
                                 stderr=subprocess.STDOUT, text=True)
 
 
-def _digits_spec(path: Path, epochs: int = 8, **resources: Any) -> Path:
-    data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    data["engine"] = "slurm"
-    data["search"].update(n_trials=1, max_concurrent=1)
-    data["training"].update(epochs=epochs, checkpoint={"every": 1, "keep": 2, "async": True})
-    data["resources"] = {**data.get("resources", {}), **resources}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-def _wait_for(what: str, ok: Any, timeout: float = STUDY_WAIT_S) -> None:
-    end = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.3)
-
-
 def _nodes_of(trial_dir: Path) -> dict[int, str]:
     """rank -> the node its latest attempt runs on, from the rank logs' first lines."""
     out = {}
@@ -110,7 +92,7 @@ def _down_a_node_of_the_trial_after_epoch_2(cluster: SlurmCluster, run_dir: Path
             raise AssertionError(f"the study ended before its node could be taken down (exit {proc.returncode})")
         return all((trial_dir / "checkpoints" / checkpoint_name(2, r)).exists() for r in (0, 1))
 
-    _wait_for("trial 0's checkpoint of epoch 2", saved)
+    _wait_for("trial 0's checkpoint of epoch 2", saved, STUDY_WAIT_S, every=0.3)
     victim = _nodes_of(trial_dir)[1]
     cluster.down_node(victim)
     return victim
@@ -269,7 +251,7 @@ def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_
         slurm_site_cluster: SlurmCluster) -> None:
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-node-loss-3"
-    spec, run_dir = _digits_spec(shared / "s.yaml", processes=2, nodes=2), shared / "run"
+    spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
     proc = start_in_salloc(cluster, ["-N3", "-c2", "--mem=2000", "--no-kill"], spec, run_dir, shared / "out.txt")
     try:
         victim = _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
@@ -296,7 +278,7 @@ def test_with_one_node_left_a_2_node_trial_stops_as_interrupted_keeps_its_retrie
         slurm_site_cluster: SlurmCluster) -> None:
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-node-loss-2"
-    spec, run_dir = _digits_spec(shared / "s.yaml", processes=2, nodes=2), shared / "run"
+    spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
     proc = start_in_salloc(cluster, ["-N2", "-c2", "--mem=2000", "--no-kill"], spec, run_dir, shared / "out.txt")
     try:
         _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
@@ -351,7 +333,7 @@ def test_a_studys_ranks_make_no_periodic_stat_on_the_run_directory(slurm_site_cl
                 raise AssertionError((shared / "out.txt").read_text())
             return reports.exists() and len(reports.read_text().splitlines()) >= 3
 
-        _wait_for("trial 0's third report", reported_3)
+        _wait_for("trial 0's third report", reported_3, STUDY_WAIT_S, every=0.3)
         ranks = {p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _is_rank_of(p, str(run_dir))}
         # every process of both ranks: the task processes and the rank children they forked (strace -f
         # follows only what forks after it attached)
