@@ -89,6 +89,14 @@ def test_ten_killed_ranks_lose_no_trial(tmp_path: Path) -> None:
     assert 1 <= extra_attempts <= len(kills)  # each retry answers a kill, no retry without one
 
 
+def _multiprocessing_helper(p: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return "forkserver" in cmd or "resource_tracker" in cmd
+
+
 def _descendants(pid: int) -> set[int]:
     try:
         return {c.pid for c in psutil.Process(pid).children(recursive=True)}
@@ -176,9 +184,14 @@ def test_any_process_of_the_engine_can_die(tmp_path: Path, seed: int) -> None:
     times: each death is detected, the process replaced, the affected trial retried, and the study
     completes every trial."""
     me = psutil.Process()
+    # what this process ran before the study, other than multiprocessing's forkserver and resource
+    # tracker (which the engine uses), is an xdist worker's session fixture (a SLURM cluster's slurmd,
+    # a PostgreSQL server): not the engine's, and neither is anything those start later
+    shared = [p for p in me.children() if not _multiprocessing_helper(p)]
 
     def kill_any_descendant(engine: LocalEngine, rng: random.Random) -> str:
-        victims = [p for p in me.children(recursive=True) if p.is_running()]
+        not_ours = {p.pid for p in shared} | {c for p in shared for c in _descendants(p.pid)}
+        victims = [p for p in me.children(recursive=True) if p.is_running() and p.pid not in not_ours]
         if not victims:
             return ""
         victim = rng.choice(victims)
