@@ -1,7 +1,7 @@
 """Pytest fixtures of the real test infrastructure (loaded by ``pytest_plugins`` in tests/conftest.py).
 
-``slurm_cluster``: a started ``SlurmCluster`` of two nodes, one per test session (or per pytest-xdist
-worker), checked healthy before each test that uses it (``SlurmCluster.ensure_healthy``: every daemon
+``slurm_cluster``: a started ``SlurmCluster`` of two nodes of the "site" profile, one per test session (or
+per pytest-xdist worker), checked healthy before each test that uses it (``SlurmCluster.ensure_healthy``: every daemon
 running, a dead slurmd restarted, slurmctld answering, every node idle again after a test took one
 down). ``slurm_env`` (function): its client environment. ``postgres_server`` (session): a started
 ``PostgresServer``; ``postgres_url`` (session): its URL. Each skips, with the reason, where it cannot
@@ -37,9 +37,10 @@ USES_POSTGRES = pytest.mark.xdist_group(POSTGRES_GROUP)
 
 @pytest.fixture(scope="session")
 def slurm_session_cluster() -> Iterator[slurm.SlurmCluster]:
-    """A real two-node SLURM cluster (slurmctld + munged on the host, slurmd in namespaces), started
-    once; tests use it through ``slurm_cluster``, which checks it first."""
-    yield from _session_cluster("plain")
+    """A real two-node SLURM cluster of the "site" profile (slurmctld + munged on the host, slurmd in
+    namespaces; memory accounted, two threads per core, GRES GPUs, two networks), started once; tests
+    use it through ``slurm_cluster``, which checks it first."""
+    yield from _session_cluster("site")
 
 
 def _session_cluster(profile: str, nodes: int = 2) -> Iterator[slurm.SlurmCluster]:

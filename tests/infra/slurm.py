@@ -272,6 +272,12 @@ class SlurmCluster:
             return {}
         return {name: node.address for name, node in zip(self.node_names, self.net.nodes, strict=True)}
 
+    def host_addresses(self, name: str) -> list[str]:
+        """Every address of node ``name``, as ``hostname -I`` lists them there: its management address,
+        then its fabric address where the profile has one."""
+        fabric = self.fabric_addresses.get(name)
+        return [self.node_addresses[name], *([fabric] if fabric else [])]
+
     @property
     def fabric_addresses(self) -> dict[str, str]:
         """Node name -> its address on the fabric network (site profile; empty otherwise)."""

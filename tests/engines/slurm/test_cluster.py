@@ -98,7 +98,8 @@ def test_steps_mode_runs_each_2_node_trial_as_a_step_whose_ranks_meet_across_the
     assert info["JobState"] == "COMPLETED", out
     study = _study(run_dir)
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2, out
-    addresses = set(slurm_cluster.node_addresses.values())
+    # the ranks meet over the fabric where the nodes have one (the site profile), else the one network
+    addresses = set((slurm_cluster.fabric_addresses or slurm_cluster.node_addresses).values())
     for t in study.trials:
         hosts = _rank_hosts(run_dir / "trials" / str(t.number))
         assert sorted(h for h, _ in hosts.values()) == ["n1", "n2"], hosts  # one rank on each node
