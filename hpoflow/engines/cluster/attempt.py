@@ -155,11 +155,12 @@ def _plan(req: TrialRequest, files: TrialFiles, opts: dict[str, Any], env: dict[
         return [[*cli, "--node-index", "0"]], job
     hosts = ordered_hosts(env, req.nodes)
     master = str(opts.get("master_addr") or hosts[0])
-    # several nodes: the ranks meet through a file store in the attempt directory on the shared file
-    # system (torch's FileStore, fcntl-locked): no rendezvous socket and no port to race for; their
-    # gloo/NCCL pairs use the interface that routes to the master node (compss.socket_ifname)
-    store = str(files.dir / f"rendezvous-{os.urandom(4).hex()}.store")
-    job.update(master_addr=master, master_port=0, store=store, cpus=None, gpus=None, hosts=hosts)
+    # several nodes: the ranks meet through a TCP store rank 0 holds on a port the kernel picks and
+    # announces in the attempt directory (train/dist.announced_store): no file lock on the shared file
+    # system, which Lustre with localflock and many NFS mounts do not give across nodes, and no port to
+    # race for; their gloo/NCCL pairs use the interface that routes to the master node (socket_ifname)
+    job.update(master_addr=master, master_port=0, store="", announce=str(files.dir / "rendezvous.addr"),
+               cpus=None, gpus=None, hosts=hosts)
     cmds = launcher_argv(
         str(opts.get("launcher", "srun")), hosts, ppn, req, str(files.job), python=python,
         srun_args=tuple(opts.get("srun_args", ("--overlap",))), mpirun_args=tuple(opts.get("mpirun_args", ())),

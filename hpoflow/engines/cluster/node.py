@@ -530,7 +530,8 @@ def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: i
     from hpoflow.trial import RankJob
 
     rj = RankJob(_request(job), rank, world, local, str(job["master_addr"]), int(job["master_port"]), threads,
-                 float(job.get("pg_timeout_s", 120.0)), store or str(job.get("store") or ""), announce)
+                 float(job.get("pg_timeout_s", 120.0)), store or str(job.get("store") or ""),
+                 announce or str(job.get("announce") or ""))
     timeout = float(job.get("answer_timeout_s", 600.0))
     channel: Channel = NullChannel()
     if rank == 0 and socket_channel:  # a step: the engine connects to rank 0 (no answer files polled)

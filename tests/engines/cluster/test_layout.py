@@ -90,7 +90,8 @@ def test_multinode_plan_from_faked_compss_and_slurm_env(tmp_path: Path) -> None:
     cmds, job = _plan(req, files, {"launcher": "srun", "env": {"NCCL_DEBUG": "WARN"}}, env)
     assert job["master_addr"] == "nodeB" and job["hosts"] == ["nodeB", "nodeA"]  # rendezvous: executing node
     assert job["master_port"] == 0 and job["ppn"] == 2 and job["world_size"] == 4
-    assert job["store"].startswith(str(tmp_path / "0" / "attempt-0" / "rendezvous-"))  # on the shared fs, no port
+    # rank 0's TCP store, announced in the attempt directory: no file store (no lock) on the shared fs, no port
+    assert job["store"] == "" and job["announce"] == str(tmp_path / "0" / "attempt-0" / "rendezvous.addr")
     assert job["env"] == {"NCCL_DEBUG": "WARN"} and job["deadline"] is not None
     assert len(cmds) == 1 and cmds[0][0] == "srun" and "--cpus-per-task=4" in cmds[0]
     json.dumps(job)  # the job file is plain JSON

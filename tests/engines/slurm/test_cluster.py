@@ -126,6 +126,9 @@ def test_jobs_mode_runs_each_trial_as_its_own_batch_job_from_the_login_node(
         assert nodes == ["n1", "n2"]  # a node launcher on each node of the trial's job
         assert t.user_attrs["metrics"]["weight_spread"] == 0.0
         assert (trial_dir / "attempt-0" / "job.sh").read_text().startswith("#!/bin/sh")
+        # the ranks met at rank 0's announced TCP store, with no file store (no lock) on the shared disk
+        assert len((trial_dir / "attempt-0" / "rendezvous.addr").read_text().split()) == 2
+        assert not list(trial_dir.rglob("*.store"))
 
 
 def test_the_digits_example_runs_in_steps_mode(slurm_cluster: SlurmCluster) -> None:
@@ -292,6 +295,9 @@ def test_the_compss_engines_multi_node_trial_starts_its_node_launchers_with_srun
              if (m := re.search(r"node (\d+) on (\S+):", p.read_text()))}
     assert nodes == {0: "n1", 1: "n2"}, nodes  # rank 0 and the rendezvous on the executing node
     assert "gloo interface eth0" in (trial_dir / "node0.log").read_text()
+    host, _port = (trial_dir / "attempt-0" / "rendezvous.addr").read_text().split()
+    assert host == slurm_cluster.node_addresses["n1"]  # rank 0's store (on n1), on the interface gloo uses
+    assert not list(trial_dir.rglob("*.store"))  # no file store on the shared disk
 
 
 def test_a_job_array_of_two_drivers_finishes_one_study_with_exactly_n_trials(slurm_cluster: SlurmCluster) -> None:
