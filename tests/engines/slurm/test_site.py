@@ -98,6 +98,23 @@ def _down_a_node_of_the_trial_after_epoch_2(cluster: SlurmCluster, run_dir: Path
     return victim
 
 
+def _study_losing_a_node(cluster: SlurmCluster, salloc: list[str], spec: Path, run_dir: Path,
+                         log: Path) -> tuple[subprocess.Popen[str], str, str]:
+    """Run the study in ``salloc SALLOC --no-kill`` (the allocation outlives a node), take a node of its
+    trial down after epoch 2, and wait for the study's end; every node is resumed afterwards, also after
+    a failure. The finished process, the node taken down, and the study's output."""
+    proc = start_in_salloc(cluster, [*salloc, "--no-kill"], spec, run_dir, log)
+    try:
+        victim = _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
+        proc.wait(STUDY_WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for name in cluster.node_names:
+            cluster.resume_node(name, check=False)
+    return proc, victim, log.read_text()
+
+
 def _study(run_dir: Path) -> optuna.Study:
     from hpoflow.run.open import load_run
 
@@ -252,16 +269,7 @@ def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-node-loss-3"
     spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
-    proc = start_in_salloc(cluster, ["-N3", "-c2", "--mem=2000", "--no-kill"], spec, run_dir, shared / "out.txt")
-    try:
-        victim = _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
-        proc.wait(STUDY_WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for name in cluster.node_names:
-            cluster.resume_node(name, check=False)
-    out = (shared / "out.txt").read_text()
+    proc, victim, out = _study_losing_a_node(cluster, ["-N3", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 0, out
     (trial,) = _study(run_dir).trials
     assert trial.state == optuna.trial.TrialState.COMPLETE, out
@@ -279,16 +287,7 @@ def test_with_one_node_left_a_2_node_trial_stops_as_interrupted_keeps_its_retrie
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-node-loss-2"
     spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
-    proc = start_in_salloc(cluster, ["-N2", "-c2", "--mem=2000", "--no-kill"], spec, run_dir, shared / "out.txt")
-    try:
-        _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
-        proc.wait(STUDY_WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for name in cluster.node_names:
-            cluster.resume_node(name, check=False)
-    out = (shared / "out.txt").read_text()
+    proc, _victim, out = _study_losing_a_node(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 1 and "Traceback" not in out, out
     stopped = [line for line in out.splitlines() if line.startswith("hpoflow: stopped:")]
     assert len(stopped) == 1 and "can no longer run a trial of 2 node(s)" in stopped[0], out  # one line
