@@ -376,6 +376,52 @@ def test_a_trial_printing_past_the_cap_leaves_a_bounded_log_and_its_last_words(
     assert "ValueError: last words" in res.stderr_tail and "written by the C layer" in res.stderr_tail
 
 
+def test_the_cap_holds_for_a_log_over_all_its_attempts_with_what_each_dropped(tmp_path: Path) -> None:
+    """Issue 38, item 12: the cap held per attempt, and a rerun appends to the same log, so three
+    attempts of a trial grew it to twice the cap. Over all attempts it keeps the first attempt's head,
+    one note counting everything dropped, and the last attempt's tail."""
+    cap = 64 * 1024
+    path = tmp_path / "rank0.log"
+    written = b""
+    pump = LogPump(cap)
+    try:
+        for attempt in range(4):
+            data = b"".join(f"{attempt} {i:07d} {'y' * 90}\n".encode() for i in range(3000))  # 300 000 bytes
+            w, stream = pump.open(str(path))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view[:8192]):]
+            os.close(w)
+            assert pump.wait([stream], 30)
+            written += data
+            text = path.read_bytes()
+            assert len(text) <= cap + 200, (attempt, len(text))
+            assert text.startswith(written[: cap // 2])
+            assert text.count(b"bytes of output dropped") == 1
+            kept_tail = text[text.index(b"\n", text.index(b"bytes of output dropped")) + 1:]
+            assert data.endswith(kept_tail) and len(kept_tail) > cap // 2 - 200  # this attempt's last lines
+            dropped = int(text.split(b"[hpoflow: ")[1].split()[0])
+            assert cap // 2 + dropped + len(kept_tail) == len(written), attempt
+    finally:
+        pump.close()
+
+
+def test_a_rerun_trial_that_prints_past_the_cap_keeps_its_log_within_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    write_fns(tmp_path)
+    monkeypatch.setenv(CAP_ENV, "1")
+    eng = LocalEngine(cores=[0])
+    try:
+        for attempt in range(3):  # a trial rerun after a failure or an interrupt appends to its rank log
+            res = run_one(eng, request(tmp_path, 0, "fns:chatty", options={"mib": 2}, attempt=attempt))
+            assert res.status == "failed"
+            log = (tmp_path / "trials" / "0" / "rank0.log").read_bytes()
+            assert len(log) <= (1 << 20) + 200, (attempt, len(log))
+            assert log.startswith(b"FIRST-LINE-OF-OUTPUT\n") and b"ValueError: last words" in log[-4000:]
+    finally:
+        eng.close()
+
+
 def test_a_cluster_rank_log_is_capped_by_its_node_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hpoflow.engines.cluster.attempt import run_trial
 
