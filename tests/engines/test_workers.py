@@ -6,6 +6,7 @@ training functions it needs into its own directory."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +54,9 @@ def daemonize(ctx):
     (ctx.trial_dir / "sleeper.pid").write_text(str(sleeper))
     if ctx.options.get("hang"):
         time.sleep(600)
+    gate = ctx.options.get("gate")
+    while gate and not os.path.exists(gate):  # held until a test opens the gate
+        time.sleep(0.05)
     return {"score": float(ctx.params.get("x", 1.0))}
 
 def chatty(ctx):
@@ -302,6 +306,58 @@ def test_a_daemonised_grandchild_of_a_timed_out_trial_dies_with_its_worker(tmp_p
         eng.close()
     assert res.status == "failed" and "timed out" in (res.error or "")
     assert gone(int((tmp_path / "trials" / "0" / "sleeper.pid").read_text()))
+
+
+@pytest.mark.parametrize("kind", ["light", pytest.param("warm", marks=pytest.mark.slow)])
+def test_a_driver_killed_alone_leaves_nothing_of_its_trials_running(tmp_path: Path, kind: str) -> None:
+    """Issue 38, item 12: SIGKILL of the driver's pid alone (not its group) during trials that started a
+    ``setsid`` daemon. The workers died with the driver, the daemons lived on (adopted by init), and the
+    resume did not reap them. Now no process of the old run remains, and the resume completes the
+    budget exactly. ``warm``: the workers are forked from the forkserver (torch preloaded), ``light``:
+    spawned by the driver."""
+    write_fns(tmp_path)
+    function = "fns:daemonize"
+    if kind == "warm":  # a module that imports torch runs on warm workers
+        (tmp_path / "fns_warm.py").write_text("import torch  # noqa: F401\nfrom fns import daemonize\n")
+        function = "fns_warm:daemonize"
+    gate = tmp_path / "gate"
+    spec = {"study": {"name": "d", "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0, "high": 1}},
+            "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 2, "seed": 0},
+            "training": {"function": function, "options": {"gate": str(gate)}},
+            "resources": {"processes": 1, "cpus_per_process": 1}, "oracle": {"enabled": False}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    args = [sys.executable, "-m", "hpoflow", "run", "spec.yaml", "--run-dir", "run"]
+    driver = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    old: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240  # a bound for a hang only (torch's preload on a loaded machine)
+        while len(list((tmp_path / "run" / "trials").glob("*/sleeper.pid"))) < 2:
+            assert driver.poll() is None and time.monotonic() < deadline, "the trials never started their daemons"
+            time.sleep(0.05)
+        sleepers = {int(f.read_text()) for f in (tmp_path / "run" / "trials").glob("*/sleeper.pid")}
+        old = psutil.Process(driver.pid).children(recursive=True)
+        assert sleepers <= {p.pid for p in old}  # below the driver: each worker is its trials' subreaper
+        os.kill(driver.pid, signal.SIGKILL)  # the driver alone: not its workers, not their daemons
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 30  # (they go within milliseconds; the bound tells that from never)
+        while left := [p for p in old if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+            assert time.monotonic() < deadline, [(p.pid, p.cmdline()) for p in left]
+            time.sleep(0.05)
+        gate.touch()  # the resumed trials return at once
+        r = subprocess.run(args, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        shown = subprocess.run([sys.executable, "-m", "hpoflow", "status", "run", "--json"], cwd=tmp_path, env=ENV,
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and json.loads(shown.stdout)["n_complete"] == 2, shown.stdout + shown.stderr
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for p in old:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 @pytest.mark.slow
