@@ -308,6 +308,14 @@ def test_a_daemonised_grandchild_of_a_timed_out_trial_dies_with_its_worker(tmp_p
     assert gone(int((tmp_path / "trials" / "0" / "sleeper.pid").read_text()))
 
 
+def _running(p: psutil.Process) -> bool:
+    """``p`` (the very process: psutil checks its start time) runs, and is no zombie."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # gone meanwhile
+        return False
+
+
 @pytest.mark.parametrize("kind", ["light", pytest.param("warm", marks=pytest.mark.slow)])
 def test_a_driver_killed_alone_leaves_nothing_of_its_trials_running(tmp_path: Path, kind: str) -> None:
     """Issue 38, item 12: SIGKILL of the driver's pid alone (not its group) during trials that started a
@@ -342,7 +350,7 @@ def test_a_driver_killed_alone_leaves_nothing_of_its_trials_running(tmp_path: Pa
         os.kill(driver.pid, signal.SIGKILL)  # the driver alone: not its workers, not their daemons
         driver.wait(timeout=30)
         deadline = time.monotonic() + 30  # (they go within milliseconds; the bound tells that from never)
-        while left := [p for p in old if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+        while left := [p for p in old if _running(p)]:
             assert time.monotonic() < deadline, [(p.pid, p.cmdline()) for p in left]
             time.sleep(0.05)
         gate.touch()  # the resumed trials return at once
@@ -433,8 +441,8 @@ def test_a_trial_printing_past_the_cap_leaves_a_bounded_log_and_its_last_words(
 
 
 def test_the_cap_holds_for_a_log_over_all_its_attempts_with_what_each_dropped(tmp_path: Path) -> None:
-    """Issue 38, item 12: the cap held per attempt, and a rerun appends to the same log, so three
-    attempts of a trial grew it to twice the cap. Over all attempts it keeps the first attempt's head,
+    """Issue 38, item 12: the cap held per attempt, and a rerun appends to the same log, so reruns
+    grew it past the cap (by half the cap each). Over all attempts it keeps the first attempt's head,
     one note counting everything dropped, and the last attempt's tail."""
     cap = 64 * 1024
     path = tmp_path / "rank0.log"
