@@ -10,6 +10,7 @@ import http.client
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -190,3 +191,54 @@ def test_the_dashboards_storage_refuses_every_write(tmp_path: Path) -> None:
     with pytest.raises(PermissionError):
         optuna.load_study(study_name="s", storage=ro).set_user_attr("k", 1)
     assert len(inner.get_all_studies()) == 1 and inner.get_study_user_attrs(sid) == {}
+
+
+def test_a_stalled_client_neither_holds_up_other_clients_nor_the_stop(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38, item 6: a client that sends a request line and then nothing (a browser's preconnect does)
+    once held the one serving thread: no other client got an answer, and SIGTERM waited for it to leave."""
+    monkeypatch.chdir(ROOT)
+    spec = {"study": {"name": "dash", "metric": "x", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": 3, "seed": 0},
+            "training": {"function": "tests.trainfns:behave"}, "oracle": {"enabled": False}}
+    run = tmp_path / "run"
+    hpoflow.optimize(spec, run, engine=ThreadEngine(lambda p, r: p["x"], 1))
+    proc, port = _start(run, tmp_path)
+    stalled: list[socket.socket] = []
+    try:
+        assert _request(port, "GET", "/api/studies")[0] == 200  # started and warm: the app has read the study
+        server = psutil.Process(proc.pid)
+        for _ in range(2):  # two: the second waits in the listen queue, ahead of the requests below
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"GET / HTTP/1.1\r\n")  # then nothing: no headers, no blank line, socket held open
+            stalled.append(s)
+            if len(stalled) == 1:  # wait until the server has taken the first in hand (not a fixed sleep)
+                deadline = time.monotonic() + 30
+                while not any(c.status == psutil.CONN_ESTABLISHED for c in server.net_connections(kind="tcp")):
+                    assert time.monotonic() < deadline, "the server never accepted the stalled client"
+                    time.sleep(0.02)
+        for path in ("/api/studies", "/api/studies/0"):
+            t0 = time.monotonic()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            try:
+                conn.request("GET", path, headers={"Host": f"127.0.0.1:{port}"})
+                resp = conn.getresponse()
+                status, body = resp.status, resp.read()
+            finally:
+                conn.close()
+            elapsed = time.monotonic() - t0
+            assert status == 200 and body, (path, status)
+            assert elapsed < 1.0, f"{path} answered after {elapsed:.2f} s beside a stalled client"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+        assert code == 0 and elapsed < 1.0, f"exit {code} {elapsed:.2f} s after SIGTERM, stalled clients connected"
+        assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
+    finally:
+        for s in stalled:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -9,6 +9,8 @@ abort, a segfault, a kill) loses nothing it wrote, and its last words stay at th
 The cap is ``HPOFLOW_RANK_LOG_MB`` (default 16; 0: no cap): a log keeps its first half and its last
 half, so it never holds more than the cap plus one note line (and up to half the cap more while the
 rank still writes: the tail is trimmed each time it reaches twice its size, with an in-kernel copy).
+The cap is the file's, over every attempt that appends to it: a rerun continues the earlier head,
+note and tail.
 Bytes move with ``splice`` and ``copy_file_range`` where the kernel has them, without passing through
 Python.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import select
 import selectors
 import threading
@@ -37,6 +40,8 @@ _NOTE_LEN = 200  # the note is rewritten in place as more is dropped: fixed widt
 # lines instead of one per line, and waits only once its pipe is full.
 _LINGER_S = 0.005
 _LITTLE = 64 << 10
+_NOTE_WORDS = "bytes of output dropped here"
+_NOTE = re.compile(rb"\n\[hpoflow: (\d+) " + _NOTE_WORDS.encode() + rb";")  # an earlier writer's note
 
 
 def cap_bytes(environ: dict[str, str] | None = None) -> int:
@@ -57,20 +62,28 @@ def _size_text(n: int) -> str:
 
 class CappedLog:
     """A log file written at increasing offsets, holding at most its first ``cap // 2`` bytes, a note
-    and its last ``cap // 2`` bytes (``cap`` 0: everything). Existing content (an elastic trial's
-    earlier segment) is kept and counts as the head."""
+    and its last ``cap // 2`` bytes (``cap`` 0: everything). The cap holds for the file, not for one
+    writer: what it holds already (an earlier attempt of the trial, an elastic trial's earlier segment)
+    is where the new bytes continue, as if one writer had written it all. Its first ``cap // 2`` bytes
+    stay the head; a note an earlier writer left after them is taken over (its count goes on); the
+    rest is part of the tail, trimmed with the new bytes."""
 
     def __init__(self, path: str, cap: int) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         self.pos = os.fstat(self.fd).st_size
         self.tail = cap - cap // 2
-        self.head = max(cap // 2, self.pos)  # bytes kept from the start, whatever follows
+        self.head = cap // 2 if cap else self.pos  # bytes kept from the start, whatever follows
         self.start = self.head  # where the kept tail begins (after the note once one is written)
         self.dropped = 0
         self.received = 0  # bytes moved from the pipe so far
         self._splice = hasattr(os, "splice")
         self._copy = hasattr(os, "copy_file_range")
+        if cap and self.pos >= self.head + _NOTE_LEN:
+            earlier = _NOTE.match(os.pread(self.fd, _NOTE_LEN, self.head))
+            if earlier:
+                self.dropped = int(earlier.group(1))
+                self.start = self.head + _NOTE_LEN
 
     def feed(self, src: int) -> bool:
         """Move what the pipe ``src`` holds into the log (it is readable); False at end of file."""
@@ -108,7 +121,7 @@ class CappedLog:
         self.pos = dst + (self.pos - src)
         self.start = dst
         os.ftruncate(self.fd, self.pos)
-        note = (f"\n[hpoflow: {self.dropped} bytes of output dropped here; a rank log keeps its first "
+        note = (f"\n[hpoflow: {self.dropped} {_NOTE_WORDS}; a rank log keeps its first "
                 f"{_size_text(self.head)} and its last {_size_text(self.tail)} ({CAP_ENV})]")
         os.pwrite(self.fd, note.encode()[: _NOTE_LEN - 1].ljust(_NOTE_LEN - 1) + b"\n", self.head)
 

@@ -148,6 +148,7 @@ class Driver:
                 t0 = time.monotonic()
                 if deadline is not None and t0 >= deadline and self._stop_reason is None:
                     summary.stopped_by = "timeout"
+                    summary.reason = f"search.timeout ({self.spec.search.timeout:g} s) ran out"
                     deadline = None
                 if self._stop_reason is not None and not cancelling:
                     cancelling = True

@@ -73,7 +73,8 @@ class DriverSummary:
         return 1 if self.stopped_by in ("max_failures", "fail_fast") else 0
 
     def outcome_message(self) -> str:
-        """One line (plus the first distinct errors) for a study that did not end well; '' if it did."""
+        """One line (plus the first distinct errors, where trials failed with some) for a study that did not end
+        well; '' if it did."""
         if self.stopped_by == "signal":
             return "stopped by a signal; rerun the same command to resume"
         if self.stopped_by == "preempted":
@@ -81,13 +82,16 @@ class DriverSummary:
                     "the same command (or resubmit the job) to resume")
         if self.stopped_by in ("storage", "capacity"):
             return f"stopped: {self.reason}"
-        errors = "".join(f"\n  - {e}" for e in self.errors)
+        errors = ("; first distinct errors (details in trials.csv and trials/<n>/rank<r>.log):"
+                  + "".join(f"\n  - {e}" for e in self.errors)) if self.errors else ""
         if self.n_complete == 0:
+            if self.stopped_by == "timeout" and self.n_finished == 0:
+                return (f"no trial ran: {self.reason} before the first one started. Fix: raise search.timeout (it "
+                        "counts from the start of the run), then rerun the same command to resume")
             why = f": {self.reason}" if self.reason else ""
-            return (f"no trial completed ({self.n_failed} failed, {self.n_pruned} pruned){why}; first distinct "
-                    f"errors (details in trials.csv and trials/<n>/rank<r>.log):{errors}")
+            return f"no trial completed ({self.n_failed} failed, {self.n_pruned} pruned){why}{errors}"
         if self.stopped_by == "max_failures":
-            return f"stopped: search.max_failures reached; first distinct errors:{errors}"
+            return f"stopped: search.max_failures reached{errors}"
         if self.stopped_by == "fail_fast":
             return f"stopped: {self.reason}"
         return ""

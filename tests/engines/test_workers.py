@@ -6,6 +6,7 @@ training functions it needs into its own directory."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +54,9 @@ def daemonize(ctx):
     (ctx.trial_dir / "sleeper.pid").write_text(str(sleeper))
     if ctx.options.get("hang"):
         time.sleep(600)
+    gate = ctx.options.get("gate")
+    while gate and not os.path.exists(gate):  # held until a test opens the gate
+        time.sleep(0.05)
     return {"score": float(ctx.params.get("x", 1.0))}
 
 def chatty(ctx):
@@ -304,6 +308,66 @@ def test_a_daemonised_grandchild_of_a_timed_out_trial_dies_with_its_worker(tmp_p
     assert gone(int((tmp_path / "trials" / "0" / "sleeper.pid").read_text()))
 
 
+def _running(p: psutil.Process) -> bool:
+    """``p`` (the very process: psutil checks its start time) runs, and is no zombie."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # gone meanwhile
+        return False
+
+
+@pytest.mark.parametrize("kind", ["light", pytest.param("warm", marks=pytest.mark.slow)])
+def test_a_driver_killed_alone_leaves_nothing_of_its_trials_running(tmp_path: Path, kind: str) -> None:
+    """Issue 38, item 12: SIGKILL of the driver's pid alone (not its group) during trials that started a
+    ``setsid`` daemon. The workers died with the driver, the daemons lived on (adopted by init), and the
+    resume did not reap them. Now no process of the old run remains, and the resume completes the
+    budget exactly. ``warm``: the workers are forked from the forkserver (torch preloaded), ``light``:
+    spawned by the driver."""
+    write_fns(tmp_path)
+    function = "fns:daemonize"
+    if kind == "warm":  # a module that imports torch runs on warm workers
+        (tmp_path / "fns_warm.py").write_text("import torch  # noqa: F401\nfrom fns import daemonize\n")
+        function = "fns_warm:daemonize"
+    gate = tmp_path / "gate"
+    spec = {"study": {"name": "d", "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0, "high": 1}},
+            "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 2, "seed": 0},
+            "training": {"function": function, "options": {"gate": str(gate)}},
+            "resources": {"processes": 1, "cpus_per_process": 1}, "oracle": {"enabled": False}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    args = [sys.executable, "-m", "hpoflow", "run", "spec.yaml", "--run-dir", "run"]
+    driver = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    old: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240  # a bound for a hang only (torch's preload on a loaded machine)
+        while len(list((tmp_path / "run" / "trials").glob("*/sleeper.pid"))) < 2:
+            assert driver.poll() is None and time.monotonic() < deadline, "the trials never started their daemons"
+            time.sleep(0.05)
+        sleepers = {int(f.read_text()) for f in (tmp_path / "run" / "trials").glob("*/sleeper.pid")}
+        old = psutil.Process(driver.pid).children(recursive=True)
+        assert sleepers <= {p.pid for p in old}  # below the driver: each worker is its trials' subreaper
+        os.kill(driver.pid, signal.SIGKILL)  # the driver alone: not its workers, not their daemons
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 30  # (they go within milliseconds; the bound tells that from never)
+        while left := [p for p in old if _running(p)]:
+            assert time.monotonic() < deadline, [(p.pid, p.cmdline()) for p in left]
+            time.sleep(0.05)
+        gate.touch()  # the resumed trials return at once
+        r = subprocess.run(args, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        shown = subprocess.run([sys.executable, "-m", "hpoflow", "status", "run", "--json"], cwd=tmp_path, env=ENV,
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and json.loads(shown.stdout)["n_complete"] == 2, shown.stdout + shown.stderr
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for p in old:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
 @pytest.mark.slow
 def test_hpoflow_run_into_a_pipe_returns_when_the_study_ends(tmp_path: Path) -> None:
     """A daemon holding the workers' pipes kept ``hpoflow run ... | cat`` open for as long as it lived
@@ -374,6 +438,52 @@ def test_a_trial_printing_past_the_cap_leaves_a_bounded_log_and_its_last_words(
     assert b"LAST-LINE-OF-OUTPUT" in log[-(1 << 19):] and b"ValueError: last words" in log[-4000:]
     assert res.status == "failed" and "last words" in (res.error or "")
     assert "ValueError: last words" in res.stderr_tail and "written by the C layer" in res.stderr_tail
+
+
+def test_the_cap_holds_for_a_log_over_all_its_attempts_with_what_each_dropped(tmp_path: Path) -> None:
+    """Issue 38, item 12: the cap held per attempt, and a rerun appends to the same log, so reruns
+    grew it past the cap (by half the cap each). Over all attempts it keeps the first attempt's head,
+    one note counting everything dropped, and the last attempt's tail."""
+    cap = 64 * 1024
+    path = tmp_path / "rank0.log"
+    written = b""
+    pump = LogPump(cap)
+    try:
+        for attempt in range(4):
+            data = b"".join(f"{attempt} {i:07d} {'y' * 90}\n".encode() for i in range(3000))  # 300 000 bytes
+            w, stream = pump.open(str(path))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view[:8192]):]
+            os.close(w)
+            assert pump.wait([stream], 30)
+            written += data
+            text = path.read_bytes()
+            assert len(text) <= cap + 200, (attempt, len(text))
+            assert text.startswith(written[: cap // 2])
+            assert text.count(b"bytes of output dropped") == 1
+            kept_tail = text[text.index(b"\n", text.index(b"bytes of output dropped")) + 1:]
+            assert data.endswith(kept_tail) and len(kept_tail) > cap // 2 - 200  # this attempt's last lines
+            dropped = int(text.split(b"[hpoflow: ")[1].split()[0])
+            assert cap // 2 + dropped + len(kept_tail) == len(written), attempt
+    finally:
+        pump.close()
+
+
+def test_a_rerun_trial_that_prints_past_the_cap_keeps_its_log_within_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    write_fns(tmp_path)
+    monkeypatch.setenv(CAP_ENV, "1")
+    eng = LocalEngine(cores=[0])
+    try:
+        for attempt in range(3):  # a trial rerun after a failure or an interrupt appends to its rank log
+            res = run_one(eng, request(tmp_path, 0, "fns:chatty", options={"mib": 2}, attempt=attempt))
+            assert res.status == "failed"
+            log = (tmp_path / "trials" / "0" / "rank0.log").read_bytes()
+            assert len(log) <= (1 << 20) + 200, (attempt, len(log))
+            assert log.startswith(b"FIRST-LINE-OF-OUTPUT\n") and b"ValueError: last words" in log[-4000:]
+    finally:
+        eng.close()
 
 
 def test_a_cluster_rank_log_is_capped_by_its_node_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

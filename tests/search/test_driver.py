@@ -277,6 +277,46 @@ def test_fail_fast_stops_when_the_first_trials_fail_alike(tmp_path: Path) -> Non
     assert "the first 3 trials all failed with the same error" in s.outcome_message()
 
 
+def test_a_timeout_that_allows_no_trial_says_so_without_an_empty_error_list(tmp_path: Path) -> None:
+    """Issue 38, item 12: ``search.timeout`` ran out before the first trial, and ``hpoflow run`` printed
+    "first distinct errors ...:" with nothing after it."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import ROOT, RUN_ENV
+
+    data = copy.deepcopy(BASE)
+    data["search"].update(n_trials=3, timeout=1e-6)
+    data["training"] = {"function": "trainfns_light:environment"}
+    data["oracle"] = {"enabled": False}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
+    r = subprocess.run([sys.executable, "-m", "hpoflow", "run", str(tmp_path / "spec.yaml"), "--run-dir",
+                        str(tmp_path / "run")], env=RUN_ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr  # no trial completed
+    lines = [line for line in r.stderr.splitlines() if line.startswith("hpoflow: ")]
+    assert lines == ["hpoflow: no trial ran: search.timeout (1e-06 s) ran out before the first one started. "
+                     "Fix: raise search.timeout (it counts from the start of the run), then rerun the same command "
+                     "to resume"], r.stderr
+    assert "errors" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_trial_completed_lists_errors_only_when_there_are_some(tmp_path: Path) -> None:
+    """Every trial pruned: no error to list, so no "first distinct errors:" heading either."""
+    spec = make(n_trials=2, max_concurrent=1,
+                pruner={"type": "optuna.pruners.ThresholdPruner", "options": {"lower": 2.0}})
+
+    def objective(p: dict[str, Any], r: Reporter) -> dict[str, float]:
+        r.report(1, score=p["x"])  # below the threshold (x < 1): pruned
+        return {"score": p["x"]}
+
+    driver, _, _ = run_driver(spec, objective, 1, tmp_path)
+    s = driver.summary
+    assert (s.n_pruned, s.n_complete, s.errors) == (2, 0, []) and s.exit_code == 3
+    assert s.outcome_message() == "no trial completed (0 failed, 2 pruned)"
+
+
 def test_fail_fast_lets_different_errors_and_any_success_go_on(tmp_path: Path) -> None:
     calls = {"n": 0}
 

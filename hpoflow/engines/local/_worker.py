@@ -11,18 +11,22 @@ changed before the next: environment, working directory, ``sys.path``, the trial
 (dropped from ``sys.modules`` so module globals start fresh; libraries stay, see ``_modules``),
 torch global settings, thread counts and affinity (set per trial), and signal handlers. Seeds are set
 by the runner at the start of every trial. A worker whose trial crashed, hung, timed out or was
-cancelled is killed by the engine (with its whole tree) and replaced, never reused.
+cancelled is killed by the engine (with its whole tree) and replaced, never reused. A worker whose
+engine dies (a driver killed with SIGKILL, alone) kills what its trial runs, daemons included, then
+itself (``_die_with_engine``).
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
+import select
 import signal
 import sys
+import threading
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
@@ -37,16 +41,31 @@ log = logging.getLogger(__name__)
 __all__ = ["worker_main"]
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the forkserver (our parent) exits. It exits when the engine's process
-    dies, so a killed driver never leaves workers training on as orphans."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+def _die_with_engine(conn: Connection) -> None:
+    """Start a thread that, when the engine's process dies (even by SIGKILL: the engine's end of
+    ``conn`` closes) or this worker's parent exits (the forkserver, which exits with the engine; for
+    a light worker the engine's process itself), kills and reaps every process below this worker,
+    then kills the worker with SIGKILL. This worker is its trials' child subreaper, so that includes
+    a daemon a trial started with a double fork and ``setsid``: it would go to init, out of reach of
+    any engine and of the resume, were the worker to die first (as with ``PR_SET_PDEATHSIG``, which
+    this replaces). The thread watches descriptors of its own (a duplicate of the pipe, a pidfd of
+    the parent), so nothing the trial does to the worker's descriptors blinds it. It needs the GIL
+    to act: a trial inside C code that holds the GIL delays it until that call returns."""
+    watch = select.poll()
+    pipe = os.dup(conn.fileno())  # close-on-exec, like every descriptor os.dup makes
+    watch.register(pipe, getattr(select, "POLLRDHUP", 0))  # POLLHUP (the peer closed) is always reported
+    parent = os.getppid()
+    with contextlib.suppress(AttributeError, OSError):  # no pidfd (Linux < 5.3): the pipe alone
+        watch.register(os.pidfd_open(parent), select.POLLIN)  # readable once the parent has exited
+    orphaned = os.getppid() != parent  # the parent exited before its pidfd was opened
+
+    def wait_then_clean_up() -> None:
+        if not orphaned:
+            watch.poll()  # returns on one of the events above only (POLLIN of the pipe is not asked for)
+        reap_descendants()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_then_clean_up, name="hpoflow-engine-watch", daemon=True).start()
 
 
 def _keep_fds_to_self() -> None:
@@ -100,12 +119,10 @@ def _reset(snap: _Snapshot, keeper: ModuleKeeper, job: RankJob) -> None:
 
 def worker_main(conn: Connection, worker_id: int) -> None:
     """Serve rank jobs from ``conn`` until told to exit or the pipe closes."""
-    _die_with_parent()
     os.setsid()  # own process group: the engine kills the worker and all its children at once
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the engine's pause request; a trial's rank handles it
-
-
     become_subreaper()  # orphaned descendants of a trial stay below this worker (reap_descendants)
+    _die_with_engine(conn)  # ... and die with it when the engine dies
     _keep_fds_to_self()
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
