@@ -17,8 +17,8 @@ def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, e
     """Every check ``optimize`` makes before its first trial that needs no run directory, made at once
     and writing nothing (``hpoflow validate`` calls it too; ``engine=False``: an engine object is
     given, so the spec's engine is not asked): ``HPOFLOW_N_TRIALS``; the ``storage_env`` variable is
-    set; a trial of the spec's shape fits the engine, and its ``engine_options`` name cores and GPUs
-    this machine has (``Engine.check_fit``); the oracle's cluster
+    set and names no in-memory database; a trial of the spec's shape fits the engine, and its
+    ``engine_options`` name cores and GPUs this machine has (``Engine.check_fit``); the oracle's cluster
     loads; the sampler and the pruner build and propose a trial of this study (``check_search``); the
     warm-start run fits. A ``SpecError`` names the key (and its line when ``text`` is the YAML)."""
     env_int("HPOFLOW_N_TRIALS", minimum=1)

@@ -30,7 +30,7 @@ from hpoflow.run import rundir
 from hpoflow.run.retry import RetryingStorage, StorageFull, StorageUnavailable, transient_cause
 from hpoflow.run.rundir import redact
 from hpoflow.run.storage import open_storage, storage_label
-from hpoflow.spec import StudySpec, TrainConfig, spec_from_mapping
+from hpoflow.spec import StudySpec, TrainConfig, in_memory_storage, spec_from_mapping
 
 __all__ = ["LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget",
            "study_url"]
@@ -108,6 +108,12 @@ def study_url(spec: StudySpec) -> str | None:
     if spec.storage_env and url is None:
         raise RunDirError(f"storage_env: the environment variable {spec.storage_env} is not set, so the study's "
                           f"storage is unknown. Fix: export {spec.storage_env}=<storage URL>")
+    memory = in_memory_storage(url) if spec.storage_env and url is not None else None
+    if memory:  # (the spec's own storage: is checked with the spec)
+        raise RunDirError(f"storage_env: the environment variable {spec.storage_env} holds {redact(url)!r}, {memory}: "
+                          "it lives only inside the driver's process, so nothing is kept when the run ends: `hpoflow "
+                          "status` and a resume cannot find the study. Fix: export "
+                          f"{spec.storage_env}=<URL of a database file or server>")
     return url
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpoflow.errors import SpecError
-from hpoflow.spec import load_spec
+from hpoflow.spec import in_memory_storage, load_spec
 
 GOOD = """\
 study:
@@ -75,9 +75,22 @@ CASES = [
      "choose one of: auto, True, False"),
     ("elastic max < min", "n_trials: 4", "n_trials: 4\nresources:\n  processes: {min: 2, max: 1}",
      "resources.processes", 14, "max (1) must be >= min (2)"),
+    ("in-memory storage", "search:\n", "storage: 'sqlite:///:memory:'\nsearch:\n", "storage", 10,
+     "'sqlite:///:memory:' is an SQLite in-memory database: it lives only inside the driver's process"),
     ("negative core", "search:\n", "engine_options: {cores: [0, -1]}\nsearch:\n", "engine_options.cores.1", 10,
      "must be >= 0, but got -1"),
 ]
+
+
+@pytest.mark.parametrize(("url", "in_memory"), [
+    ("sqlite://", True), ("sqlite:///", True), ("sqlite://?timeout=5", True), ("sqlite:///:memory:", True),
+    ("sqlite+pysqlite:///:memory:", True), ("sqlite:///file::memory:?cache=shared&uri=true", True),
+    ("sqlite:///file:study?mode=memory&cache=shared&uri=true", True),
+    ("sqlite:///study.db", False), ("sqlite:////abs/study.db", False), ("sqlite:///file:study.db?uri=true", False),
+    ("postgresql://u@h/memory", False), ("study.journal", False), ("/dev/shm/study.journal", False),
+])
+def test_which_storages_are_in_memory(url: str, in_memory: bool) -> None:
+    assert (in_memory_storage(url) is not None) == in_memory
 
 
 @pytest.mark.parametrize("name,old,new,path,line,words", CASES, ids=[c[0] for c in CASES])
