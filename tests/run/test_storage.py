@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,51 @@ def _one_line(r: subprocess.CompletedProcess[str], code: int = 2) -> str:
     assert r.returncode == code, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     return r.stderr.strip()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A read-only tmpfs, unmounted afterwards; skips where mounting is refused (not root)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True,
+                       text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+@pytest.mark.parametrize("kind", ["directory", "device", "proc file", "read-only file system"])
+def test_a_journal_path_that_cannot_work_is_named_with_why(tmp_path: Path, kind: str,
+                                                         request: pytest.FixtureRequest) -> None:
+    """A journal path that is a directory, ``/dev/null``, ``/proc/self/status`` or on a read-only file
+    system: one line naming it and why, exit 2, nothing written (they blamed the run directory, and
+    ``/dev/null`` failed with "AssertionError: Should not reach"); validate refuses what it can see."""
+    if kind == "directory":
+        path, why, seen_by_validate = tmp_path / "adir", "it is a directory, and a journal is a file", True
+        path.mkdir()
+    elif kind == "device":
+        path, why, seen_by_validate = Path("/dev/null"), "it is a character device, and a journal is a file", True
+    elif kind == "proc file":
+        path = Path("/proc/self/status")
+        why, seen_by_validate = "its lock file /proc/self/status.lock: No such file or directory", False
+    else:
+        path = request.getfixturevalue("read_only_dir") / "study.journal"
+        why, seen_by_validate = f"its lock file {path}.lock: the file system is read-only", False
+    _spec(tmp_path / "spec.yaml", storage=str(path))
+    expected = (f"hpoflow: error: storage: cannot use {path} as the study's journal: {why}. Fix: point storage: at a "
+                "file in a directory you can write to, or leave storage: out (the run directory's study.journal)")
+    assert _one_line(_hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run")) == expected
+    assert not (tmp_path / "run").exists()
+    r = _hpoflow(tmp_path, "validate", "spec.yaml")
+    if seen_by_validate:
+        assert _one_line(r) == expected
+    else:
+        assert r.returncode == 0, r.stderr
 
 
 def test_an_in_memory_storage_is_refused_by_validate_and_run(tmp_path: Path) -> None:
