@@ -143,7 +143,8 @@ def _open_journal(path: Path, create: bool) -> _Journal:
         if create:
             path.parent.mkdir(parents=True, exist_ok=True)
         check_journal(path, repair=create)
-        return _Journal(JournalFile(str(path), fsync_always=os.environ.get("HPOFLOW_JOURNAL_FSYNC") == "1"))
+        return _Journal(JournalFile(str(path), fsync_always=os.environ.get("HPOFLOW_JOURNAL_FSYNC") == "1",
+                                    recover=create))
     except OSError as exc:
         if not create:
             raise
