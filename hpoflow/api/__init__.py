@@ -57,12 +57,19 @@ def optimize(
     if n_trials is None and cap is not None:
         n_trials = min(cap, parsed.search.n_trials or cap)  # a cap: never more than the spec
     dirs = search_dirs(spec) if isinstance(spec, str | os.PathLike) else search_dirs()  # for training.function
-    rd = rundir.resolve(run_dir if run_dir is not None else Path("runs") / parsed.study.name, create=True)
+    where = run_dir if run_dir is not None else Path("runs") / parsed.study.name
+    new_dir = not os.path.lexists(os.path.expanduser(where))
+    rd = rundir.resolve(where, create=True)
     url = study_url(parsed)  # storage_env's variable leaves os.environ here: no process started later sees it
-    with rundir.RunLock(rd):
+    with rundir.RunLock(rd) as lock:
         with rundir.disk_errors(rd):
-            study, label = open_study(rd, parsed, text, url, pruner=make_pruner(parsed.search.pruner),
-                                      sampler_for=lambda n: make_sampler(parsed.search, resumed_trials=n))
+            try:
+                study, label = open_study(rd, parsed, text, url, pruner=make_pruner(parsed.search.pruner),
+                                          sampler_for=lambda n: make_sampler(parsed.search, resumed_trials=n))
+            except BaseException:
+                if new_dir:  # (open_study took back what it wrote: a storage that cannot be opened leaves nothing)
+                    lock.remove_dir()
+                raise
             if parsed.search.warm_start and not study.get_trials(deepcopy=False):
                 warm_start(study, parsed)
         eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hpoflow.engines import check_fit
 from hpoflow.errors import Issue, SpecError
 from hpoflow.run.open import study_url
+from hpoflow.run.storage import check_storage_path
 from hpoflow.search.preflight import check_search
 from hpoflow.spec import StudySpec, env_int, key_lines, resolve_training
 from hpoflow.trial import TrialRequest
@@ -17,11 +18,13 @@ def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, e
     """Every check ``optimize`` makes before its first trial that needs no run directory, made at once
     and writing nothing (``hpoflow validate`` calls it too; ``engine=False``: an engine object is
     given, so the spec's engine is not asked): ``HPOFLOW_N_TRIALS``; the ``storage_env`` variable is
-    set; a trial of the spec's shape fits the engine (``Engine.check_fit``); the oracle's cluster
+    set and names no in-memory database; a storage file given by an absolute path is no directory or
+    device (``check_storage_path``); a trial of the spec's shape fits the engine, and its
+    ``engine_options`` name cores and GPUs this machine has (``Engine.check_fit``); the oracle's cluster
     loads; the sampler and the pruner build and propose a trial of this study (``check_search``); the
     warm-start run fits. A ``SpecError`` names the key (and its line when ``text`` is the YAML)."""
     env_int("HPOFLOW_N_TRIALS", minimum=1)
-    study_url(spec)  # the storage_env variable is set
+    check_storage_path(study_url(spec), None)  # the storage_env variable is set; the storage's file can work
     lines = key_lines(text) if text and source != "<spec>" else {}
     r = spec.resources
     if engine:

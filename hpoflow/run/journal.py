@@ -21,15 +21,27 @@ finished is on disk before the driver moves on; the other appends (creation, par
 attributes) are written under the same lock without fsync: in the kernel once the call returns, so
 any process crash loses nothing, and a machine crash can lose only records of unfinished trials,
 which a resume reruns. ``fsync_always=True`` (``HPOFLOW_JOURNAL_FSYNC=1``) fsyncs every append.
+
+The file is the one opened: ``JournalFile`` notes its identity (device and inode) when it opens it, and
+every read and append first checks the path still names that file. A journal deleted or replaced (moved
+away, another file moved over it) while a run uses it raises ``JournalGone`` instead of reading
+another file's records from this one's offsets (Optuna's replay then fails with a ``JSONDecodeError``)
+or appending to a new file: nothing is written to what the path names now. A writer (``recover=True``)
+keeps the file it opened open, so a deleted journal's records are still there: ``JournalGone`` copies
+them to ``<journal>.recovered`` (a free name beside it) and says where; moving that back resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shlex
+import threading
 import time
+import weakref
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +50,9 @@ from optuna.storages.journal._file import get_lock_file
 from optuna.trial import TrialState
 
 from hpoflow.errors import RunDirError
+from hpoflow.run.retry import StorageUnavailable
 
-__all__ = ["JournalDamaged", "JournalFile", "check_journal", "find_damage", "journal_lock"]
+__all__ = ["JournalDamaged", "JournalFile", "JournalGone", "check_journal", "find_damage", "journal_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +63,11 @@ _SETTLE_S = 0.2  # a reader that sees a partial last line looks again after this
 
 class JournalDamaged(RunDirError):
     """A journal line other than a torn last record is not valid JSON: Optuna cannot replay the file."""
+
+
+class JournalGone(StorageUnavailable):
+    """The journal a run opened was deleted or replaced since (module docstring): the driver stops
+    cleanly, as for a storage that stopped answering (exit code 1)."""
 
 
 def journal_lock(path: Path) -> JournalFileOpenLock:
@@ -168,20 +186,125 @@ def check_journal(path: Path, *, repair: bool) -> None:
             os.close(fd)
 
 
-class JournalFile(JournalFileBackend):
-    """Optuna's journal file with whole-record appends and fewer fsyncs (module docstring)."""
+def _save_copy(fd: int, path: Path) -> tuple[Path | None, str]:
+    """Copy the open file ``fd`` to a free ``<path>.recovered[.N]`` beside ``path``: (the copy, '') or
+    (None, why not)."""
+    for n in range(1, 100):
+        target = path.with_name(f"{path.name}.recovered" + (f".{n}" if n > 1 else ""))
+        try:
+            out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            return None, f"{target}: {exc.strerror or exc}"
+        try:
+            offset, size = 0, os.fstat(fd).st_size
+            while offset < size:
+                chunk = os.pread(fd, min(_CHUNK * 16, size - offset), offset)
+                if not chunk:
+                    break
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(out, view):]
+                offset += len(chunk)
+            os.fsync(out)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+            return None, f"{target}: {exc.strerror or exc}"
+        finally:
+            os.close(out)
+        return target, ""
+    return None, f"{path.name}.recovered to {path.name}.recovered.99 all exist"
 
-    def __init__(self, file_path: str, *, fsync_always: bool = False) -> None:
+
+class JournalFile(JournalFileBackend):
+    """Optuna's journal file with whole-record appends, fewer fsyncs, and a check that the path still
+    names the file opened (module docstring). ``recover``: keep that file open (a writer), so its
+    records can be saved if the path stops naming it."""
+
+    def __init__(self, file_path: str, *, fsync_always: bool = False, recover: bool = False) -> None:
         super().__init__(file_path, lock_obj=journal_lock(Path(file_path)))
         self.fsync_always = fsync_always
+        fd = os.open(file_path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self._identity = (st.st_dev, st.st_ino)
+        self._held: int | None = None
+        if recover:
+            self._held = fd
+            weakref.finalize(self, os.close, fd)
+        else:
+            os.close(fd)
+        self._gone: tuple[str, str] | None = None  # JournalGone's message and cause, once made
+        self._gone_lock = threading.Lock()
+
+    def _check_same(self, fd: int | None = None) -> None:
+        """``JournalGone`` unless the path (or ``fd``, opened from it) is the file opened at first."""
+        try:
+            st: os.stat_result | None = os.fstat(fd) if fd is not None else os.stat(self._file_path)
+        except FileNotFoundError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != self._identity:
+            # (raised outside the except clause: an outage's error as its context would have it retried)
+            raise self._gone_error(replaced=st is not None)
+
+    def _gone_error(self, replaced: bool) -> JournalGone:
+        """``JournalGone`` for this file; its message is made once (several threads may find the file
+        gone), with the records saved first when this writer holds them."""
+        with self._gone_lock:
+            if self._gone is None:
+                self._gone = self._gone_message(replaced)
+            message, cause = self._gone
+        return JournalGone(message, cause)
+
+    def _gone_message(self, replaced: bool) -> tuple[str, str]:
+        path = Path(self._file_path)
+        head = f"the study's journal {path} was {'replaced' if replaced else 'deleted'} while this run was using it"
+        if replaced:
+            head += " (another file moved over it, or it was deleted and written anew); this run wrote nothing to "\
+                    "the new file"
+        if self._held is None:
+            return f"{head}. Fix: rerun this command once the journal is back", "journal gone"
+        size = os.fstat(self._held).st_size
+        saved, why = _save_copy(self._held, path)
+        if saved is None:
+            return (f"{head}; the records of the journal it opened could not be saved beside it ({why}), so what was "
+                    "recorded is lost. Fix: rerun the same command to start the study again (in a new --run-dir if "
+                    "the run directory is gone)"), "journal gone"
+        keep = " (keep the file now there elsewhere if you need it)" if replaced else ""
+        return (f"{head}; the records of the journal it opened ({size} bytes: every trial recorded until then) are "
+                f"saved in {saved}. Fix: move {saved} to {path}{keep} and rerun the same command to resume"), \
+            "journal gone"
+
+    def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
+        self._check_same()
+        error: Exception | None = None
+        try:
+            yield from super().read_logs(log_number_from)
+        except (OSError, ValueError) as exc:
+            error = exc
+        if error is not None:
+            self._check_same()  # replaced while it was read: say that, not what the other file holds
+            raise error
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode("utf-8")
         durable = self.fsync_always or any(log.get("state") in _FINISHED_STATES and "values" in log for log in logs)
         path = Path(self._file_path)
+        self._check_same()  # (before the lock: a deleted directory has no room for the lock file)
         with get_lock_file(self._lock):
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             try:
+                fd: int | None = os.open(path, os.O_RDWR | os.O_APPEND)  # never created here: missing is gone
+            except FileNotFoundError:
+                fd = None
+            if fd is None:
+                raise self._gone_error(replaced=False)
+            try:
+                self._check_same(fd)
                 size = os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":  # another writer died mid-append
                     _check_tail(path, fd, repair=True)

@@ -9,12 +9,13 @@ written: a storage password becomes ``***``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from hpoflow.run import rundir
 from hpoflow.run.retry import RetryingStorage, StorageFull, StorageUnavailable, transient_cause
 from hpoflow.run.rundir import redact
 from hpoflow.run.storage import open_storage, storage_label
-from hpoflow.spec import StudySpec, TrainConfig, spec_from_mapping
+from hpoflow.spec import StudySpec, TrainConfig, in_memory_storage, spec_from_mapping
 
 __all__ = ["LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget",
            "study_url"]
@@ -108,7 +109,37 @@ def study_url(spec: StudySpec) -> str | None:
     if spec.storage_env and url is None:
         raise RunDirError(f"storage_env: the environment variable {spec.storage_env} is not set, so the study's "
                           f"storage is unknown. Fix: export {spec.storage_env}=<storage URL>")
+    memory = in_memory_storage(url) if spec.storage_env and url is not None else None
+    if memory:  # (the spec's own storage: is checked with the spec)
+        raise RunDirError(f"storage_env: the environment variable {spec.storage_env} holds {redact(url)!r}, {memory}: "
+                          "it lives only inside the driver's process, so nothing is kept when the run ends: `hpoflow "
+                          "status` and a resume cannot find the study. Fix: export "
+                          f"{spec.storage_env}=<URL of a database file or server>")
     return url
+
+
+@contextlib.contextmanager
+def _taken_back_on_error(rd: Path, url: str | None) -> Iterator[None]:
+    """In a directory that holds no run yet (no spec.yaml), what the block creates there (spec.yaml,
+    trials/, the run's own journal while still empty) is removed if it raises: a run whose storage
+    cannot be opened leaves the directory as it found it, and the same command with the storage fixed
+    starts afresh instead of finding "a run of a different study"."""
+    if (rd / "spec.yaml").exists():
+        yield
+        return
+    journal = Path(storage_label(url, rd)) if url is None or "://" not in url else None
+    new = [p for p in (rd / "spec.yaml", rd / "trials", journal)
+           if p is not None and p.parent == rd and not os.path.lexists(p)]
+    try:
+        yield
+    except BaseException:
+        for p in new:
+            with contextlib.suppress(OSError):
+                if p.is_dir():
+                    p.rmdir()  # (empty: no trial ran)
+                elif p != journal or p.stat().st_size == 0:
+                    p.unlink()
+        raise
 
 
 def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
@@ -118,28 +149,28 @@ def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
     create or reopen the study: (study, redacted storage label). ``sampler_for(n)`` is the sampler for
     a study that already holds ``n`` trials (a resumed stream must not repeat the first run's)."""
     check_resume(rd, spec)
-    (rd / "trials").mkdir(exist_ok=True)
-    if not (rd / "spec.yaml").exists():
-        if spec.storage is not None and redact(spec.storage) != spec.storage:
-            data = yaml.safe_load(text) or {}
-            data["storage"] = redact(spec.storage)
-            text = yaml.safe_dump(data, sort_keys=False)
-        write_atomic(rd / "spec.yaml", text)
     label = redact(storage_label(url, rd)) or ""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = None
-    try:  # no waiting at open: a URL that does not answer now is more often wrong than down
-        storage = RetryingStorage(optuna.storages.get_storage(open_storage(url, rd)), label, 0.0,
-                                  secret=password_of(url))
-        study = optuna.create_study(
-            storage=storage, study_name=spec.study.name,
-            directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
-            sampler=sampler_for(0), pruner=pruner, load_if_exists=True,
-        )
-    except (OSError, StorageFull):
-        raise
-    except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials
-        raise _open_error(exc, url, label) from None
+    with _taken_back_on_error(rd, url):
+        (rd / "trials").mkdir(exist_ok=True)
+        if not (rd / "spec.yaml").exists():
+            if spec.storage is not None and redact(spec.storage) != spec.storage:
+                data = yaml.safe_load(text) or {}
+                data["storage"] = redact(spec.storage)
+                text = yaml.safe_dump(data, sort_keys=False)
+            write_atomic(rd / "spec.yaml", text)
+        try:  # no waiting at open: a URL that does not answer now is more often wrong than down
+            storage = RetryingStorage(optuna.storages.get_storage(open_storage(url, rd)), label, 0.0,
+                                      secret=password_of(url))
+            study = optuna.create_study(
+                storage=storage, study_name=spec.study.name,
+                directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
+                sampler=sampler_for(0), pruner=pruner, load_if_exists=True,
+            )
+        except (OSError, StorageFull):
+            raise
+        except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials
+            raise _open_error(exc, url, label) from None
     storage.retry_s = spec.storage_retry_s
     if spec.study.multi and study.metric_names is None:
         with warnings.catch_warnings():  # experimental in Optuna 5, and the one public way to name them

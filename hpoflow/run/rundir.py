@@ -110,6 +110,14 @@ class RunLock:
         self._fd = fd
         return self
 
+    def remove_dir(self) -> None:
+        """Remove the lock file and the run directory if nothing else is in it (a run that stopped before
+        writing anything, in a directory it created); held, so no other run is using it."""
+        with contextlib.suppress(OSError):
+            if all(p == self.path for p in self.path.parent.iterdir()):
+                self.path.unlink()
+                self.path.parent.rmdir()
+
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import stat
 import time
 from collections.abc import Container
 from pathlib import Path
@@ -24,8 +25,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.errors import RunDirError
 from hpoflow.run.journal import JournalFile, check_journal, find_damage
+from hpoflow.run.rundir import disk_why
 
-__all__ = ["DEFAULT_JOURNAL", "open_storage", "storage_label"]
+__all__ = ["DEFAULT_JOURNAL", "check_storage_path", "open_storage", "storage_label"]
 
 DEFAULT_JOURNAL = "study.journal"
 
@@ -83,13 +85,74 @@ def storage_label(storage: str | None, run_dir: Path) -> str:
     return storage
 
 
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in a few words."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
+def _journal_error(path: Path, why: str) -> RunDirError:
+    return RunDirError(f"storage: cannot use {path} as the study's journal: {why}. Fix: point storage: at "
+                       "a file in a directory you can write to, or leave storage: out (the run directory's "
+                       f"{DEFAULT_JOURNAL})")
+
+
+def check_storage_path(storage: str | None, run_dir: Path | None) -> None:
+    """``RunDirError`` naming the file at fault when the study's storage file can be seen not to work
+    before it is opened: a journal path that is a directory, a device, a pipe or a socket; an SQLite
+    database path that is a directory, or (when opening it) in a directory that does not exist. A path
+    relative to the run directory is checked only when ``run_dir`` is given (``hpoflow validate`` has
+    none)."""
+    if run_dir is not None:
+        label = storage_label(storage, run_dir)
+    elif storage is not None:
+        label = storage if "://" in storage else str(Path(storage).expanduser())
+    else:
+        return
+    if "://" not in label:
+        path = Path(label)
+        try:
+            mode = path.stat().st_mode if path.is_absolute() else None
+        except FileNotFoundError:
+            mode = None
+        except OSError as exc:
+            raise _journal_error(path, disk_why(exc)) from None
+        if mode is not None and not stat.S_ISREG(mode):
+            raise _journal_error(path, f"it is {_file_kind(mode)}, and a journal is a file")
+        return
+    if not label.startswith("sqlite:///"):
+        return
+    db = Path(label.removeprefix("sqlite:///").split("?", 1)[0])  # (SQLite says "unable to open database file")
+    if not db.is_absolute():  # relative to a run directory not given, or no file (:memory:)
+        return
+    if db.is_dir():
+        raise RunDirError(f"storage: cannot open the study's storage {label}: {db} is a directory, not an SQLite "
+                          f"database file. Fix: name a file, such as sqlite:///{db / 'study.db'}")
+    if run_dir is not None and not db.parent.is_dir():  # (not at validate: it may be made before the run)
+        what = "is not a directory" if os.path.lexists(db.parent) else "does not exist"
+        raise RunDirError(f"storage: cannot open the study's storage {label}: {db.parent} {what} (SQLite creates the "
+                          "database file, not its directory). Fix: create the directory, or correct the path")
+
+
 def _open_journal(path: Path, create: bool) -> _Journal:
     """The journal at ``path``, its tail checked first (repaired only by a writer, ``create``) and
-    replayed: ``JournalDamaged`` (a ``RunDirError``) names the first damaged line."""
-    check_journal(path, repair=create)
+    replayed: ``JournalDamaged`` (a ``RunDirError``) names the first damaged line. A writer's journal
+    that cannot be created, read, locked or written is a ``RunDirError`` naming it and why."""
     try:
-        return _Journal(JournalFile(str(path), fsync_always=os.environ.get("HPOFLOW_JOURNAL_FSYNC") == "1"))
-    except OSError:
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        check_journal(path, repair=create)
+        return _Journal(JournalFile(str(path), fsync_always=os.environ.get("HPOFLOW_JOURNAL_FSYNC") == "1",
+                                    recover=create))
+    except OSError as exc:
+        if not create:
+            raise
+        where = ""  # the file the error is about, when not the journal itself (its lock file, its directory)
+        if exc.filename and str(exc.filename) != str(path):
+            where = f"{'its lock file ' if str(exc.filename) == f'{path}.lock' else ''}{exc.filename}: "
+        raise _journal_error(path, f"{where}{disk_why(exc)}") from None
+    except RunDirError:
         raise
     except Exception as exc:  # Optuna's replay met a line that is not JSON, or JSON that is no record of it
         damage = find_damage(path)
@@ -129,11 +192,12 @@ def open_storage(storage: str | None, run_dir: Path, *, create: bool = True) -> 
     ``status``) refuses to create a journal or SQLite file that is not there, and changes nothing
     (a torn journal tail is reported, not cut)."""
     label = storage_label(storage, run_dir)
+    if create:
+        check_storage_path(storage, run_dir)
     if "://" not in label:
         path = Path(label)
         if not create and not path.is_file():
             raise FileNotFoundError(f"no study storage at {path}")
-        path.parent.mkdir(parents=True, exist_ok=True)
         return _open_journal(path, create)
     if label.startswith("sqlite") and not create and not Path(label.removeprefix("sqlite:///")).is_file():
         raise FileNotFoundError(f"no study storage at {label}")

@@ -32,6 +32,7 @@ from hpoflow.spec._models import (
     StudySpec,
     TrackingSpec,
     TrainConfig,
+    in_memory_storage,
     parse_constraint,
     unprintable,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "TrainConfig",
     "env_int",
     "import_plugins",
+    "in_memory_storage",
     "key_lines",
     "load_spec",
     "outside",

@@ -52,6 +52,7 @@ __all__ = [
     "StudySpec",
     "TrackingSpec",
     "TrainConfig",
+    "in_memory_storage",
     "parse_constraint",
     "unprintable",
 ]
@@ -61,6 +62,21 @@ Scalar = bool | int | float | str | None
 # optimizer param-group keys the built-in trainer may change between epochs of one run (training.schedule,
 # a PBT member's resume with new values)
 SCHEDULABLE = ("lr", "momentum", "weight_decay")
+
+
+def in_memory_storage(url: str) -> str | None:
+    """Why the storage URL ``url`` names a database that lives in the driver's memory only (SQLite's
+    ``sqlite://`` with no file, ``:memory:``, ``file::memory:``, ``?mode=memory``), or None."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.lower().startswith("sqlite"):
+        return None
+    rest, _, query = rest.partition("?")
+    host, _, database = rest.partition("/")  # (SQLite URLs have no host: sqlite:///<path>)
+    if not database and not host:
+        return "an SQLite URL with no database file, which SQLite keeps in memory"
+    if database == ":memory:" or database.startswith("file::memory:") or "mode=memory" in query.split("&"):
+        return "an SQLite in-memory database"
+    return None
 
 
 def unprintable(name: str) -> str:
@@ -710,8 +726,9 @@ class StudySpec(_Strict):
     engine: str = Field(default="local", description="A registered engine: local, compss, ...")
     storage: str | None = Field(
         default=None, description="An Optuna storage URL or a journal file path (default: study.journal in the "
-                                  "run directory). A URL with a password belongs in storage_env; a password "
-                                  "written here is redacted from everything hpoflow writes or prints.")
+                                  "run directory); not an in-memory database (sqlite://), which keeps nothing. A "
+                                  "URL with a password belongs in storage_env; a password written here is redacted "
+                                  "from everything hpoflow writes or prints.")
     storage_env: str | None = Field(
         default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Name of an environment variable holding the storage URL (keeps it out of the spec; the "
@@ -731,6 +748,18 @@ class StudySpec(_Strict):
         default_factory=list, description="Modules that register plug-ins (hpoflow.registry: engines, samplers, "
         "strategies, models, ...), imported before the spec is validated, in the driver and in every trial "
         "process.")
+
+    @field_validator("storage")
+    @classmethod
+    def _check_storage(cls, v: str | None) -> str | None:
+        why = in_memory_storage(v) if v is not None else None
+        if why:
+            raise PydanticCustomError(
+                "in_memory_storage", "'{url}' is {why}: it lives only inside the driver's process, so nothing is "
+                "kept when the run ends: `hpoflow status` and a resume cannot find the study, and no other driver can "
+                "share it. Fix: name a database file (sqlite:///study.db is in the run directory) or a journal file, "
+                "or leave storage out (the run directory's study.journal)", {"url": v, "why": why})
+        return v
 
     @model_validator(mode="before")
     @classmethod

@@ -3,6 +3,7 @@ change nothing (hpoflow.run.journal)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -10,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +216,67 @@ def test_a_damaged_journal_is_refused_by_the_cli_with_exit_2_and_left_as_it_was(
         assert f"(byte offset {offset}) is not a valid JSON record" in r.stderr
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr  # one line
         assert path.read_bytes() == damaged  # nothing appended behind the damage
+
+
+def _finishes(journal: bytes) -> int:
+    """How many records of ``journal`` set a trial COMPLETE."""
+    records = [json.loads(line) for line in journal.splitlines(keepends=True) if line.endswith(b"\n")]
+    return sum(r["op_code"] == JournalOperation.SET_TRIAL_STATE_VALUES and r["state"] == TrialState.COMPLETE
+               for r in records)
+
+
+def _read_when(path: Path, finished: int, bound_s: float = 120.0) -> bytes:
+    """``path``'s bytes once it records ``finished`` complete trials (polled every 0.05 s)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            data = path.read_bytes()
+            if _finishes(data) >= finished:
+                return data
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not record {finished} complete trial(s) in {bound_s} s")
+
+
+@pytest.mark.slow  # whole studies through the CLI
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_journal_deleted_or_replaced_mid_run_stops_it_cleanly_with_its_records_saved(tmp_path: Path,
+                                                                                      how: str) -> None:
+    """The journal is deleted, or an older copy of it moved over it (a backup restored), while the run
+    writes it: the driver stops with one line and exit 1 (it died with a JSONDecodeError traceback),
+    writes nothing to the file now at the path, and saves the records of the one it opened beside it;
+    moving that back resumes the study to its full count."""
+    n = 6
+    data = {"study": {"name": "gone", "metric": "value", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": n, "max_concurrent": 1, "seed": 1},
+            "training": {"function": "trainfns_light:nap", "options": {"seconds": 0.4}}, "oracle": {"enabled": False}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    path = tmp_path / "run" / "study.journal"
+    proc = subprocess.Popen([sys.executable, "-m", "hpoflow", "run", "spec.yaml", "--run-dir", "run", "--quiet"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        older = _read_when(path, 1)
+        if how == "deleted":
+            held = path.read_bytes()
+            path.unlink()
+        else:
+            held = _read_when(path, 2)
+            (tmp_path / "older").write_bytes(older)
+            os.replace(tmp_path / "older", path)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    saved = path.with_name("study.journal.recovered")
+    assert err.startswith(f"hpoflow: stopped: the study's journal {path} was {how} while this run was using it"), err
+    assert f"saved in {saved}. Fix: move {saved} to {path}" in err, err
+    if how == "replaced":
+        assert path.read_bytes() == older  # nothing of this run mixed into the file now there
+    assert saved.read_bytes().startswith(held)  # every record written before, and those after until it stopped
+    assert 1 <= sum(t.state == TrialState.COMPLETE for t in _plain(saved, "gone").trials) < n
+    os.replace(saved, path)
+    r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_complete"] == n

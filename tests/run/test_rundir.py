@@ -18,6 +18,7 @@ from optuna.storages.journal import JournalFileBackend
 
 from hpoflow.errors import RunDirError
 from hpoflow.run.rundir import RunLock, redact, resolve
+from tests.infra.postgres import PostgresServer
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
@@ -124,13 +125,70 @@ def test_no_password_is_written_or_printed(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr  # no database answers on port 1: a clean error
     assert "cannot open the study's storage postgresql://alice:***@127.0.0.1:1/hpo" in r.stderr
     assert "Traceback" not in r.stderr
-    written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
-    assert "s3cret" not in written + r.stdout + r.stderr
-    assert "alice:***@" in (tmp_path / "run" / "spec.yaml").read_text()
+    assert "s3cret" not in r.stdout + r.stderr
+    assert not (tmp_path / "run").exists()  # a storage that cannot be opened writes nothing
     # the URL can come from an environment variable that the spec names
     spec = _spec(tmp_path / "spec2.yaml", storage_env="HPO_TEST_DB")
     r = hpoflow(tmp_path, "run", str(spec), "--run-dir", "run2")
     assert r.returncode == 2 and "HPO_TEST_DB is not set" in r.stderr
+
+
+def test_a_password_written_in_the_spec_is_redacted_in_spec_yaml(postgres_server: PostgresServer,
+                                                                  tmp_path: Path) -> None:
+    """A URL with a password in the spec's storage: (which hpoflow warns against) runs, and the run
+    directory's copy of the spec holds ``***`` in its place."""
+    url = postgres_server.create_database(f"rd_{abs(hash(tmp_path.name)) % 10**8}")
+    spec = _spec(tmp_path / "spec.yaml", storage=url, space={"x": {"type": "float", "low": 0.0, "high": 1.0}},
+                 training={"function": "trainfns_light:nap", "options": {"seconds": 0.05}})
+    r = hpoflow(tmp_path, "run", str(spec), "--run-dir", "run", "--json")
+    assert r.returncode == 0, r.stderr
+    written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert postgres_server.password not in written + r.stdout + r.stderr
+    shown = redact(url)
+    assert shown is not None and ":***@" in shown and shown in (tmp_path / "run" / "spec.yaml").read_text()
+
+
+def _one_line(r: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused command printed (asserting exit code 2, one line, no traceback)."""
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr.strip()
+
+
+def test_a_storage_that_cannot_be_opened_writes_nothing_and_the_same_command_runs_once_fixed(tmp_path: Path) -> None:
+    """A storage URL that fails to open: one line naming the file at fault, and nothing written to the
+    run directory (spec.yaml was left behind, so the command with the URL fixed was refused: "holds a
+    run of a different study (they differ at storage)"). ``sqlite:////some/dir`` (a directory) is seen
+    before the run directory is touched, by validate too; a directory that is not there when the
+    database is opened, and a database that does not answer, are met in the run directory, and what
+    the run wrote there is taken back (a directory it made is removed)."""
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
+    training = {"function": "trainfns_light:nap", "options": {"seconds": 0.05}}
+    adir = tmp_path / "adir"
+    adir.mkdir()
+    (tmp_path / "empty").mkdir()  # a run directory made beforehand: left as found, but for the run lock
+    _spec(tmp_path / "spec.yaml", storage=f"sqlite:///{adir}", space=space, training=training)
+    expected = (f"hpoflow: error: storage: cannot open the study's storage sqlite:///{adir}: {adir} is a directory, "
+                f"not an SQLite database file. Fix: name a file, such as sqlite:///{adir / 'study.db'}")
+    for args in (("run", str(tmp_path / "spec.yaml"), "--run-dir", "run"), ("validate", str(tmp_path / "spec.yaml"))):
+        assert _one_line(hpoflow(tmp_path, *args)) == expected
+    assert not (tmp_path / "run").exists()
+    met_at_open = [(f"sqlite:///{tmp_path / 'nodir' / 'study.db'}", ("run", "empty"),
+                    f"{tmp_path / 'nodir'} does not exist (SQLite creates the database file, not its directory)"),
+                   ("postgresql://u@127.0.0.1:1/hpo", ("run",),
+                    "cannot open the study's storage postgresql://u@127.0.0.1:1/hpo: ")]
+    for url, run_dirs, words in met_at_open:
+        _spec(tmp_path / "spec.yaml", storage=url, space=space, training=training)
+        for rd in run_dirs:
+            line = _one_line(hpoflow(tmp_path, "run", str(tmp_path / "spec.yaml"), "--run-dir", rd))
+            assert line.startswith("hpoflow: error: ") and words in line, line
+            assert not (tmp_path / "run").exists()  # made by the command, removed with what it wrote
+            assert [p.name for p in (tmp_path / "empty").iterdir()] in ([], [".hpoflow.lock"])
+    _spec(tmp_path / "spec.yaml", storage=f"sqlite:///{adir / 'study.db'}", space=space, training=training)
+    for rd in ("run", "empty"):
+        r = hpoflow(tmp_path, "run", str(tmp_path / "spec.yaml"), "--run-dir", rd, "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["n_complete"] == 3
 
 
 def test_a_study_whose_trials_all_fail_exits_3_and_says_why(tmp_path: Path) -> None:

@@ -1,13 +1,19 @@
-"""The default storage: Optuna's journal format, readable by plain Optuna, with a fast WAITING index."""
+"""The default storage: Optuna's journal format, readable by plain Optuna, with a fast WAITING index; and
+storages that cannot work: refused with one line naming the file at fault, before anything is written."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import optuna
 import pytest
+import yaml
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
@@ -66,3 +72,97 @@ def test_the_fast_paths_are_taken_with_this_optuna(tmp_path: Path, monkeypatch: 
     assert trial.suggest_float("x", 0, 1) == 0.25
     study.tell(trial, 1.0)
     assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE]
+
+
+# -- storages that cannot work, through the CLI ------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+N = 3
+
+
+def _spec(path: Path, **extra: Any) -> Path:
+    data = {"study": {"name": "where", "metric": "value", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": N, "max_concurrent": 1, "seed": 1},
+            "training": {"function": "trainfns_light:nap", "options": {"seconds": 0.05}},
+            "oracle": {"enabled": False}, **extra}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _hpoflow(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpoflow", *args], cwd=cwd, env={**ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_line(r: subprocess.CompletedProcess[str], code: int = 2) -> str:
+    """The one line a refused command printed (asserting exit ``code``, one line, no traceback)."""
+    assert r.returncode == code, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr.strip()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A read-only tmpfs, unmounted afterwards; skips where mounting is refused (not root)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True,
+                       text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+@pytest.mark.parametrize("kind", ["directory", "device", "proc file", "read-only file system"])
+def test_a_journal_path_that_cannot_work_is_named_with_why(tmp_path: Path, kind: str,
+                                                         request: pytest.FixtureRequest) -> None:
+    """A journal path that is a directory, ``/dev/null``, ``/proc/self/status`` or on a read-only file
+    system: one line naming it and why, exit 2, nothing written (they blamed the run directory, and
+    ``/dev/null`` failed with "AssertionError: Should not reach"); validate refuses what it can see."""
+    if kind == "directory":
+        path, why, seen_by_validate = tmp_path / "adir", "it is a directory, and a journal is a file", True
+        path.mkdir()
+    elif kind == "device":
+        path, why, seen_by_validate = Path("/dev/null"), "it is a character device, and a journal is a file", True
+    elif kind == "proc file":
+        path = Path("/proc/self/status")
+        why, seen_by_validate = "its lock file /proc/self/status.lock: No such file or directory", False
+    else:
+        path = request.getfixturevalue("read_only_dir") / "study.journal"
+        why, seen_by_validate = f"its lock file {path}.lock: the file system is read-only", False
+    _spec(tmp_path / "spec.yaml", storage=str(path))
+    expected = (f"hpoflow: error: storage: cannot use {path} as the study's journal: {why}. Fix: point storage: at a "
+                "file in a directory you can write to, or leave storage: out (the run directory's study.journal)")
+    assert _one_line(_hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run")) == expected
+    assert not (tmp_path / "run").exists()
+    r = _hpoflow(tmp_path, "validate", "spec.yaml")
+    if seen_by_validate:
+        assert _one_line(r) == expected
+    else:
+        assert r.returncode == 0, r.stderr
+
+
+def test_an_in_memory_storage_is_refused_by_validate_and_run(tmp_path: Path) -> None:
+    """An in-memory database keeps nothing once the run ends (the run exited 0, ``status`` found no
+    storage and a rerun ran every trial again): refused before anything is written, as the spec's
+    ``storage`` (with its line) or as the value of ``storage_env``'s variable. (Which URLs are in
+    memory: tests/spec/test_spec_errors.py.)"""
+    lines = _spec(tmp_path / "spec.yaml", storage="sqlite://").read_text().splitlines()
+    line = 1 + next(i for i, text in enumerate(lines) if text.startswith("storage:"))
+    for args in (("validate", "spec.yaml"), ("run", "spec.yaml", "--run-dir", "run")):
+        r = _hpoflow(tmp_path, *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"spec.yaml:{line}: storage: 'sqlite://' is an SQLite URL with no database file" in r.stderr
+        assert "nothing is kept when the run ends: `hpoflow status` and a resume cannot find the study" in r.stderr
+    _spec(tmp_path / "spec.yaml", storage_env="HPO_TEST_DB")
+    for args in (("validate", "spec.yaml"), ("run", "spec.yaml", "--run-dir", "run")):
+        line_ = _one_line(_hpoflow(tmp_path, *args, env={"HPO_TEST_DB": "sqlite:///:memory:"}))
+        assert line_.startswith("hpoflow: error: storage_env: the environment variable HPO_TEST_DB holds "
+                                "'sqlite:///:memory:', an SQLite in-memory database: it lives only"), line_
+        assert line_.endswith("Fix: export HPO_TEST_DB=<URL of a database file or server>")
+    assert not (tmp_path / "run").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpoflow.errors import SpecError
-from hpoflow.spec import load_spec
+from hpoflow.spec import in_memory_storage, load_spec
 
 GOOD = """\
 study:
@@ -74,7 +75,22 @@ CASES = [
      "choose one of: auto, True, False"),
     ("elastic max < min", "n_trials: 4", "n_trials: 4\nresources:\n  processes: {min: 2, max: 1}",
      "resources.processes", 14, "max (1) must be >= min (2)"),
+    ("in-memory storage", "search:\n", "storage: 'sqlite:///:memory:'\nsearch:\n", "storage", 10,
+     "'sqlite:///:memory:' is an SQLite in-memory database: it lives only inside the driver's process"),
+    ("negative core", "search:\n", "engine_options: {cores: [0, -1]}\nsearch:\n", "engine_options.cores.1", 10,
+     "must be >= 0, but got -1"),
 ]
+
+
+@pytest.mark.parametrize(("url", "in_memory"), [
+    ("sqlite://", True), ("sqlite:///", True), ("sqlite://?timeout=5", True), ("sqlite:///:memory:", True),
+    ("sqlite+pysqlite:///:memory:", True), ("sqlite:///file::memory:?cache=shared&uri=true", True),
+    ("sqlite:///file:study?mode=memory&cache=shared&uri=true", True),
+    ("sqlite:///study.db", False), ("sqlite:////abs/study.db", False), ("sqlite:///file:study.db?uri=true", False),
+    ("postgresql://u@h/memory", False), ("study.journal", False), ("/dev/shm/study.journal", False),
+])
+def test_which_storages_are_in_memory(url: str, in_memory: bool) -> None:
+    assert (in_memory_storage(url) is not None) == in_memory
 
 
 @pytest.mark.parametrize("name,old,new,path,line,words", CASES, ids=[c[0] for c in CASES])
@@ -132,6 +148,44 @@ def test_validate_rejects_more_cores_than_machine(tmp_path: Path) -> None:
                        timeout=60)
     assert p.returncode == 2
     assert "256 cores" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_engine_options_cores_and_gpus_are_checked_against_this_machine(tmp_path: Path) -> None:
+    """The local engine's ``engine_options.cores`` and ``gpus`` are checked by validate and run against
+    this process's CPU affinity and the GPUs visible here (``cores: [-1]`` validated, then every trial
+    failed with a sched_setaffinity traceback; ``cores: [0, 99]`` was only warned about): one line
+    with the key path, exit 2, nothing written.
+    The commands run with their affinity set to one core, and CUDA_VISIBLE_DEVICES=0 (one GPU, as far
+    as the check can tell: it reads no device)."""
+    first = min(os.sched_getaffinity(0))
+    tests = Path(__file__).resolve().parents[1]  # for trainfns_light
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0",
+           "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+
+    def hpoflow(*args: str, options: str, spec: str = GOOD) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "spec.yaml").write_text(spec + f"engine_options: {options}\n")
+        return subprocess.run([sys.executable, "-m", "hpoflow", *args], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {first}))
+
+    r = hpoflow("validate", "spec.yaml", options=f"{{cores: [{first}, {first + 1}]}}")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == (f"hpoflow: error: engine_options.cores.1: core {first + 1} is not one the local engine can use "
+                        f"on this machine (this process's CPU affinity: {first}). Fix: list cores among those, or "
+                        "leave engine_options.cores out to use them all\n")
+    r = hpoflow("validate", "spec.yaml", options="{gpus: [1]}")
+    assert r.returncode == 2 and r.stderr.startswith("hpoflow: error: engine_options.gpus.0: GPU 1 is not one the "
+                                                     "local engine can use on this machine (visible GPUs, from "
+                                                     "CUDA_VISIBLE_DEVICES or else the NVIDIA driver: 0)"), r.stderr
+    r = hpoflow("validate", "spec.yaml", options=f"{{cores: [{first}], gpus: [0]}}")
+    assert r.returncode == 0, r.stderr
+    light = ("study: {name: cores, metric: value, direction: maximize}\n"
+             "space: {x: {type: float, low: 0.0, high: 1.0}}\n"
+             "search: {algorithm: random, n_trials: 2}\n"
+             "training: {function: 'trainfns_light:nap'}\n"
+             "oracle: {enabled: false}\n")
+    r = hpoflow("run", "spec.yaml", "--run-dir", "run", options=f"{{cores: [{first + 1}]}}", spec=light)
+    assert r.returncode == 2 and f"engine_options.cores.0: core {first + 1} is not one" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_examples_are_valid() -> None:

@@ -50,6 +50,29 @@ __all__ = ["LocalEngine", "plan_placement"]
 
 _LOG_DRAIN_S = 5.0  # how long a result waits for its rank logs' pipes to drain (normally milliseconds)
 
+
+def _ids(ids: Sequence[GpuId]) -> str:
+    """Ids for a message: consecutive whole numbers as a range (``0-3,8``), others as they are."""
+    runs: list[list[GpuId]] = []
+    for i in ids:
+        last = runs[-1][-1] if runs else None
+        if isinstance(i, int) and isinstance(last, int) and i == last + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _check_ids(key: str, given: list[int] | None, usable: Sequence[GpuId], what: str, where: str) -> None:
+    """``EngineError`` naming ``engine_options.<key>.<i>`` when a listed id is not one this machine gives."""
+    for i, x in enumerate(given or ()):
+        if x not in usable:
+            fix = (f"list {key} among those, or leave engine_options.{key} out to use them all" if usable else
+                   f"leave engine_options.{key} out, or run where there are some")
+            raise EngineError(f"engine_options.{key}.{i}: {what} {x} is not one the local engine can use on this "
+                              f"machine ({where}: {_ids(usable) or 'none'}). Fix: {fix}")
+
+
 class LocalEngine(Engine):
     """Runs trials as ranks on warm worker processes of this machine; see the module docstring.
 
@@ -106,8 +129,14 @@ class LocalEngine(Engine):
         if request.nodes > 1:
             raise EngineError(f"resources.nodes={request.nodes}: the local engine runs a trial on this machine only. "
                               "Fix: set resources.nodes to 1, or use a cluster engine (engine: compss)")
-        cores = options.cores if options.cores is not None else machine_cores()
-        gpus = options.gpus if options.gpus is not None else detect_gpus()
+        usable = machine_cores()
+        visible = detect_gpus()
+        _check_ids("cores", options.cores, usable, "core", "this process's CPU affinity")
+        if all(isinstance(g, int) for g in visible):  # (UUIDs in CUDA_VISIBLE_DEVICES: no index to compare)
+            _check_ids("gpus", options.gpus, visible, "GPU",
+                       "visible GPUs, from CUDA_VISIBLE_DEVICES or else the NVIDIA driver")
+        cores = options.cores if options.cores is not None else usable
+        gpus = options.gpus if options.gpus is not None else visible
         check_fits(request, len(cores), len(gpus))
         try:
             cap_bytes()  # the engine refuses to start with a rank log cap it cannot read
