@@ -12,6 +12,7 @@ import itertools
 import math
 import re
 import unicodedata
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -53,6 +54,7 @@ __all__ = [
     "TrackingSpec",
     "TrainConfig",
     "parse_constraint",
+    "placeholders",
     "unprintable",
 ]
 
@@ -61,6 +63,22 @@ Scalar = bool | int | float | str | None
 # optimizer param-group keys the built-in trainer may change between epochs of one run (training.schedule,
 # a PBT member's resume with new values)
 SCHEDULABLE = ("lr", "momentum", "weight_decay")
+
+
+def placeholders(value: Any) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    """Yield ``(path, param_name)`` for every ``${param}`` inside ``value`` (nested dicts/lists)."""
+    if isinstance(value, str):
+        m = PLACEHOLDER.match(value.strip())
+        if m:
+            yield (), m.group(1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            for sub, name in placeholders(v):
+                yield (k, *sub), name
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            for sub, name in placeholders(v):
+                yield (i, *sub), name
 
 
 def unprintable(name: str) -> str:
@@ -769,7 +787,9 @@ class StudySpec(_Strict):
     def _check_pbt(self) -> StudySpec:
         """``search.scheduler: {type: pbt}`` (docs/schedulers.md): explored hyperparameters are float/int
         parameters of the space; every member trains a fixed ``training.epochs``; with the built-in
-        trainer an explored hyperparameter feeds only what a resume may change (``SCHEDULABLE``)."""
+        trainer an explored hyperparameter feeds only ``SCHEDULABLE`` keys of ``training`` itself: a member
+        resumes from a checkpoint whose fingerprint covers every other value (``model_options`` included,
+        at any depth), and ``best.yaml`` replays the changes as a ``training.schedule``, which holds only those."""
         s = self.search.scheduler
         if s.type != "pbt":
             return self
@@ -798,13 +818,14 @@ class StudySpec(_Strict):
                 "write a whole number", {"e": epochs})
         if self.training.get("function"):
             return self
-        for key, value in self.training.items():
-            m = PLACEHOLDER.match(value) if isinstance(value, str) else None
-            if m and m.group(1) in names and key not in SCHEDULABLE:
+        for path, name in placeholders(self.training):
+            if name in names and not (len(path) == 1 and path[0] in SCHEDULABLE):
                 raise PydanticCustomError(
-                    "pbt_resume_key", "training.{k}: PBT changes '{n}' when a member resumes from a checkpoint, "
-                    "which the built-in trainer allows only for {ok}. Fix: leave '{n}' out of "
-                    "search.scheduler.hyperparams", {"k": key, "n": m.group(1), "ok": ", ".join(SCHEDULABLE)})
+                    "pbt_resume_key", "{at}: PBT changes '{n}' when a member resumes from a checkpoint, and the "
+                    "built-in trainer resumes a checkpoint with new values only of training.{ok}. Fix: list "
+                    "search.scheduler.hyperparams without '{n}' (each member then keeps its value)",
+                    {"at": ".".join(str(k) for k in ("training", *path)), "n": name,
+                     "ok": ", training.".join(SCHEDULABLE)})
         return self
 
     @model_validator(mode="after")
