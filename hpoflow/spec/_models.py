@@ -308,6 +308,12 @@ def _checked_name(registry: Registry[Any], name: str, at: str) -> None:
         raise PydanticCustomError("unknown_plugin", "{at}: {msg}", {"at": at, "msg": registry.unknown(name)})
 
 
+def _non_default(registry: Registry[Any], name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A plug-in's options (validated already) without those at their defaults: what a spec sets."""
+    model = registry.options_model(name).model_validate(values)
+    return model.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+
+
 def _check_plugin(spec: BaseModel, registry: Registry[Any], name_key: str, options_at: str) -> None:
     """The plug-in named by ``spec.<name_key>`` exists and ``spec.options`` are its options; the spec
     keeps all of them, defaults included (frozen: normalised once, here)."""
@@ -377,6 +383,10 @@ class SchedulerSpec(_Strict):
     @property
     def enabled(self) -> bool:
         return self.type != "none"
+
+    def settings(self) -> dict[str, Any]:
+        """``type`` and the options that differ from their defaults, flat as the YAML writes them."""
+        return {"type": self.type, **_non_default(SCHEDULERS, self.type, self.options)}
 
 
 class SearchSpec(_Strict):
@@ -587,6 +597,25 @@ class TrainConfig(_Strict):
                 "hold state of their own. Fix: use format replica or safetensors, or strategy allreduce",
                 {"at": "checkpoint.format", "fmt": self.checkpoint.format, "s": self.strategy})
         return self
+
+    def settings(self) -> dict[str, Any]:
+        """What this config sets, as JSON: every value that differs from its default, down to the options
+        of its model, strategy and checkpoint format. Writing a default out or leaving it out gives the
+        same settings, and so does a field that a later hpoflow adds at its default."""
+        data = self.model_dump(mode="json", exclude_defaults=True)
+        options: list[tuple[str, dict[str, Any], Registry[Any], str]] = (
+            [("model_options", data, MODELS, self.model)] if self.function is None else [])
+        options.append(("strategy_options", data, STRATEGIES, self.strategy))
+        if "checkpoint" in data:
+            options.append(("options", data["checkpoint"], CHECKPOINT_FORMATS, self.checkpoint.format))
+        for key, where, registry, name in options:
+            if key in where:
+                where[key] = _non_default(registry, name, where[key])
+                if not where[key]:
+                    del where[key]
+        if data.get("checkpoint") == {}:
+            del data["checkpoint"]
+        return data
 
     def _check_precision(self, chosen: dict[str, Any]) -> None:
         """Precision against the strategy: fp16's loss scaler must decide alike on every rank."""

@@ -126,11 +126,28 @@ def test_no_password_is_written_or_printed(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
     written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
     assert "s3cret" not in written + r.stdout + r.stderr
-    assert "alice:***@" in (tmp_path / "run" / "spec.yaml").read_text()
+    assert not (tmp_path / "run" / "spec.yaml").exists()  # a storage that did not open: no spec.yaml to refuse
     # the URL can come from an environment variable that the spec names
     spec = _spec(tmp_path / "spec2.yaml", storage_env="HPO_TEST_DB")
     r = hpoflow(tmp_path, "run", str(spec), "--run-dir", "run2")
     assert r.returncode == 2 and "HPO_TEST_DB is not set" in r.stderr
+
+
+def test_a_storage_password_is_redacted_in_spec_yaml(tmp_path: Path, postgres_url: str) -> None:
+    from sqlalchemy.engine import make_url
+
+    password = make_url(postgres_url).password
+    assert password
+    spec = _spec(tmp_path / "spec.yaml", storage=postgres_url,
+                 study={"name": f"rd-{os.getpid()}-{tmp_path.name}", "metric": "value", "direction": "maximize"},
+                 space={"x": {"type": "float", "low": 0.0, "high": 1.0}},
+                 search={"algorithm": "random", "n_trials": 1, "seed": 1},
+                 training={"function": "trainfns_light:nap", "options": {"seconds": 0.0}})
+    r = hpoflow(tmp_path, "run", str(spec), "--run-dir", "run", "--json")
+    assert r.returncode == 0, r.stderr
+    assert ":***@" in (tmp_path / "run" / "spec.yaml").read_text()
+    written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert password not in written + r.stdout + r.stderr
 
 
 def test_a_study_whose_trials_all_fail_exits_3_and_says_why(tmp_path: Path) -> None:
