@@ -149,6 +149,10 @@ def _slurm(args: argparse.Namespace) -> int:
     if spec.engine != "slurm":
         raise EngineError(f"{args.spec} runs its trials on engine {spec.engine!r}; hpoflow launch --engine slurm runs "
                           "a driver whose trials are SLURM job steps. Fix: set engine: slurm in the spec")
+    if args.drivers > 1 and spec.search.scheduler.type == "pbt":
+        raise EngineError(f"--drivers {args.drivers} runs one study from several drivers, but a PBT study's population "
+                          "is owned by one driver (search.scheduler: pbt). Fix: --drivers 1 (for more intervals at "
+                          "once: raise search.max_concurrent, and --nodes)")
     if args.drivers > 1 and spec.storage is None and spec.storage_env is None:
         raise EngineError(f"--drivers {args.drivers} runs one study from several drivers, which needs one storage "
                           "they all reach, but the spec keeps the study in each run directory. Fix: set storage: in "

@@ -1,7 +1,9 @@
 """Opening a run directory's study: the resume checks, the files written once, and read-only access.
 
 ``open_study`` is what ``optimize`` does before its first trial: check that the directory holds this
-study (or nothing), write ``spec.yaml`` and ``run.json`` once, and create or reopen the Optuna study.
+study (or nothing), create or reopen the Optuna study, check that the study is one of this spec (the
+study system attr ``hpoflow_spec``: ``hpoflow.spec.study_fingerprint``, recorded by the driver that
+created the study), and only then write ``spec.yaml`` and ``run.json`` once.
 ``open_run_storage`` / ``load_run`` open a run for reading (``status``, ``report``, ``dashboard``,
 a warm start) and create nothing; ``run_budget`` is the run's ``search.n_trials``. Nothing secret is
 written: a storage password becomes ``***``.
@@ -28,13 +30,14 @@ from hpoflow.errors import HpoflowError, RunDirError, SpecError
 from hpoflow.fileio import write_atomic
 from hpoflow.registry import SCHEDULERS
 from hpoflow.run import rundir
+from hpoflow.run.lease import LEASE_PREFIX
 from hpoflow.run.retry import RetryingStorage, StorageFull, StorageUnavailable, transient_cause
 from hpoflow.run.rundir import redact
-from hpoflow.run.storage import open_storage, storage_label
-from hpoflow.spec import StudySpec, TrainConfig, in_memory_storage, spec_from_mapping
+from hpoflow.run.storage import DEFAULT_JOURNAL, open_storage, storage_label
+from hpoflow.spec import StudySpec, TrainConfig, in_memory_storage, spec_from_mapping, study_fingerprint
 
-__all__ = ["LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "load_run", "open_run_storage", "open_study", "run_budget",
-           "study_url"]
+__all__ = ["ATTR_SPEC", "LAUNCH_DIR", "RESUMABLE_KEYS", "check_resume", "check_study_spec", "load_run",
+           "open_run_storage", "open_study", "run_budget", "study_url"]
 
 LAUNCH_DIR = "launch"  # hpoflow launch's batch script and the job's output, written before the run starts
 
@@ -44,8 +47,15 @@ RESUMABLE_KEYS = {("search", "n_trials"), ("search", "timeout"), ("search", "max
                   ("resources", "max_retries"), ("storage_retry_s",), ("search", "lease_s")}
 
 
+ATTR_SPEC = "hpoflow_spec"  # study system attr: what the study's trials have in common (study_fingerprint)
+_SPEC_WAIT_S = 10.0  # how long a driver that finds a new study without it waits for its creator to record it
+
+
 def _diff(a: Any, b: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The key paths where two mappings differ; of two mappings of different ``type`` only that key."""
     if isinstance(a, dict) and isinstance(b, dict):
+        if "type" in a and "type" in b and a["type"] != b["type"]:
+            return [(*path, "type")]
         out: list[tuple[str, ...]] = []
         for k in sorted(set(a) | set(b)):
             out += _diff(a.get(k), b.get(k), (*path, str(k)))
@@ -58,7 +68,10 @@ def check_resume(run_dir: Path, spec: StudySpec) -> None:
     ``RESUMABLE_KEYS`` may differ)."""
     old_path = run_dir / "spec.yaml"
     if not old_path.exists():
-        if any(p.name not in (rundir.LOCK_FILE, LAUNCH_DIR) for p in run_dir.iterdir()):
+        # (a run stopped between opening its journal and writing spec.yaml left the journal: its study,
+        # if any, is checked against this spec by check_study_spec)
+        started = (rundir.LOCK_FILE, LAUNCH_DIR, DEFAULT_JOURNAL, f"{DEFAULT_JOURNAL}.lock")
+        if any(p.name not in started for p in run_dir.iterdir()):
             raise RunDirError(
                 f"{run_dir} exists, is not empty and holds no spec.yaml, so it is not an hpoflow run "
                 "directory. Fix: choose another --run-dir"
@@ -80,6 +93,59 @@ def check_resume(run_dir: Path, spec: StudySpec) -> None:
             "storage_retry_s may change on "
             "resume)"
         )
+
+
+_ABSENT = object()
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _differences(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """Where this spec's fingerprint differs from the study's, as ``path (the study: X, this spec: Y)``."""
+    out = []
+    order = ("study", "space", "search", "training")  # the spec's order
+    for path in sorted(_diff(theirs, mine), key=lambda p: order.index(p[0]) if p[0] in order else len(order)):
+        sides = []
+        for where in (theirs, mine):
+            for key in path:
+                where = where.get(key, _ABSENT) if isinstance(where, dict) else _ABSENT
+            sides.append("not set" if where is _ABSENT else _shown(where))
+        out.append(f"{'.'.join(path)} (the study: {sides[0]}, this spec: {sides[1]})")
+    return out
+
+
+def check_study_spec(storage: optuna.storages.BaseStorage, study_id: int, spec: StudySpec, label: str, *,
+                     created: bool) -> None:
+    """Record this spec's fingerprint in a study this driver ``created``; otherwise ``RunDirError`` unless
+    the study holds the same one. A study that holds none is one from before hpoflow recorded it (it has
+    trials or driver leases) or one whose creator has not recorded it yet: after ``_SPEC_WAIT_S`` for it,
+    or at once for an older study, this spec's is recorded and the study is joined."""
+    mine = study_fingerprint(spec)
+    if created:
+        storage.set_study_system_attr(study_id, ATTR_SPEC, mine)
+        return
+    deadline = time.monotonic() + _SPEC_WAIT_S
+    while True:
+        attrs = storage.get_study_system_attrs(study_id)
+        theirs = attrs.get(ATTR_SPEC)
+        if theirs is not None:
+            break
+        older = any(k.startswith(LEASE_PREFIX) for k in attrs) or storage.get_n_trials(study_id) > 0
+        if older or time.monotonic() >= deadline:
+            storage.set_study_system_attr(study_id, ATTR_SPEC, mine)
+            return
+        time.sleep(0.05)
+    differences = _differences(theirs, mine)
+    if differences:
+        more = f" and {len(differences) - 5} more" if len(differences) > 5 else ""
+        raise RunDirError(
+            f"the study {spec.study.name!r} in {label} belongs to another spec: they differ at "
+            f"{', '.join(differences[:5])}{more}. Its drivers must agree on the objectives, space, search.scheduler "
+            "and training, or their trials cannot be compared. Fix: give this spec the study's values, or another "
+            "study.name (or storage)")
 
 
 def _open_error(exc: Exception, url: str | None, label: str) -> HpoflowError:
@@ -145,13 +211,34 @@ def _taken_back_on_error(rd: Path, url: str | None) -> Iterator[None]:
 def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
                sampler_for: Callable[[int], optuna.samplers.BaseSampler],
                pruner: optuna.pruners.BasePruner) -> tuple[optuna.Study, str]:
-    """Check the directory holds this study (or nothing), write spec.yaml and run.json once, and
-    create or reopen the study: (study, redacted storage label). ``sampler_for(n)`` is the sampler for
+    """Check the directory holds this study (or nothing), create or reopen the study and check it is
+    this spec's (``check_study_spec``), then write spec.yaml and run.json once: (study, redacted storage
+    label). A study refused leaves nothing new in the directory. ``sampler_for(n)`` is the sampler for
     a study that already holds ``n`` trials (a resumed stream must not repeat the first run's)."""
     check_resume(rd, spec)
     label = redact(storage_label(url, rd)) or ""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with _taken_back_on_error(rd, url):
+        storage = None
+        try:  # no waiting at open: a URL that does not answer now is more often wrong than down
+            storage = RetryingStorage(optuna.storages.get_storage(open_storage(url, rd)), label, 0.0,
+                                      secret=password_of(url))
+            try:
+                study = optuna.create_study(
+                    storage=storage, study_name=spec.study.name,
+                    directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
+                    sampler=sampler_for(0), pruner=pruner)
+                created = True
+            except optuna.exceptions.DuplicatedStudyError:
+                study = optuna.load_study(study_name=spec.study.name, storage=storage, sampler=sampler_for(0),
+                                          pruner=pruner)
+                created = False
+        except (OSError, StorageFull):
+            raise
+        except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials
+            raise _open_error(exc, url, label) from None
+        storage.retry_s = spec.storage_retry_s
+        check_study_spec(storage, study._study_id, spec, label, created=created)  # (Optuna keeps the id private)
         (rd / "trials").mkdir(exist_ok=True)
         if not (rd / "spec.yaml").exists():
             if spec.storage is not None and redact(spec.storage) != spec.storage:
@@ -159,19 +246,6 @@ def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
                 data["storage"] = redact(spec.storage)
                 text = yaml.safe_dump(data, sort_keys=False)
             write_atomic(rd / "spec.yaml", text)
-        try:  # no waiting at open: a URL that does not answer now is more often wrong than down
-            storage = RetryingStorage(optuna.storages.get_storage(open_storage(url, rd)), label, 0.0,
-                                      secret=password_of(url))
-            study = optuna.create_study(
-                storage=storage, study_name=spec.study.name,
-                directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
-                sampler=sampler_for(0), pruner=pruner, load_if_exists=True,
-            )
-        except (OSError, StorageFull):
-            raise
-        except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials
-            raise _open_error(exc, url, label) from None
-    storage.retry_s = spec.storage_retry_s
     if spec.study.multi and study.metric_names is None:
         with warnings.catch_warnings():  # experimental in Optuna 5, and the one public way to name them
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

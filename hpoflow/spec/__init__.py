@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hpoflow.spec._fingerprint import study_fingerprint
 from hpoflow.spec._load import (
     BUILTIN_MEASURES,
     BUILTIN_METRICS,
@@ -68,5 +69,6 @@ __all__ = [
     "resolve_training",
     "search_dirs",
     "spec_from_mapping",
+    "study_fingerprint",
     "unprintable",
 ]

@@ -30,6 +30,7 @@ from hpoflow.spec._models import (
     Param,
     StudySpec,
     TrainConfig,
+    placeholders,
 )
 from hpoflow.spec._yaml import MAX_BYTES, MAX_DEPTH, Path, load_yaml_with_lines
 
@@ -136,22 +137,6 @@ def _issues_from_validation(
             msg = msg.removeprefix("Value error, ")
         issues.append(Issue(path, msg, line, source))
     return issues
-
-
-def placeholders(value: Any) -> Iterator[tuple[tuple[str | int, ...], str]]:
-    """Yield ``(path, param_name)`` for every ``${param}`` inside ``value`` (nested dicts/lists)."""
-    if isinstance(value, str):
-        m = PLACEHOLDER.match(value.strip())
-        if m:
-            yield (), m.group(1)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            for sub, name in placeholders(v):
-                yield (k, *sub), name
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            for sub, name in placeholders(v):
-                yield (i, *sub), name
 
 
 def _substitute(value: Any, params: Mapping[str, Any]) -> Any:

@@ -12,6 +12,7 @@ import itertools
 import math
 import re
 import unicodedata
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -54,6 +55,7 @@ __all__ = [
     "TrainConfig",
     "in_memory_storage",
     "parse_constraint",
+    "placeholders",
     "unprintable",
 ]
 
@@ -77,6 +79,22 @@ def in_memory_storage(url: str) -> str | None:
     if database == ":memory:" or database.startswith("file::memory:") or "mode=memory" in query.split("&"):
         return "an SQLite in-memory database"
     return None
+
+
+def placeholders(value: Any) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    """Yield ``(path, param_name)`` for every ``${param}`` inside ``value`` (nested dicts/lists)."""
+    if isinstance(value, str):
+        m = PLACEHOLDER.match(value.strip())
+        if m:
+            yield (), m.group(1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            for sub, name in placeholders(v):
+                yield (k, *sub), name
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            for sub, name in placeholders(v):
+                yield (i, *sub), name
 
 
 def unprintable(name: str) -> str:
@@ -306,6 +324,12 @@ def _checked_name(registry: Registry[Any], name: str, at: str) -> None:
         raise PydanticCustomError("unknown_plugin", "{at}: {msg}", {"at": at, "msg": registry.unknown(name)})
 
 
+def _non_default(registry: Registry[Any], name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A plug-in's options (validated already) without those at their defaults: what a spec sets."""
+    model = registry.options_model(name).model_validate(values)
+    return model.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+
+
 def _check_plugin(spec: BaseModel, registry: Registry[Any], name_key: str, options_at: str) -> None:
     """The plug-in named by ``spec.<name_key>`` exists and ``spec.options`` are its options; the spec
     keeps all of them, defaults included (frozen: normalised once, here)."""
@@ -375,6 +399,10 @@ class SchedulerSpec(_Strict):
     @property
     def enabled(self) -> bool:
         return self.type != "none"
+
+    def settings(self) -> dict[str, Any]:
+        """``type`` and the options that differ from their defaults, flat as the YAML writes them."""
+        return {"type": self.type, **_non_default(SCHEDULERS, self.type, self.options)}
 
 
 class SearchSpec(_Strict):
@@ -585,6 +613,25 @@ class TrainConfig(_Strict):
                 "hold state of their own. Fix: use format replica or safetensors, or strategy allreduce",
                 {"at": "checkpoint.format", "fmt": self.checkpoint.format, "s": self.strategy})
         return self
+
+    def settings(self) -> dict[str, Any]:
+        """What this config sets, as JSON: every value that differs from its default, down to the options
+        of its model, strategy and checkpoint format. Writing a default out or leaving it out gives the
+        same settings, and so does a field that a later hpoflow adds at its default."""
+        data = self.model_dump(mode="json", exclude_defaults=True)
+        options: list[tuple[str, dict[str, Any], Registry[Any], str]] = (
+            [("model_options", data, MODELS, self.model)] if self.function is None else [])
+        options.append(("strategy_options", data, STRATEGIES, self.strategy))
+        if "checkpoint" in data:
+            options.append(("options", data["checkpoint"], CHECKPOINT_FORMATS, self.checkpoint.format))
+        for key, where, registry, name in options:
+            if key in where:
+                where[key] = _non_default(registry, name, where[key])
+                if not where[key]:
+                    del where[key]
+        if data.get("checkpoint") == {}:
+            del data["checkpoint"]
+        return data
 
     def _check_precision(self, chosen: dict[str, Any]) -> None:
         """Precision against the strategy: fp16's loss scaler must decide alike on every rank."""
@@ -798,7 +845,9 @@ class StudySpec(_Strict):
     def _check_pbt(self) -> StudySpec:
         """``search.scheduler: {type: pbt}`` (docs/schedulers.md): explored hyperparameters are float/int
         parameters of the space; every member trains a fixed ``training.epochs``; with the built-in
-        trainer an explored hyperparameter feeds only what a resume may change (``SCHEDULABLE``)."""
+        trainer an explored hyperparameter feeds only ``SCHEDULABLE`` keys of ``training`` itself: a member
+        resumes from a checkpoint whose fingerprint covers every other value (``model_options`` included,
+        at any depth), and ``best.yaml`` replays the changes as a ``training.schedule``, which holds only those."""
         s = self.search.scheduler
         if s.type != "pbt":
             return self
@@ -827,13 +876,14 @@ class StudySpec(_Strict):
                 "write a whole number", {"e": epochs})
         if self.training.get("function"):
             return self
-        for key, value in self.training.items():
-            m = PLACEHOLDER.match(value) if isinstance(value, str) else None
-            if m and m.group(1) in names and key not in SCHEDULABLE:
+        for path, name in placeholders(self.training):
+            if name in names and not (len(path) == 1 and path[0] in SCHEDULABLE):
                 raise PydanticCustomError(
-                    "pbt_resume_key", "training.{k}: PBT changes '{n}' when a member resumes from a checkpoint, "
-                    "which the built-in trainer allows only for {ok}. Fix: leave '{n}' out of "
-                    "search.scheduler.hyperparams", {"k": key, "n": m.group(1), "ok": ", ".join(SCHEDULABLE)})
+                    "pbt_resume_key", "{at}: PBT changes '{n}' when a member resumes from a checkpoint, and the "
+                    "built-in trainer resumes a checkpoint with new values only of training.{ok}. Fix: list "
+                    "search.scheduler.hyperparams without '{n}' (each member then keeps its value)",
+                    {"at": ".".join(str(k) for k in ("training", *path)), "n": name,
+                     "ok": ", training.".join(SCHEDULABLE)})
         return self
 
     @model_validator(mode="after")

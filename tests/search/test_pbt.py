@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.api import optimize
@@ -23,6 +27,7 @@ from hpoflow.search.options import PbtSchedulerOptions
 from hpoflow.search.pbt import PbtPolicy, explore_pbt, fit
 from hpoflow.spec import FloatParam, IntParam, Param, TrainConfig, spec_from_mapping
 from hpoflow.trial import TrialRequest
+from tests.conftest import ROOT
 
 EPOCHS = 8
 EPOCH_S = 10.0
@@ -169,6 +174,37 @@ def test_bad_pbt_options_are_one_line_naming_the_key(options: dict[str, Any], ke
     with pytest.raises(SpecError) as err:
         spec_from_mapping(spec)
     assert key in str(err.value)
+
+
+@pytest.mark.parametrize(("training", "at"), [
+    ({"model_options": {"hidden": "${units}"}}, "training.model_options.hidden"),
+    ({"schedule": {"lr": [[0, "${lr}"]]}}, "training.schedule.lr.0.1"),
+    ({"batch_size": "${units}"}, "training.batch_size"),
+])
+def test_an_explored_parameter_only_feeds_what_a_resume_may_change_at_any_depth(training: dict[str, Any],
+                                                                                  at: str) -> None:
+    """A nested ``${param}`` used to validate, and then every explored interval failed in the built-in
+    trainer's checkpoint restore (its fingerprint covers model_options)."""
+    spec = _spec(10)
+    spec["training"].update(training)
+    with pytest.raises(SpecError) as err:
+        spec_from_mapping(spec)
+    assert f"{at}: PBT changes" in str(err.value) and "Fix: list search.scheduler.hyperparams without" in str(
+        err.value)
+    spec["search"]["scheduler"]["hyperparams"] = ["x"]  # not explored: each member keeps its value
+    spec_from_mapping(spec)
+
+
+def test_validate_names_the_nested_placeholder_pbt_would_change(tmp_path: Path) -> None:
+    spec = _spec(10)
+    spec["training"]["model_options"] = {"hidden": "${units}"}
+    path = tmp_path / "pbt.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "hpoflow", "validate", str(path)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (issue,) = [line for line in r.stderr.splitlines() if "PBT changes" in line]
+    assert "training.model_options.hidden: PBT changes 'units'" in issue and f"{path}:" in issue
 
 
 @pytest.mark.skipif(importlib.util.find_spec("hpoflow.search.pb2") is not None, reason="PB2's explore step is here")

@@ -113,6 +113,27 @@ def test_a_job_array_gives_each_driver_its_own_run_directory(tmp_path: Path) -> 
     assert """--run-dir '/r un'/driver-"$SLURM_ARRAY_TASK_ID\"""" in script
 
 
+def test_launch_refuses_several_drivers_for_a_pbt_study(tmp_path: Path) -> None:
+    """A PBT study's population is one driver's: ``launch --drivers 2`` is refused before anything is written."""
+    import yaml
+
+    spec = {"study": {"name": "pbt", "metric": "val_accuracy", "direction": "maximize"},
+            "space": {"lr": {"type": "float", "low": 1e-3, "high": 0.1, "log": True}},
+            "search": {"algorithm": "random", "n_trials": 8, "scheduler": {"type": "pbt", "population": 2}},
+            "training": {"model": "mlp", "epochs": 2, "lr": "${lr}"}, "engine": "slurm",
+            "storage": str(tmp_path / "shared.journal")}
+    path = tmp_path / "pbt.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, "-m", "hpoflow", "launch", str(path), "--engine", "slurm", "--drivers", "2",
+                        "--run-dir", str(tmp_path / "run"), "--dry-run"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "--drivers 2" in line and "owned by one driver" in line and "Fix: --drivers 1" in line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(("field", "value"), [("account", "a b"), ("qos", "q\nx"), ("job_name", "n'x")])
 def test_sbatch_lines_carry_only_plain_values(field: str, value: str) -> None:
     with pytest.raises(EngineError, match="SLURM reads it from an #SBATCH line"):
