@@ -134,7 +134,10 @@ def calibration_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 def pytest_configure(config: pytest.Config) -> None:
     """Compile hpoflow's and the tests' modules once (``__pycache__``, as Python's imports would) before
     any test: where ``PYTHONDONTWRITEBYTECODE`` is set, every process a test starts (drivers, workers,
-    ranks: hundreds) would otherwise compile them from source again."""
+    ranks: hundreds) would otherwise compile them from source again. For the same reason pytest may
+    keep the test modules it rewrote for its assertions (``__pycache__/*-pytest-*.pyc``): otherwise every
+    pytest-xdist worker rewrites all of them again on every run (~7 CPU-s each here)."""
+    sys.dont_write_bytecode = False  # this process only; read by pytest's rewriting hook at each import
     if hasattr(config, "workerinput"):
         return  # the controller (or a serial run) has done it
     import compileall
