@@ -18,6 +18,9 @@ and stops; its slot is free) and a free slot goes first to a paused trial that e
 resumed from its checkpoint; with ``type: pbt`` (``hpoflow.search.pbt``) each trial is one interval of
 a member, resumed from its parent's checkpoint. Ask-ahead is off with a scheduler. A PBT study has one
 driver, which claims it before it does anything else; any other driver refuses it (``_own``).
+
+Each attempt after a trial's first (a retry, a promotion, the rerun of an interrupted trial) checkpoints
+in a directory of its own, holding what the attempt before it checkpointed (``hpoflow.run.fencing``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from optuna.trial import TrialState
 
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
+from hpoflow.run.fencing import attempt_dir
 from hpoflow.run.lease import WaitStopped
 from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_GRID
 from hpoflow.run.retry import StorageUnavailable, is_disk_error
@@ -391,11 +395,20 @@ class Driver:
             gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout, memory_gb=r.memory_gb or 0.0,
             pruning=self.spec.search.pruner.type != "none" or self.scheduling is not None,
             python_path=self.python_path, attempt=attempt,
-            seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),
+            seed=train.seed, checkpoint_dir=self._checkpoint_dir(trial.number, trial.user_attrs, attempt),
             elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
             elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
             plugins=tuple(self.spec.plugins),
         )
+
+    def _checkpoint_dir(self, number: int, user_attrs: dict[str, Any], attempt: int) -> str:
+        """Where this attempt of trial ``number`` checkpoints, made ready (``hpoflow.run.fencing``): its
+        chain's root (its own trial directory's ``checkpoints``, ``""``, unless it inherited one) for the
+        chain's first attempt, else a directory of its own holding the newest older attempt's checkpoints."""
+        trial_dir = self.run_dir / "trials" / str(number)
+        root = Path(user_attrs.get(ATTR_CHECKPOINTS) or trial_dir / "checkpoints")
+        path = attempt_dir(root, trial_dir, number, attempt)
+        return str(path) if ATTR_CHECKPOINTS in user_attrs or path != root else ""
 
     def _promote(self) -> bool:
         """Resume a paused trial that earned promotion (``search.scheduler``) from its checkpoint, in a
@@ -466,7 +479,9 @@ class Driver:
             res = self._out_of_room(res)
         if (res.status == "failed" and res.retryable and fl.request.attempt - fl.first_attempt < mr
                 and self._stop_reason is None):
-            retry = replace(fl.request, attempt=fl.request.attempt + 1)
+            attempt = fl.request.attempt + 1
+            retry = replace(fl.request, attempt=attempt,
+                            checkpoint_dir=self._checkpoint_dir(res.number, fl.trial.user_attrs, attempt))
             fl.request = retry
             fl.trial.set_user_attr("attempts", retry.attempt + 1)
             self.engine.submit(retry)

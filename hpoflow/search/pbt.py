@@ -17,8 +17,8 @@ next interval with fixed parameters (``enqueue_trial``): it resumes from a check
   ``hpoflow.search.pb2.explore`` (``pb2``); then clipped to the space, ints and steps rounded.
 
 The checkpoint is copied on the shared file system by the driver before the trial is submitted
-(``trials/<n>/checkpoints`` starts as a copy of the parent's), so every engine runs it as any resumed
-trial. Everything is in the storage: each interval trial's user attr
+(``trials/<n>/checkpoints`` starts as a copy of the parent's, in hard links: ``hpoflow.run.fencing``), so
+every engine runs it as any resumed trial. Everything is in the storage: each interval trial's user attr
 ``hpoflow_lineage`` (``ATTR_LINEAGE``: member, interval, parent (the trial whose checkpoint it resumed),
 donor (== parent after an exploit), start and end epochs, seed (the lineage root's, which a trial that
 exploits takes from its donor)), so a restarted driver derives the population and the pending intervals from it.
@@ -47,6 +47,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpoflow.errors import Issue, OwnerLost, SpecError, StudyTaken
 from hpoflow.registry import SCHEDULERS, Options
 from hpoflow.run.claims import Claims
+from hpoflow.run.fencing import current, link_tree
 from hpoflow.run.lease import LeaseInfo, first_alive, read_leases
 from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_LINEAGE, ATTR_UNUSED, FINISHED, interrupted
 from hpoflow.run.shared import SharedStudy
@@ -242,7 +243,7 @@ class PbtScheduling:
                    "end": min(self.policy.interval, self.epochs), "seed": base_seed + member}
             trial.set_user_attr(ATTR_LINEAGE, lin)
         handed = attrs.get(ATTR_CHECKPOINTS)
-        if handed is None or not _holds_files(Path(handed)):
+        if handed is None or not _holds_files(current(Path(handed))):
             parent = lin.get("parent")
             if parent is not None:
                 src = self._checkpoints(int(parent))
@@ -343,8 +344,10 @@ class PbtScheduling:
         return len({m for m, _ in self._members(trials)})
 
     def _checkpoints(self, number: int) -> Path:
+        """Where trial ``number``'s last attempt checkpointed (``hpoflow.run.fencing.current``)."""
         t = self.shared.tally.trial(number)
-        return Path(t.user_attrs.get(ATTR_CHECKPOINTS) or self.run_dir / "trials" / str(number) / "checkpoints")
+        return current(Path(t.user_attrs.get(ATTR_CHECKPOINTS) or self.run_dir / "trials" / str(number)
+                            / "checkpoints"))
 
     def _next(self, t: FrozenTrial, best: dict[int, FrozenTrial], trials: list[FrozenTrial]
               ) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -456,13 +459,14 @@ def _holds_files(directory: Path) -> bool:
 
 
 def _copy_into_place(src: Path, dst: Path) -> None:
-    """``src``'s files into ``dst``, all or nothing: copied beside ``dst`` first, then renamed into place
-    (merged into a ``dst`` that exists already)."""
+    """``src``'s files into ``dst``, all or nothing: hard links (``hpoflow.run.fencing.link_tree``: no data
+    copied, so the driver's loop does not wait for gigabytes) made beside ``dst`` first, then renamed into
+    place (merged into a ``dst`` that exists already)."""
     tmp = dst.with_name(f".{dst.name}.copy-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
+    link_tree(src, tmp)
     try:
         os.rename(tmp, dst)  # dst absent (or empty): atomic
     except OSError:
-        shutil.copytree(tmp, dst, dirs_exist_ok=True)
+        link_tree(tmp, dst)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -20,6 +21,7 @@ from hpoflow.registry import SCHEDULERS
 from hpoflow.run.claims import Claims
 from hpoflow.run.ledger import (
     ATTR_BRACKET,
+    ATTR_CHECKPOINTS,
     ATTR_DRIVER,
     ATTR_LINEAGE,
     ATTR_NEXT_ATTEMPT,
@@ -94,6 +96,8 @@ class Scheduling:
         segments.append({"start": round(start, 3), "end": round(start + duration, 3), "step": step,
                          "run_s": round(float(tm.get("run_s", duration)), 3), "outcome": "paused"})
         trial.set_user_attr(ATTR_SEGMENTS, segments)
+        if ATTR_CHECKPOINTS not in trial.user_attrs:  # where any driver's promotion finds its checkpoint
+            trial.set_user_attr(ATTR_CHECKPOINTS, str(Path(request.trial_dir) / "checkpoints"))
         trial.set_user_attr(ATTR_NEXT_ATTEMPT, request.attempt + 1)
         trial.set_user_attr(ATTR_PAUSED, step)  # last: from here any driver may promote it
         self.n_paused += 1

@@ -1,6 +1,7 @@
 """Exact ownership among drivers that share a study, on every storage: a PBT study's one owner and the
 promotion of a paused trial are claims (``hpoflow.run.claims``), raced here by two drivers released at
-once, 20 times; and leases are judged by beats on this host's clock only."""
+once, 20 times; leases are judged by beats on this host's clock only; and an attempt's checkpoints are
+fenced off from older attempts that still run (``hpoflow.run.fencing``)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,20 @@ from typing import Any
 
 import optuna
 import pytest
+import torch
 from optuna.trial import TrialState
 
 from hpoflow.engines.threads import Reporter, ThreadEngine
 from hpoflow.errors import OwnerLost, StudyTaken
+from hpoflow.fileio import write_atomic
 from hpoflow.run.claims import Claims
+from hpoflow.run.fencing import attempt_dir, current, link_tree
 from hpoflow.run.lease import LEASE_PREFIX, LeaseWatch, first_alive, lease_rows, read_leases
 from hpoflow.run.ledger import ATTR_BRACKET, ATTR_NEXT_ATTEMPT, ATTR_PAUSED, ATTR_RUNGS
 from hpoflow.run.storage import open_storage
 from hpoflow.search.driver import Driver
 from hpoflow.spec import spec_from_mapping
+from hpoflow.train.checkpoint import make_checkpointer
 from tests.infra.fixtures import USES_POSTGRES
 
 ROUNDS = 20
@@ -229,6 +234,46 @@ def test_a_lease_is_judged_by_its_beats_on_this_hosts_clock_never_by_its_writers
     finally:
         stop.set()
         beater.join()
+
+
+def test_a_stale_attempt_writes_where_the_current_attempt_never_reads(tmp_path: Path) -> None:
+    """Trial 3's first attempt is given up for dead (its driver cut off by a partition) while trial 9
+    reruns it from its checkpoints: the rerun's directory takes them, so what the stale attempt writes
+    afterwards lands where no newer attempt reads, nor the rerun's retry after it."""
+    root = tmp_path / "a" / "trials" / "3" / "checkpoints"
+
+    def checkpointer(directory: Path) -> Any:
+        return make_checkpointer("replica", {}, directory, keep=5, background=False)
+
+    stale = checkpointer(attempt_dir(root, root.parent, 3, 0))  # the chain's first attempt: the root itself
+    stale.save({"w": torch.tensor([1.0])}, 1)
+    rerun_dir = attempt_dir(root, tmp_path / "b" / "trials" / "9", 9, 0)  # another driver's rerun, trial 9
+    assert rerun_dir == root.with_name("checkpoints.9.0") and current(root) == rerun_dir
+    rerun = checkpointer(rerun_dir)
+    step, state = rerun.latest()
+    assert step == 1 and state["w"].item() == 1.0  # it resumes from the stale attempt's checkpoint of before
+    stale.save({"w": torch.tensor([2.0])}, 2)  # the stale attempt goes on writing
+    assert rerun.latest()[0] == 1  # never read by the current attempt
+    rerun.save({"w": torch.tensor([10.0])}, 2)
+    retry_dir = attempt_dir(root, tmp_path / "b" / "trials" / "9", 9, 1)  # the rerun's retry
+    assert current(root) == retry_dir
+    step, state = checkpointer(retry_dir).latest()
+    assert step == 2 and state["w"].item() == 10.0  # the rerun's own step 2, not the stale one's
+    assert checkpointer(root).latest()[1]["w"].item() == 2.0  # the stale write is there, unread
+
+
+def test_a_pbt_copy_is_hard_links_that_neither_side_writes_through(tmp_path: Path) -> None:
+    """PBT's exploit copies a donor's checkpoints as hard links (no data copied on the driver's loop), and
+    every write in a checkpoint directory renames a new file into place: the donor's files never change."""
+    donor, child = tmp_path / "donor", tmp_path / "child"
+    write_atomic(donor / "ckpt-00000002-r0.pt", b"donor state")
+    write_atomic(donor / "sub" / "virtual.json", b'{"epoch": 2}')
+    link_tree(donor, child)
+    assert os.stat(child / "ckpt-00000002-r0.pt").st_ino == os.stat(donor / "ckpt-00000002-r0.pt").st_ino
+    write_atomic(child / "sub" / "virtual.json", b'{"epoch": 4}')
+    write_atomic(child / "ckpt-00000002-r0.pt", b"child state")
+    assert (donor / "ckpt-00000002-r0.pt").read_bytes() == b"donor state"
+    assert (donor / "sub" / "virtual.json").read_bytes() == b'{"epoch": 2}'
 
 
 def test_a_pbt_owner_of_another_host_is_taken_over_once_its_beat_stood_still_for_its_lease(tmp_path: Path) -> None:
