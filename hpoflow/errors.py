@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-__all__ = ["EngineError", "HpoflowError", "Issue", "NonFiniteLoss", "RunDirError", "SpecError", "did_you_mean"]
+__all__ = ["EngineError", "HpoflowError", "Issue", "NonFiniteLoss", "OwnerLost", "RunDirError", "SpecError",
+           "StudyTaken", "did_you_mean"]
 
 
 class HpoflowError(Exception):
@@ -50,6 +51,16 @@ class EngineError(HpoflowError):
 
 class RunDirError(HpoflowError):
     """A run directory cannot be used (another spec's run, not a run directory, locked)."""
+
+
+class StudyTaken(HpoflowError):
+    """The study is run now by a driver that this one cannot run beside (a PBT study has one owner)."""
+
+
+class OwnerLost(HpoflowError):
+    """Another driver took over the study this driver owned (it was judged dead): this driver stops."""
+
+    exit_code = 1
 
 
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:

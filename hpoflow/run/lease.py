@@ -17,8 +17,12 @@ trial a driver runs carries its id (user attr ``hpoflow_driver``).
   has not moved for its ``lease_s`` as seen by this driver's own monotonic clock. Clocks of
   different hosts are never compared. A gap in this driver's own reads (a stalled loop, a storage
   outage), or its own beats failing, restarts the observation instead of declaring everyone dead.
-- ``lease_rows``: what ``hpoflow status`` shows. It reads once and changes nothing, so it judges by
-  the wall clock of the lease's last beat (and, for drivers of this machine, by their pid).
+- ``first_alive``: whether a driver of the study runs now, decided before this driver does anything
+  (the PBT owner's guard): judged from the leases' state and from beats seen on this host's monotonic
+  clock, as ``LeaseWatch`` does; a driver of another host is watched until its beat moves or has not
+  moved for its ``lease_s``.
+- ``lease_rows``: what ``hpoflow status`` shows. It reads once and changes nothing, so it cannot watch
+  beats: a lease of another host is ``unknown`` (its ``last_beat`` is that host's clock, shown as is).
 
 Optuna's own heartbeat (``RDBStorage(heartbeat_interval=...)`` with ``fail_stale_trials``) is not used:
 the journal storage has none, it writes one heartbeat per running trial, ``Study.ask`` warns when it
@@ -30,11 +34,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +49,8 @@ import optuna
 
 from hpoflow.run.retry import StorageUnavailable
 
-__all__ = ["LEASE_PREFIX", "Lease", "LeaseInfo", "LeaseWatch", "lease_rows", "read_leases"]
+__all__ = ["LEASE_PREFIX", "Lease", "LeaseInfo", "LeaseWatch", "WaitStopped", "first_alive", "lease_rows",
+           "read_leases"]
 
 LEASE_PREFIX = "hpoflow_lease:"
 _log = logging.getLogger("hpoflow")
@@ -88,11 +95,12 @@ class LeaseInfo:
     run_dir: str
     started: float  # wall clock (s since the epoch) of the driver's start
     beat: int  # beats so far
-    time: float  # wall clock of the last beat, on the driver's host
+    time: float  # wall clock of the last beat, on the driver's host (shown, never compared with this host's)
     lease_s: float
     machine: str
     pid_start: float | None
     ended: bool  # marked ended in the storage, or ended by this very process (``_ENDED_HERE``)
+    pbt: bool | None = None  # a driver of search.scheduler pbt (None: a lease written before this was kept)
 
     @classmethod
     def parse(cls, driver_id: str, value: Any) -> LeaseInfo | None:
@@ -103,7 +111,8 @@ class LeaseInfo:
                        float(value.get("started", 0.0)), int(value["beat"]), float(value.get("time", 0.0)),
                        float(value.get("lease_s", 60.0)), str(value.get("machine", "")),
                        None if value.get("pid_start") is None else float(value["pid_start"]),
-                       bool(value.get("ended", False)) or driver_id in _ENDED_HERE)
+                       bool(value.get("ended", False)) or driver_id in _ENDED_HERE,
+                       None if value.get("pbt") is None else bool(value["pbt"]))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -111,19 +120,24 @@ class LeaseInfo:
     def label(self) -> str:
         return f"{self.host}:{self.pid}"
 
-    def state(self, now: float) -> str:
-        """``ended``; ``lost`` (its process on this machine is gone, or no beat for over its lease by the
-        wall clock ``now``); else ``alive``. Read-only judgement, as ``status`` shows it."""
+    def state(self) -> str:
+        """From one read, as ``status`` shows it: ``ended``; ``lost`` (its process on this machine is gone);
+        ``alive`` (its process on this machine runs); ``unknown`` (a driver of another machine: only beats
+        watched over time tell, and this host's clock is never compared with another's)."""
         if self.ended:
             return "ended"
-        if self.process_gone() or now - self.time > self.lease_s:
+        if self.process_gone():
             return "lost"
-        return "alive"
+        return "alive" if self.here() else "unknown"
+
+    def here(self) -> bool:
+        """Whether the lease names a process of this machine (whose pid this host can check)."""
+        return bool(self.machine) and self.machine == _machine()
 
     def process_gone(self) -> bool:
         """True when this lease names a process of this machine that no longer runs (or a newer one
         that reuses its pid); False when it runs or cannot be judged from here."""
-        if not self.machine or self.machine != _machine():
+        if not self.here():
             return False
         start = _pid_start(self.pid)
         return start is None or (self.pid_start is not None and abs(start - self.pid_start) > 1.0)
@@ -144,7 +158,7 @@ def read_leases(study: optuna.Study) -> dict[str, LeaseInfo]:
 class Lease:
     """This driver's lease: ``start()`` before the first trial, ``end()`` when the driver stops."""
 
-    def __init__(self, study: optuna.Study, run_dir: Path, lease_s: float) -> None:
+    def __init__(self, study: optuna.Study, run_dir: Path, lease_s: float, *, pbt: bool = False) -> None:
         self.study = study
         self.id = uuid.uuid4().hex[:12]
         self.lease_s = lease_s
@@ -152,7 +166,7 @@ class Lease:
         self._record: dict[str, Any] = {
             "host": socket.gethostname(), "pid": os.getpid(), "run_dir": str(run_dir), "started": time.time(),
             "beat": 0, "time": time.time(), "lease_s": lease_s, "machine": _machine(),
-            "pid_start": _pid_start(os.getpid()), "ended": False,
+            "pid_start": _pid_start(os.getpid()), "ended": False, "pbt": pbt,
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -252,15 +266,51 @@ class LeaseWatch:
         return now - first >= self.own_lease_s
 
 
+class WaitStopped(Exception):
+    """``first_alive`` stopped waiting: its caller is stopping (a signal came)."""
+
+
+def first_alive(study: optuna.Study, pick: Callable[[LeaseInfo], bool], own_id: str,
+                waiting: Callable[[list[LeaseInfo]], None] | None = None,
+                stopping: Callable[[], bool] | None = None) -> LeaseInfo | None:
+    """A lease of the study (not ``own_id``) that ``pick`` selects and whose driver runs now, or None when
+    every one of them is dead. Ended, or its process on this machine gone: dead at once; its process on
+    this machine runs: alive at once; a driver of another machine: its beats are watched on this host's
+    monotonic clock until the counter moves (alive) or has not moved for its ``lease_s`` (dead), so a
+    driver of another host that stopped without ending its lease costs a wait of its ``lease_s``.
+    ``waiting`` is told once which leases it waits for; ``WaitStopped`` is raised as soon as ``stopping()``."""
+    watch = LeaseWatch(own_id, math.inf)  # read at every poll below: no gap to forget across
+    first: dict[str, int] = {}  # id -> the beat counter at the first read
+    told = False
+    while True:
+        now = time.monotonic()
+        leases = {i: info for i, info in read_leases(study).items() if i != own_id and pick(info)}
+        watch.update(leases, now)
+        pending = []
+        for i, info in leases.items():
+            if watch.dead(i, now):
+                continue
+            if info.here() or first.setdefault(i, info.beat) != info.beat:
+                return info
+            pending.append(info)
+        if not pending:
+            return None
+        if waiting is not None and not told:
+            waiting(pending)
+            told = True
+        if stopping is not None and stopping():
+            raise WaitStopped
+        time.sleep(min(0.5, max(0.05, min(info.lease_s for info in pending) / 8)))
+
+
 def lease_rows(study: optuna.Study, running_by_driver: dict[str, int]) -> list[dict[str, Any]]:
-    """The drivers of a study for ``status``: id, host, pid, run_dir, started, last_beat (ISO times),
-    state (``alive``, ``ended``, or ``lost``: no beat for over its lease, by the wall clock, or its
-    process on this machine is gone) and the trials it has running."""
-    now = time.time()
+    """The drivers of a study for ``status``: id, host, pid, run_dir, started, last_beat (ISO times, each
+    of its driver's clock), state (``LeaseInfo.state``: ``alive``, ``ended``, ``lost``, or ``unknown`` for
+    a driver of another machine) and the trials it has running."""
     rows = []
     for info in sorted(read_leases(study).values(), key=lambda i: i.started):
         rows.append({"id": info.id, "host": info.host, "pid": info.pid, "run_dir": info.run_dir,
-                     "started": _iso(info.started), "last_beat": _iso(info.time), "state": info.state(now),
+                     "started": _iso(info.started), "last_beat": _iso(info.time), "state": info.state(),
                      "trials_running": running_by_driver.get(info.id, 0)})
     return rows
 

@@ -13,8 +13,10 @@ drivers work on it at the same time:
   (``reseed_rng``, as Optuna does for threads): drivers started from one spec share its seed and
   would otherwise draw the same configurations.
 - ``give_back(trial)``: a trial asked but never run returns to the queue.
-- A trial a scheduler paused (``ATTR_PAUSED``) is RUNNING but nobody's: it is never rerun as a dead
-  driver's, and any driver may promote it (``hpoflow.search.schedulers``).
+- A trial a scheduler paused (``ATTR_PAUSED``) is RUNNING but nobody's: any driver may promote it
+  (``hpoflow.search.schedulers``), once it holds the trial's ``promotion_key`` (a claim:
+  ``hpoflow.run.claims``), and it is not rerun as a dead driver's, unless the driver holding that
+  claim died before it resumed the trial.
 
 A driver alone on its study (no other lease alive) admits a trial from a read of the leases rather
 than of every trial (``_alone``); per trial that is two small reads and one user attr, plus a lease
@@ -33,27 +35,45 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from hpoflow.run.claims import Claims
 from hpoflow.run.lease import Lease, LeaseInfo, LeaseWatch, read_leases
-from hpoflow.run.ledger import ATTR_DRIVER, ATTR_GRID, ATTR_PAUSED, ATTR_REPLACES, ATTR_UNUSED, Tally, claims
+from hpoflow.run.ledger import (
+    ATTR_DRIVER,
+    ATTR_GRID,
+    ATTR_NEXT_ATTEMPT,
+    ATTR_PAUSED,
+    ATTR_REPLACES,
+    ATTR_UNUSED,
+    Tally,
+    claims,
+)
 
-__all__ = ["SharedStudy"]
+__all__ = ["SharedStudy", "promotion_key"]
 
 _log = logging.getLogger("hpoflow")
 _CONTEND_S = 2.0  # how long a just-asked trial waits for other drivers' undecided trials to yield to it
 
 
+def promotion_key(t: FrozenTrial) -> str:
+    """The claim (``hpoflow.run.claims``) that lets one driver resume the paused trial ``t``: its number and
+    the attempt its next run takes, so each pause of a trial has its own."""
+    return f"promote:{t.number}:{int(t.user_attrs.get(ATTR_NEXT_ATTEMPT, 1))}"
+
+
 class SharedStudy:
     """One driver's handle on a study other drivers may share. ``on_finished`` is called with every
-    trial that finished (and counts) since the previous read, whoever ran it."""
+    trial that finished (and counts) since the previous read, whoever ran it; ``pbt``: this driver runs
+    ``search.scheduler: {type: pbt}`` (its lease says so: ``hpoflow.search.pbt``)."""
 
     def __init__(self, study: optuna.Study, run_dir: Path, lease_s: float,
-                 on_finished: Callable[[FrozenTrial], None] | None = None) -> None:
+                 on_finished: Callable[[FrozenTrial], None] | None = None, *, pbt: bool = False) -> None:
         self.study = study
         self.tally = Tally()
-        self.lease = Lease(study, run_dir, lease_s)
+        self.lease = Lease(study, run_dir, lease_s, pbt=pbt)
         self.watch = LeaseWatch(self.lease.id, lease_s)
         self.on_finished = on_finished
         self._next_tick = 0.0
+        self.claims = Claims(study)
         self._grid_next = 0  # no grid index below this is free
         self._reseeded = False
 
@@ -177,13 +197,17 @@ class SharedStudy:
             self.study.sampler.reseed_rng()
             self._reseeded = True
         running = set(self.tally.running)
+        promoted = self.claims.holders("promote:") if self.tally.paused else {}
         for number, t in list(self.tally.running.items()):
             owner = t.user_attrs.get(ATTR_DRIVER)
             owner = owner if isinstance(owner, str) else None
+            if t.user_attrs.get(ATTR_PAUSED) is not None:  # paused by a scheduler: nothing runs it, any driver
+                # promotes it from its checkpoint (hpoflow.search.schedulers), unless one claimed it and died
+                owner = promoted.get(promotion_key(t))
+                if owner is None or not self.watch.dead(owner, now):
+                    continue
             if number in mine or owner == self.lease.id or not self.watch.orphaned(number, owner, now, running):
                 continue
-            if t.user_attrs.get(ATTR_PAUSED) is not None:  # paused by a scheduler: nothing runs it; any
-                continue  # driver promotes it from its checkpoint (hpoflow.search.schedulers)
             info: LeaseInfo | None = self.watch.leases.get(owner or "")
             _log.warning("trial %d was left running by %s, which is gone; rerunning it", number,
                          f"driver {info.label} ({info.run_dir})" if info is not None else "a driver")

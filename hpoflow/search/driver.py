@@ -16,7 +16,11 @@ them if their driver dies.
 With ``search.scheduler`` (``hpoflow.search.scheduling``), a trial may pause at a rung (it checkpoints
 and stops; its slot is free) and a free slot goes first to a paused trial that earned promotion,
 resumed from its checkpoint; with ``type: pbt`` (``hpoflow.search.pbt``) each trial is one interval of
-a member, resumed from its parent's checkpoint. Ask-ahead is off with a scheduler.
+a member, resumed from its parent's checkpoint. Ask-ahead is off with a scheduler. A PBT study has one
+driver, which claims it before it does anything else; any other driver refuses it (``_own``).
+
+Each attempt after a trial's first (a retry, a promotion, the rerun of an interrupted trial) checkpoints
+in a directory of its own, holding what the attempt before it checkpointed (``hpoflow.run.fencing``).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from optuna.trial import TrialState
 
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
+from hpoflow.run.fencing import attempt_dir
+from hpoflow.run.lease import WaitStopped
 from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_GRID
 from hpoflow.run.retry import StorageUnavailable, is_disk_error
 from hpoflow.run.rundir import disk_why
 from hpoflow.run.shared import SharedStudy
-from hpoflow.search.pbt import PbtScheduling
+from hpoflow.search.pbt import PbtScheduling, refuse_pbt_study
 from hpoflow.search.scheduling import Scheduling, carried
 from hpoflow.search.space import Grid, suggest
 from hpoflow.search.summary import (
@@ -96,7 +102,8 @@ class Driver:
                                          memory_gb=r.memory_gb or 0.0)  # the study's trial shape
         self._inflight: dict[int, _InFlight] = {}
         self._failures = 0
-        self.shared = SharedStudy(study, run_dir, spec.search.lease_s, on_finished=self._on_finished)
+        pbt = spec.search.scheduler.type == "pbt"
+        self.shared = SharedStudy(study, run_dir, spec.search.lease_s, on_finished=self._on_finished, pbt=pbt)
         self.tally = self.shared.tally  # the whole study, every driver's trials, as of the last read
         self._best: float | None = None
         self.summary = DriverSummary(self.n_trials)
@@ -105,7 +112,6 @@ class Driver:
         self._ask_s: list[float] = []  # seconds each ask (sample + suggest + precheck) took
         self._trial_s: list[float] = []  # durations of finished trials
         self.asked_ahead = 0  # trials asked while every slot was busy
-        pbt = spec.search.scheduler.type == "pbt"
         self.scheduling = Scheduling(spec, study, self.shared) if spec.search.scheduler.enabled and not pbt else None
         self.pbt = PbtScheduling(spec, study, self.shared, run_dir, budget) if pbt else None
         if self.pbt is not None:  # population x intervals at most (hpoflow.search.pbt)
@@ -140,6 +146,7 @@ class Driver:
         cancelling = False
         self.shared.lease.start()  # before the first ask: other drivers see this one's trials as alive
         try:
+            self._own()
             self._reconcile()
             enqueue_known(self.study, self.spec.search.enqueue)
             if self.listener:
@@ -194,6 +201,8 @@ class Driver:
                     else:
                         self._on_result(ev)
                 overhead += time.monotonic() - t1
+        except WaitStopped:  # stopped while it waited to see whether another host's driver runs: nothing done
+            pass
         except (StorageUnavailable, OSError) as exc:  # the storage stopped answering, or a disk filled
             if not isinstance(exc, StorageUnavailable) and not is_disk_error(exc):
                 raise
@@ -241,6 +250,18 @@ class Driver:
                 self.shared.interrupt(number, fl.params, self._carry_over(number, dict(fl.trial.user_attrs)))
         except (StorageUnavailable, OSError):
             pass
+
+    def _own(self) -> None:
+        """Before anything else (its lease just written): a PBT driver claims the study, which has one
+        owner (``PbtScheduling.own``); any other driver refuses a study that PBT runs. A stop ends a wait
+        there for a driver of another host (``WaitStopped``): then this driver does nothing."""
+        def stopping() -> bool:
+            return self._stop_reason is not None
+
+        if self.pbt is not None:
+            self.pbt.own(stopping)
+        else:
+            refuse_pbt_study(self.study, self.shared.lease.id, stopping)
 
     def _reconcile(self) -> None:
         """Start or resume: the study's counts so far, and the trials of dead drivers rerun."""
@@ -375,11 +396,20 @@ class Driver:
             gpus_per_process=r.gpus_per_process, nodes=r.nodes, timeout=r.timeout, memory_gb=r.memory_gb or 0.0,
             pruning=self.spec.search.pruner.type != "none" or self.scheduling is not None,
             python_path=self.python_path, attempt=attempt,
-            seed=train.seed, checkpoint_dir=str(trial.user_attrs.get(ATTR_CHECKPOINTS, "")),
+            seed=train.seed, checkpoint_dir=self._checkpoint_dir(trial.number, trial.user_attrs, attempt),
             elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
             elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
             plugins=tuple(self.spec.plugins),
         )
+
+    def _checkpoint_dir(self, number: int, user_attrs: dict[str, Any], attempt: int) -> str:
+        """Where this attempt of trial ``number`` checkpoints, made ready (``hpoflow.run.fencing``): its
+        chain's root (its own trial directory's ``checkpoints``, ``""``, unless it inherited one) for the
+        chain's first attempt, else a directory of its own holding the newest older attempt's checkpoints."""
+        trial_dir = self.run_dir / "trials" / str(number)
+        root = Path(user_attrs.get(ATTR_CHECKPOINTS) or trial_dir / "checkpoints")
+        path = attempt_dir(root, trial_dir, number, attempt)
+        return str(path) if ATTR_CHECKPOINTS in user_attrs or path != root else ""
 
     def _promote(self) -> bool:
         """Resume a paused trial that earned promotion (``search.scheduler``) from its checkpoint, in a
@@ -450,7 +480,9 @@ class Driver:
             res = self._out_of_room(res)
         if (res.status == "failed" and res.retryable and fl.request.attempt - fl.first_attempt < mr
                 and self._stop_reason is None):
-            retry = replace(fl.request, attempt=fl.request.attempt + 1)
+            attempt = fl.request.attempt + 1
+            retry = replace(fl.request, attempt=attempt,
+                            checkpoint_dir=self._checkpoint_dir(res.number, fl.trial.user_attrs, attempt))
             fl.request = retry
             fl.trial.set_user_attr("attempts", retry.attempt + 1)
             self.engine.submit(retry)

@@ -17,13 +17,16 @@ next interval with fixed parameters (``enqueue_trial``): it resumes from a check
   ``hpoflow.search.pb2.explore`` (``pb2``); then clipped to the space, ints and steps rounded.
 
 The checkpoint is copied on the shared file system by the driver before the trial is submitted
-(``trials/<n>/checkpoints`` starts as a copy of the parent's), so every engine runs it as any resumed
-trial. Everything is in the storage: each interval trial's user attr ``hpoflow_lineage``
-(``ATTR_LINEAGE``: member, interval, parent (the trial whose checkpoint it resumed), donor (== parent
-after an exploit), start and end epochs, seed (the lineage root's, which a trial that exploits takes
-from its donor)), so a restarted driver derives the population and the pending intervals from it.
+(``trials/<n>/checkpoints`` starts as a copy of the parent's, in hard links: ``hpoflow.run.fencing``), so
+every engine runs it as any resumed trial. Everything is in the storage: each interval trial's user attr
+``hpoflow_lineage`` (``ATTR_LINEAGE``: member, interval, parent (the trial whose checkpoint it resumed),
+donor (== parent after an exploit), start and end epochs, seed (the lineage root's, which a trial that
+exploits takes from its donor)), so a restarted driver derives the population and the pending intervals from it.
 A member stops when its interval ends at ``training.epochs``; the study at ``n_trials`` intervals
 (at most ``population x ceil(epochs / interval)``).
+
+A PBT study has one driver, its owner (``PbtScheduling.own``, a claim in the storage made before the
+driver asks or enqueues anything); a driver without ``scheduler: pbt`` refuses it (``refuse_pbt_study``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import logging
 import math
 import os
 import shutil
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +44,20 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpoflow.errors import Issue, SpecError
+from hpoflow.errors import Issue, OwnerLost, SpecError, StudyTaken
 from hpoflow.registry import SCHEDULERS, Options
-from hpoflow.run.lease import read_leases
+from hpoflow.run.claims import Claims
+from hpoflow.run.fencing import current, link_tree
+from hpoflow.run.lease import LeaseInfo, first_alive, read_leases
 from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_LINEAGE, ATTR_UNUSED, FINISHED, interrupted
 from hpoflow.run.shared import SharedStudy
 from hpoflow.search.options import pbt_budget
 from hpoflow.spec import FloatParam, IntParam, Param, StudySpec, TrainConfig
 
-__all__ = ["PbtPolicy", "PbtScheduling", "explore_pbt", "lineage_chain", "pbt", "schedule_of"]
+__all__ = ["PbtPolicy", "PbtScheduling", "explore_pbt", "lineage_chain", "pbt", "refuse_pbt_study", "schedule_of"]
 
 _log = logging.getLogger("hpoflow")
+_OWNER = "pbt-owner:"  # the claim (hpoflow.run.claims) of the study's owner: pbt-owner:<epoch>
 Bounds = dict[str, tuple[float, float, bool]]
 
 
@@ -172,19 +178,47 @@ class PbtScheduling:
                                        "pbt")]) from exc
         self.n_exploits = 0  # this run's
         self.n_trials = n_trials
-        self._one_driver(study)
+        self.claims = Claims(study)
+        self._epoch: int | None = None  # the epoch of the study's ownership this driver holds (own())
 
-    @staticmethod
-    def _one_driver(study: optuna.Study) -> None:
-        """PBT enqueues a member's next interval in two writes, not a transaction, so two drivers could
-        both enqueue it: refuse to join a study another driver runs now (its lease is alive)."""
-        now = time.time()
-        for info in read_leases(study).values():
-            if info.state(now) == "alive":
-                raise SpecError([Issue("search.scheduler", (
-                    f"pbt runs with one driver per study, and driver {info.label} (run directory {info.run_dir}) "
-                    "is running this study now. Fix: wait for it to end (or stop it: its intervals are rerun from "
-                    "their checkpoints), then rerun this command"))])
+    def own(self, stopping: Callable[[], bool] | None = None) -> None:
+        """Make this driver the study's one owner, before it asks or enqueues anything: PBT enqueues a
+        member's next interval in two writes, not a transaction, so two drivers could both enqueue it.
+
+        The owner holds the claim ``pbt-owner:<epoch>`` (``hpoflow.run.claims``) of the highest epoch. A
+        driver claims the next epoch when that holder's driver is dead (``first_alive``: at once when its
+        lease ended or its process on this machine is gone; after its ``lease_s`` without a beat when it
+        ran on another host). It is refused (``StudyTaken``) when the holder runs, when another driver
+        claimed the next epoch first, or when a driver without pbt runs on the study now. A wait for a
+        driver of another host ends with ``WaitStopped`` as soon as ``stopping()`` (a signal came)."""
+        me = self.shared.lease.id
+        plain = first_alive(self.study, lambda info: info.pbt is False, me, waiting=_waiting, stopping=stopping)
+        if plain is not None:
+            raise StudyTaken(f"driver {plain.label} (run directory {plain.run_dir}) runs this study now without "
+                             "search.scheduler pbt, and pbt runs with one driver per study. Fix: wait for it to end "
+                             "(or stop it), then rerun this command, or give this spec another study.name")
+        epoch, holder = _owner(self.claims)
+        if holder is not None and first_alive(self.study, lambda info: info.id == holder, me, waiting=_waiting,
+                                              stopping=stopping) is not None:
+            raise StudyTaken(f"pbt runs with one driver per study, and driver {_label(self.study, holder)} is "
+                             "running this study now. Fix: wait for it to end (or stop it: its intervals are "
+                             "rerun from their checkpoints), then rerun this command")
+        won = self.claims.claim(f"{_OWNER}{epoch + 1}", me)
+        if won != me:
+            raise StudyTaken(f"pbt runs with one driver per study, and driver {_label(self.study, won)} took this "
+                             "study at the same moment. Fix: wait for it to end, then rerun this command")
+        self._epoch = epoch + 1
+
+    def _check_owner(self) -> None:
+        """Before this driver enqueues: it still owns the study, else ``OwnerLost`` (another driver judged
+        it dead, a storage outage or a network partition outlasting its lease, and owns the study now)."""
+        if self._epoch is None:
+            return
+        epoch, holder = _owner(self.claims)
+        if (epoch, holder) != (self._epoch, self.shared.lease.id):
+            raise OwnerLost(f"driver {_label(self.study, holder or '?')} took this pbt study over (it judged this "
+                            f"driver dead: no beat seen for search.lease_s); this driver stops, and that one "
+                            "reruns its intervals")
 
     @property
     def budget(self) -> int:
@@ -209,7 +243,7 @@ class PbtScheduling:
                    "end": min(self.policy.interval, self.epochs), "seed": base_seed + member}
             trial.set_user_attr(ATTR_LINEAGE, lin)
         handed = attrs.get(ATTR_CHECKPOINTS)
-        if handed is None or not _holds_files(Path(handed)):
+        if handed is None or not _holds_files(current(Path(handed))):
             parent = lin.get("parent")
             if parent is not None:
                 src = self._checkpoints(int(parent))
@@ -281,6 +315,8 @@ class PbtScheduling:
             if nxt is None:
                 continue
             params, new = nxt
+            if not added:
+                self._check_owner()
             self.study.enqueue_trial(params, user_attrs={ATTR_LINEAGE: new}, skip_if_exists=False)
             exists.add((m, new["interval"]))
             room -= 1
@@ -308,8 +344,10 @@ class PbtScheduling:
         return len({m for m, _ in self._members(trials)})
 
     def _checkpoints(self, number: int) -> Path:
+        """Where trial ``number``'s last attempt checkpointed (``hpoflow.run.fencing.current``)."""
         t = self.shared.tally.trial(number)
-        return Path(t.user_attrs.get(ATTR_CHECKPOINTS) or self.run_dir / "trials" / str(number) / "checkpoints")
+        return current(Path(t.user_attrs.get(ATTR_CHECKPOINTS) or self.run_dir / "trials" / str(number)
+                            / "checkpoints"))
 
     def _next(self, t: FrozenTrial, best: dict[int, FrozenTrial], trials: list[FrozenTrial]
               ) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -379,6 +417,39 @@ class PbtScheduling:
         return out
 
 
+def refuse_pbt_study(study: optuna.Study, own_id: str, stopping: Callable[[], bool] | None = None) -> None:
+    """A driver without ``search.scheduler: {type: pbt}`` does not join a PBT study (``StudyTaken``): its
+    asks would take PBT's queued intervals and train them from scratch. A study is PBT once a driver owns
+    it (``PbtScheduling.own``) or while a PBT driver that has not claimed it yet runs (``stopping``: as for
+    ``PbtScheduling.own``)."""
+    pbt = _owner(Claims(study))[1]
+    if pbt is None:
+        info = first_alive(study, lambda info: bool(info.pbt), own_id, waiting=_waiting, stopping=stopping)
+        pbt = info.id if info is not None else None
+    if pbt is not None:
+        raise StudyTaken(f"this study is run with search.scheduler pbt, owned by driver {_label(study, pbt)}, and "
+                         "this spec has none: its trials would take pbt's queued intervals and train them from "
+                         "scratch. Fix: run the study with its pbt spec, or give this spec another study.name")
+
+
+def _owner(claims: Claims) -> tuple[int, str | None]:
+    """The highest epoch of a PBT study's ownership and the driver that holds it (-1, None: none yet)."""
+    held = {int(k[len(_OWNER):]): by for k, by in claims.holders(_OWNER).items() if k[len(_OWNER):].isdigit()}
+    return (max(held), held[max(held)]) if held else (-1, None)
+
+
+def _label(study: optuna.Study, driver_id: str) -> str:
+    """``host:pid (run directory ...)`` of a driver, from its lease (its id when there is none)."""
+    info = read_leases(study).get(driver_id)
+    return f"{info.label} (run directory {info.run_dir})" if info is not None else driver_id
+
+
+def _waiting(leases: list[LeaseInfo]) -> None:
+    for info in leases:
+        _log.warning("pbt: driver %s (run directory %s) of another host may run this study; waiting up to %g s to "
+                     "see whether it still beats", info.label, info.run_dir, info.lease_s)
+
+
 def _holds_files(directory: Path) -> bool:
     """Whether ``directory`` exists and holds anything (a checkpoint an attempt wrote, or a whole copy)."""
     try:
@@ -388,13 +459,14 @@ def _holds_files(directory: Path) -> bool:
 
 
 def _copy_into_place(src: Path, dst: Path) -> None:
-    """``src``'s files into ``dst``, all or nothing: copied beside ``dst`` first, then renamed into place
-    (merged into a ``dst`` that exists already)."""
+    """``src``'s files into ``dst``, all or nothing: hard links (``hpoflow.run.fencing.link_tree``: no data
+    copied, so the driver's loop does not wait for gigabytes) made beside ``dst`` first, then renamed into
+    place (merged into a ``dst`` that exists already)."""
     tmp = dst.with_name(f".{dst.name}.copy-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
+    link_tree(src, tmp)
     try:
         os.rename(tmp, dst)  # dst absent (or empty): atomic
     except OSError:
-        shutil.copytree(tmp, dst, dirs_exist_ok=True)
+        link_tree(tmp, dst)
         shutil.rmtree(tmp, ignore_errors=True)

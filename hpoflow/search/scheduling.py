@@ -11,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.registry import SCHEDULERS
+from hpoflow.run.claims import Claims
 from hpoflow.run.ledger import (
     ATTR_BRACKET,
+    ATTR_CHECKPOINTS,
     ATTR_DRIVER,
     ATTR_LINEAGE,
     ATTR_NEXT_ATTEMPT,
@@ -26,7 +29,7 @@ from hpoflow.run.ledger import (
     ATTR_RUNGS,
     ATTR_SEGMENTS,
 )
-from hpoflow.run.shared import SharedStudy
+from hpoflow.run.shared import SharedStudy, promotion_key
 from hpoflow.search.schedulers import PromotionScheduler
 from hpoflow.spec import StudySpec
 from hpoflow.trial import TrialRequest, TrialResult
@@ -45,6 +48,7 @@ class Scheduling:
         self.shared = shared
         self.policy: PromotionScheduler = SCHEDULERS.get(s.type)(SCHEDULERS.options(s.type, s.options),
                                                                  spec.study.direction)
+        self.claims = Claims(study)
         self._asked: dict[int, int] = {}  # trial number -> the step this driver asked it to pause at
         self.n_paused = 0  # this run's pauses
         self.n_promoted = 0  # this run's promotions (a paused trial resumed)
@@ -92,6 +96,8 @@ class Scheduling:
         segments.append({"start": round(start, 3), "end": round(start + duration, 3), "step": step,
                          "run_s": round(float(tm.get("run_s", duration)), 3), "outcome": "paused"})
         trial.set_user_attr(ATTR_SEGMENTS, segments)
+        if ATTR_CHECKPOINTS not in trial.user_attrs:  # where any driver's promotion finds its checkpoint
+            trial.set_user_attr(ATTR_CHECKPOINTS, str(Path(request.trial_dir) / "checkpoints"))
         trial.set_user_attr(ATTR_NEXT_ATTEMPT, request.attempt + 1)
         trial.set_user_attr(ATTR_PAUSED, step)  # last: from here any driver may promote it
         self.n_paused += 1
@@ -101,9 +107,14 @@ class Scheduling:
         """A paused trial to resume now (claimed: no longer paused, this driver's), with the attempt
         number its run takes; None if none is promotable."""
         self.shared.refresh()
-        t = self.policy.next_promotion(self.shared.tally.trials, busy)
-        if t is None:
-            return None
+        skip = set(busy)
+        while True:
+            t = self.policy.next_promotion(self.shared.tally.trials, skip)
+            if t is None:
+                return None
+            if self._claim(t):
+                break
+            skip.add(t.number)  # another driver promoted (or closed) it first
         trial = optuna.trial.Trial(self.study, t._trial_id)
         try:
             trial.set_user_attr(ATTR_DRIVER, self.shared.lease.id)
@@ -125,11 +136,21 @@ class Scheduling:
         self.shared.refresh()
         closed = 0
         for t in list(self.shared.tally.paused.values()):
+            if not self._claim(t):
+                continue  # another driver promoted it
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 self.study.tell(t.number, state=TrialState.PRUNED, skip_if_finished=True)
                 closed += 1
         self.shared.refresh()
         return closed
+
+    def _claim(self, t: FrozenTrial) -> bool:
+        """Whether this driver may resume (or close) the paused trial ``t``: a compare-and-set on its pause
+        in the storage (``promotion_key``, a claim: ``hpoflow.run.claims``), so that of the drivers that try
+        at once exactly one does. (Should that one die before it resumes the trial, the trial is rerun as
+        any dead driver's: ``SharedStudy.rerun_orphans``.)"""
+        me = self.shared.lease.id
+        return self.claims.claim(promotion_key(t), me) == me
 
 
 def carried(attrs: dict[str, Any]) -> dict[str, Any]:

@@ -21,10 +21,12 @@ from hpoflow.api import optimize
 from hpoflow.engines.simulated.costs import TrialCost
 from hpoflow.engines.simulated.engine import SimulatedEngine
 from hpoflow.engines.simulated.options import SimulatedOptions
-from hpoflow.errors import SpecError
+from hpoflow.errors import SpecError, StudyTaken
+from hpoflow.run.claims import Claims
 from hpoflow.run.ledger import ATTR_LINEAGE, is_counted
+from hpoflow.run.shared import SharedStudy
 from hpoflow.search.options import PbtSchedulerOptions
-from hpoflow.search.pbt import PbtPolicy, explore_pbt, fit
+from hpoflow.search.pbt import PbtPolicy, PbtScheduling, explore_pbt, fit
 from hpoflow.spec import FloatParam, IntParam, Param, TrainConfig, spec_from_mapping
 from hpoflow.trial import TrialRequest
 from tests.conftest import ROOT
@@ -239,20 +241,42 @@ def test_the_fingerprint_lets_a_resume_change_only_what_a_schedule_may() -> None
     assert at_epoch(cfg, 2).lr == 0.1 and at_epoch(cfg, 3).lr == 0.05 and at_epoch(cfg, 9).momentum == 0.5
 
 
-def test_a_second_driver_is_refused_while_one_runs_the_pbt_study(tmp_path: Path) -> None:
-    """Two drivers could both enqueue a member's next interval: a driver does not join a PBT study whose
-    other driver's lease is alive, and says so in one line; once that driver ended, it resumes."""
-    from hpoflow.run.lease import Lease
-
+def test_a_second_driver_is_refused_while_one_owns_the_pbt_study(tmp_path: Path) -> None:
+    """Two drivers could both enqueue a member's next interval: a PBT study has one owner (a claim in the
+    storage, made before a driver does anything else); a driver does not join while the owner runs, and
+    says so in one line; once that driver ended, the next one takes the study over and resumes."""
     storage = str(tmp_path / "shared.journal")
     first = optimize(_spec(6) | {"storage": storage}, tmp_path / "first", engine=_engine())
-    other = Lease(first.study, tmp_path / "other", lease_s=60.0)  # a driver of this (live) process
-    other.start()
+    owner = SharedStudy(first.study, tmp_path / "other", lease_s=60.0, pbt=True)  # a live driver of this process
+    owner.lease.start()
+    PbtScheduling(spec_from_mapping(_spec(10)), first.study, owner, tmp_path / "other").own()
     try:
-        with pytest.raises(SpecError, match=r"pbt runs with one driver per study, and driver .* is running"):
+        with pytest.raises(StudyTaken, match=r"pbt runs with one driver per study, and driver .* is running") as e:
             optimize(_spec(10) | {"storage": storage}, tmp_path / "second", engine=_engine())
+        assert "\n" not in str(e.value) and owner.lease.id not in str(e.value)  # named by host:pid and run dir
     finally:
-        other.end()
+        owner.lease.end()
     res = optimize(_spec(10) | {"storage": storage}, tmp_path / "second", engine=_engine())
     assert res.summary.n_complete == 10 and len(res.summary.results) == 4  # the first driver's 6 count
     assert len(_check_lineage(res.study.get_trials())) == 10
+    epochs = sorted(Claims(res.study).holders("pbt-owner:"))
+    assert epochs == ["pbt-owner:0", "pbt-owner:1", "pbt-owner:2"]  # first, the live one, the resume
+
+
+def test_a_spec_without_the_scheduler_is_refused_on_a_pbt_study(tmp_path: Path) -> None:
+    """The same spec without its scheduler would take PBT's queued intervals and train them from scratch:
+    refused before it asks anything, in one line, with exit 2, and the study is untouched."""
+    storage = str(tmp_path / "shared.journal")
+    first = optimize(_spec(6) | {"storage": storage}, tmp_path / "first", engine=_engine())
+    before = [(t.number, t.state) for t in first.study.get_trials()]
+    plain = _spec(10) | {"storage": storage, "engine": "simulated", "engine_options": {"slots": 2, "lognormal": {}}}
+    del plain["search"]["scheduler"]
+    spec = tmp_path / "plain.yaml"
+    spec.write_text(yaml.safe_dump(plain))
+    r = subprocess.run([sys.executable, "-m", "hpoflow", "run", str(spec), "--run-dir", str(tmp_path / "plain")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "search.scheduler pbt" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert [(t.number, t.state) for t in first.study.get_trials()] == before

@@ -238,7 +238,7 @@ def test_a_lease_this_process_ended_is_dead_at_once_though_the_storage_missed_th
     watch = LeaseWatch("next", 3600.0)
     watch.update(read_leases(study), now=0.0)
     assert watch.dead(first.id, 0.0) and watch.orphaned(7, first.id, 0.0, {7})
-    assert info.state(info.time) == "ended"
+    assert info.state() == "ended"
 
 
 def test_status_lists_the_drivers_and_changes_nothing(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from hpoflow.engines.elastic import Candidate, speedup
 from hpoflow.engines.simulated.costs import TrialCost
 from hpoflow.engines.simulated.options import SimulatedOptions
 from hpoflow.errors import EngineError
+from hpoflow.fileio import write_atomic
 
 __all__ = ["SimulatedEngine"]
 
@@ -372,9 +373,8 @@ def _virtual_checkpoint(directory: str) -> int:
 
 
 def _write_virtual_checkpoint(directory: str, epoch: int) -> None:
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / _VIRTUAL).write_text(json.dumps({"epoch": epoch}))
+    try:  # a new file renamed into place, as every checkpoint: never written through a hard link (PBT's copy)
+        write_atomic(Path(directory) / _VIRTUAL, json.dumps({"epoch": epoch}), durable=False)
     except OSError:  # a virtual checkpoint is a convenience: the trial's result stands without it
         pass
 

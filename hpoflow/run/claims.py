@@ -1,0 +1,100 @@
+"""Claims: a compare-and-set that drivers sharing a study can trust, on every storage.
+
+Optuna's storage API has no compare-and-set on attributes, and its one atomic-looking move, taking a
+WAITING trial (``set_trial_state_values(..., RUNNING)``), is atomic on a journal and on PostgreSQL
+(``SELECT ... FOR UPDATE``) but not on SQLite: both readers may see WAITING and both writes succeed. What
+every storage does give is one order of a study's trials that every reader sees: trial ``n`` is numbered
+only after trials ``0 .. n-1`` are written (a journal: the order of its records; a database: the trial is
+numbered inside the transaction that inserts it, the study's row locked (PostgreSQL, MySQL) or the
+database's one writer (SQLite) held until it commits), so a reader that sees trial ``n`` sees every trial
+before it.
+
+A *claim* is a trial of the study's companion study ``<study name>:hpoflow-claims`` (created on the first
+claim), carrying ``{"key": ..., "by": ...}`` in its user attr ``hpoflow_claim``. The first claim of a key in
+that order holds the key. Whoever writes a claim learns whether it holds the key by reading the claims
+once its own is written: every claim before it is visible by then, and none can come before it later.
+So of any number of drivers claiming one key at once exactly one holds it, and all of them agree which.
+
+Used for the owner of a PBT study (``hpoflow.search.pbt``) and for promoting a paused trial
+(``hpoflow.search.scheduling``). A claim is never taken back: a key that must pass on (its holder died)
+is followed by a new key, which the drivers derive alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import datetime
+from typing import Any
+
+import optuna
+from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+
+__all__ = ["CLAIMS_SUFFIX", "Claims"]
+
+CLAIMS_SUFFIX = ":hpoflow-claims"
+_ATTR = "hpoflow_claim"
+
+
+class Claims:
+    """The claims of one study (see the module docstring)."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        # Optuna keeps a study's storage private; its storage API (studies, trials) is public.
+        self.storage: optuna.storages.BaseStorage = study._storage
+        self.name = study.study_name + CLAIMS_SUFFIX
+        self._id: int | None = None
+
+    def holders(self, prefix: str = "") -> dict[str, str]:
+        """Every claimed key that starts with ``prefix``, with the driver that holds it."""
+        out: dict[str, str] = {}
+        for key, by in self._read():
+            if key.startswith(prefix):
+                out.setdefault(key, by)
+        return out
+
+    def holder(self, key: str) -> str | None:
+        """The driver that holds ``key``, or None when nobody claimed it."""
+        return self.holders(key).get(key)
+
+    def claim(self, key: str, by: str) -> str:
+        """Claim ``key`` for ``by`` (unless it is held already); returns the holder: ``by`` when it won."""
+        held = self.holder(key)
+        if held is not None:
+            return held
+        self.storage.create_new_trial(self._create(), template_trial=FrozenTrial(
+            number=-1, state=TrialState.FAIL, value=None, datetime_start=datetime.now(),
+            datetime_complete=datetime.now(), params={}, distributions={}, user_attrs={_ATTR: {"key": key, "by": by}},
+            system_attrs={}, intermediate_values={}, trial_id=-1))
+        return self.holder(key) or ""  # ("": the claim just written is not there to read: nobody holds it)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _study_id(self) -> int | None:
+        """The companion study's id, None while it does not exist."""
+        if self._id is None:
+            with contextlib.suppress(KeyError):
+                self._id = self.storage.get_study_id_from_name(self.name)
+        return self._id
+
+    def _create(self) -> int:
+        """The companion study's id, created if need be (by whichever driver comes first)."""
+        found = self._study_id()
+        if found is not None:
+            return found
+        with contextlib.suppress(optuna.exceptions.DuplicatedStudyError):  # another driver made it first
+            self._id = self.storage.create_new_study([StudyDirection.MINIMIZE], self.name)
+        if self._id is None:
+            self._id = self.storage.get_study_id_from_name(self.name)
+        return self._id
+
+    def _read(self) -> list[tuple[str, str]]:
+        """(key, by) of every claim, in the storage's order."""
+        study_id = self._study_id()
+        if study_id is None:
+            return []
+        out = []
+        for t in sorted(self.storage.get_all_trials(study_id, deepcopy=False), key=lambda t: t.number):
+            c: Any = t.user_attrs.get(_ATTR)
+            if isinstance(c, dict) and isinstance(c.get("key"), str) and isinstance(c.get("by"), str):
+                out.append((c["key"], c["by"]))
+        return out
