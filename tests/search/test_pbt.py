@@ -278,5 +278,6 @@ def test_a_spec_without_the_scheduler_is_refused_on_a_pbt_study(tmp_path: Path) 
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "search.scheduler pbt" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    refusal = 'search.scheduler.type (the study: "pbt", this spec: "none")'  # the study's recorded spec
+    assert len(lines) == 1 and refusal in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert [(t.number, t.state) for t in first.study.get_trials()] == before
