@@ -12,7 +12,8 @@ Per device (``p`` data-parallel devices, ``k`` pipeline stages, ``P`` parameters
   the whole step (FSDP2 does not reshard the root after forward unless ``reshard_root``) and, with
   ``reshard_after_forward``, two units at a time (the one computing and the one prefetched);
   without it every unit stays gathered from its forward to its backward. Plus one unit's
-  unsharded gradients before its reduce-scatter.
+  unsharded gradients (in ``param_dtype``) and the copy of them FSDP reduce-scatters (in
+  ``reduce_dtype``), which exist together before its reduce-scatter.
 
 **Activations** are the bytes autograd saves (the trace, per sample and fixed) plus the most bytes
 backward's own tensors (activation gradients) hold at once, on top of them. Activation
@@ -82,17 +83,19 @@ def saved_bytes(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
 
 
 def _gathered(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
-    """(gathered parameter bytes, unsharded gradient bytes) FSDP holds at its peak."""
+    """(gathered parameter bytes, unsharded gradient bytes) FSDP holds at its peak: the gradients of
+    the largest unit twice, computed (``param_dtype``) and copied for the reduce-scatter (``reduce_dtype``)."""
     trace = facts.trace
     wire = PRECISION_BYTES[plan.param_dtype]
+    grads = wire + PRECISION_BYTES[plan.reduce_dtype or plan.param_dtype]
     if trace is None or not trace.units:
-        return wire * facts.params, wire * facts.params
+        return wire * facts.params, grads * facts.params
     sizes = sorted((u.params for u in trace.units), reverse=True)
     root = trace.root_params
     if plan.reshard_after_forward and plan.reshard_root:  # the root is one more unit
         sizes, root = sorted([*sizes, root], reverse=True), 0
     units = sum(sizes[:2]) if plan.reshard_after_forward else sum(sizes)
-    return wire * (root + units), wire * max(sizes[0], root)
+    return wire * (root + units), grads * max(sizes[0], root)
 
 
 def memory_breakdown(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, batch: float, p: int) -> dict[str, float]:

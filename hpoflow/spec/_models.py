@@ -642,7 +642,7 @@ class TrainConfig(_Strict):
                 "Fix: use precision: bf16 (no scaler), or another strategy")
         if self.strategy == "fsdp" and chosen.get("mixed_precision") == "fp16" and self.precision != "fp16":
             raise PydanticCustomError(
-                "bad_precision", "strategy_options.mixed_precision: fp16 computes and reduces gradients in fp16, "
+                "bad_precision", "strategy_options.mixed_precision: fp16 computes the gradients in fp16, "
                 "which needs a loss scaler, but precision is {p}. Fix: set precision: fp16 (it adds the scaler), "
                 "or mixed_precision: bf16", {"p": self.precision})
         if self.strategy == "fsdp" and self.lars:

@@ -89,29 +89,35 @@ class LocalSGDOptions(Options):
 
 class ZeRO1Options(Options):
     """ZeRO stage 1: gradients all-reduced by DDP, the optimizer state sharded over the ranks
-    (``torch.distributed.optim.ZeroRedundancyOptimizer``)."""
+    (``torch.distributed.optim.ZeroRedundancyOptimizer``). ``reduce_dtype``: the dtype the (fp32)
+    gradients are all-reduced in (bf16, fp16: DDP's compression hooks), fp32 whatever the precision."""
 
     bucket_cap_mb: float = Field(default=25.0, gt=0)
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
     def oracle_plan(self) -> dict[str, Any]:
-        """Priced as ZeRO-1: DDP's all-reduce of the gradients (its buckets), optimizer state / p per
-        rank, and each rank's updated shard broadcast after the step."""
-        return {"strategy": "zero1", "bucket_mb": self.bucket_cap_mb}
+        """Priced as ZeRO-1: DDP's all-reduce of the gradients (its buckets, in ``reduce_dtype``),
+        optimizer state / p per rank, and each rank's updated shard broadcast after the step."""
+        return {"strategy": "zero1", "bucket_mb": self.bucket_cap_mb, "grad_dtype": self.reduce_dtype}
 
 
 class FSDPOptions(Options):
     """FSDP2 (``torch.distributed.fsdp.fully_shard``) per block: parameters, gradients and optimizer
     state sharded; each block's parameters all-gathered for its forward (and again for its backward
-    when ``reshard_after_forward``), its gradients reduce-scattered."""
+    when ``reshard_after_forward``), its gradients reduce-scattered. ``mixed_precision``: the dtype
+    parameters are gathered and computed in (FSDP2's ``param_dtype``); ``reduce_dtype``: the dtype
+    gradients are reduce-scattered in, fp32 by default whatever ``mixed_precision`` is (torchtitan's
+    default: a sum of p low-precision gradients loses their low bits)."""
 
     reshard_after_forward: bool = True
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     cpu_offload: bool = False
 
     def oracle_plan(self) -> dict[str, Any]:
         dtype = "fp32" if self.mixed_precision == "none" else self.mixed_precision
         return {"strategy": "fsdp", "reshard_after_forward": self.reshard_after_forward, "param_dtype": dtype,
-                "cpu_offload": self.cpu_offload}
+                "reduce_dtype": self.reduce_dtype, "cpu_offload": self.cpu_offload}
 
 
 class MLPOptions(Options):

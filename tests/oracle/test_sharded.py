@@ -101,7 +101,8 @@ def test_precheck_admits_a_trial_that_fits_only_when_sharded() -> None:
     replicated = check_trial({**train, "strategy": "allreduce"}, 4, 0, c)
     assert not replicated.feasible and "largest batch" in replicated.reason
     # the trainer's fsdp options (hpoflow.train.options.FSDPOptions), read through its oracle_plan()
-    sharded = check_trial({**train, "strategy": "fsdp", "strategy_options": {"mixed_precision": "bf16"}}, 4, 0, c)
+    sharded = check_trial({**train, "strategy": "fsdp",
+                           "strategy_options": {"mixed_precision": "bf16", "reduce_dtype": "bf16"}}, 4, 0, c)
     assert sharded.feasible, sharded.reason
     assert sharded.reason.startswith("fits only when sharded: fsdp needs")
     assert "replicated (allreduce)" in sharded.reason

@@ -47,7 +47,9 @@ VOLUME: dict[str, tuple[str, dict[str, Any]]] = {
     "zero1": ("zero1", {}),
     "fsdp": ("fsdp", {}),
     "fsdp_keep": ("fsdp", {"reshard_after_forward": False}),
-    "fsdp_bf16": ("fsdp", {"mixed_precision": "bf16"}),
+    "fsdp_bf16": ("fsdp", {"mixed_precision": "bf16"}),  # gradients reduced in fp32 (the default)
+    "fsdp_bf16_reduce_bf16": ("fsdp", {"mixed_precision": "bf16", "reduce_dtype": "bf16"}),
+    "zero1_bf16": ("zero1", {"reduce_dtype": "bf16"}),
 }
 
 
@@ -234,7 +236,8 @@ def _theory(key: str, st: dict[str, float]) -> float:
     return {
         "fsdp": 2 * gather + ring,  # no root parameters: every unit resharded after forward
         "fsdp_keep": gather + ring,
-        "fsdp_bf16": (2 * gather + ring) / 2,
+        "fsdp_bf16": 2 * gather / 2 + ring,  # gathered in bf16, reduce-scattered in fp32
+        "fsdp_bf16_reduce_bf16": (2 * gather + ring) / 2,
     }[key]
 
 
@@ -246,13 +249,25 @@ def test_measured_bytes_per_step_match_the_all_gather_reduce_scatter_theory(
         if st["bytes_measured"] != 1.0:
             pytest.skip("no kernel byte counter (/proc/self/io) here: bytes are estimates")
         theory = st["theory_bytes_per_step"]
-        if key != "zero1":  # zero1's shares are whole tensors: rank r broadcasts (p-1) x its own (below)
+        if not key.startswith("zero1"):  # zero1's shares are whole tensors: rank r broadcasts (p-1) x its own
             assert theory == pytest.approx(_theory(key, st), rel=1e-9)
         assert st["bytes_per_step"] == pytest.approx(theory, rel=0.05), (key, rank, st)
         assert 0 < st["comm_fraction"] < 1 and st["comm_time_s"] > 0
-    both = [session[r]["volume"]["zero1"]["theory_bytes_per_step"] for r in range(WORLD)]
-    m = session[0]["volume"]["zero1"]["model_bytes"]
-    assert sum(both) == pytest.approx(2 * (2 * (WORLD - 1) / WORLD * m) + (WORLD - 1) * m, rel=1e-9)
+    for zero, r in (("zero1", 1.0), ("zero1_bf16", 0.5)):  # the all-reduce in reduce_dtype, the shares in fp32
+        both = [session[rank]["volume"][zero]["theory_bytes_per_step"] for rank in range(WORLD)]
+        m = session[0]["volume"][zero]["model_bytes"]
+        assert sum(both) == pytest.approx(2 * (r * 2 * (WORLD - 1) / WORLD * m) + (WORLD - 1) * m, rel=1e-9)
+
+
+def test_bf16_parameters_reduce_their_gradients_in_fp32_unless_asked(session: list[dict[str, Any]]) -> None:
+    """mixed_precision: bf16 gathers in bf16 but reduce-scatters fp32 gradients by default: the kernel
+    counts the fp32 reduce-scatter's bytes, twice what reduce_dtype: bf16 sends for it."""
+    default, low = session[0]["volume"]["fsdp_bf16"], session[0]["volume"]["fsdp_bf16_reduce_bf16"]
+    if default["bytes_measured"] != 1.0:
+        pytest.skip("no kernel byte counter (/proc/self/io) here: bytes are estimates")
+    m, p = default["model_bytes"], WORLD
+    ring = 2 * (p - 1) / p * m  # gloo's reduce-scatter of the whole model's gradients, in fp32
+    assert default["bytes_per_step"] - low["bytes_per_step"] == pytest.approx(ring / 2, rel=0.1)
 
 
 @pytest.mark.parametrize("name", ["zero1", "fsdp"])
@@ -271,11 +286,14 @@ def test_one_rank_trains_without_a_group(name: str) -> None:
 def test_oracle_plans_of_the_sharded_strategies() -> None:
     from hpoflow.oracle.feasibility import strategy_plan
 
-    assert strategy_plan("zero1", {}) == {"strategy": "zero1", "bucket_mb": 25.0}
+    assert strategy_plan("zero1", {}) == {"strategy": "zero1", "bucket_mb": 25.0, "grad_dtype": "fp32"}
+    assert strategy_plan("zero1", {"reduce_dtype": "bf16"})["grad_dtype"] == "bf16"
     assert strategy_plan("fsdp", {}) == {"strategy": "fsdp", "reshard_after_forward": True, "param_dtype": "fp32",
-                                          "cpu_offload": False}
+                                          "reduce_dtype": "fp32", "cpu_offload": False}
     assert strategy_plan("fsdp", {"mixed_precision": "bf16", "reshard_after_forward": False}) == {
-        "strategy": "fsdp", "reshard_after_forward": False, "param_dtype": "bf16", "cpu_offload": False}
+        "strategy": "fsdp", "reshard_after_forward": False, "param_dtype": "bf16", "reduce_dtype": "fp32",
+        "cpu_offload": False}
+    assert strategy_plan("fsdp", {"mixed_precision": "bf16", "reduce_dtype": "bf16"})["reduce_dtype"] == "bf16"
 
 
 SPEC = """\
@@ -302,12 +320,13 @@ def _load(tmp_path: Path, training: str, gpus: int = 0) -> Any:
     ("  strategy: fsdp\n  strategy_options: {cpu_offload: true}",
      "training.strategy_options.cpu_offload: cpu_offload: true keeps FSDP's shards in host memory"),
     ("  strategy: fsdp\n  strategy_options: {mixed_precision: fp16}",
-     "mixed_precision: fp16 computes and reduces gradients in fp16, which needs a loss scaler, but precision is "
+     "mixed_precision: fp16 computes the gradients in fp16, which needs a loss scaler, but precision is "
      "fp32"),
     ("  strategy: fsdp\n  lars: true", "fsdp holds only a shard of each weight"),
     ("  strategy: parameter_server\n  precision: fp16", "precision: fp16 needs a loss scaler"),
     ("  strategy: fsdp\n  strategy_options: {reshard: false}",
-     "unknown option of strategy 'fsdp'; valid options of fsdp: reshard_after_forward, mixed_precision, cpu_offload"),
+     "unknown option of strategy 'fsdp'; valid options of fsdp: reshard_after_forward, mixed_precision, "
+     "reduce_dtype, cpu_offload"),
     ("  precision: fp8", "training.precision: 'fp8' is not allowed; choose one of: fp32, bf16, fp16"),
 ])
 def test_spec_refuses_what_the_sharded_strategies_and_precision_cannot_run(

@@ -42,6 +42,11 @@ class AllReduce(Strategy):
         super().__init__(*args, **kwargs)
         self._ddp: DistributedDataParallel | None = None
 
+    @property
+    def compression(self) -> str:
+        """The gradients' all-reduce: none (fp32), fp16, bf16 or powersgd."""
+        return str(self.options.get("compression", "none"))
+
     def wrap(self, model: nn.Module) -> nn.Module:
         self._attach(model)
         if not self.distributed:
@@ -52,7 +57,7 @@ class AllReduce(Strategy):
             model, device_ids=device_ids, bucket_cap_mb=float(o.get("bucket_cap_mb", 25.0)),
             gradient_as_bucket_view=bool(o.get("gradient_as_bucket_view", False)),
         )
-        state, inner = self._inner_hook(str(o.get("compression", "none")))
+        state, inner = self._inner_hook(self.compression)
         ddp.register_comm_hook(state, self._timed(inner))
         self._ddp = ddp
         return ddp
@@ -78,7 +83,7 @@ class AllReduce(Strategy):
     def _timed(self, inner: Callable[..., torch.futures.Future[Any]]
                ) -> Callable[..., torch.futures.Future[Any]]:
         meter = self.meter
-        factor = _COMPRESSION_FACTOR.get(str(self.options.get("compression", "none")), 1.0)
+        factor = _COMPRESSION_FACTOR.get(self.compression, 1.0)
         world = self.env.world_size
 
         def timed_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[Any]:
@@ -99,7 +104,7 @@ class AllReduce(Strategy):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        if str(self.options.get("compression", "none")) == "powersgd":
+        if self.compression == "powersgd":
             warnings.warn("allreduce: PowerSGD's error feedback and warm-start matrices are not "
                           "checkpointed; after a resume they start over (the run is not bitwise the "
                           "uninterrupted one)", RuntimeWarning, stacklevel=2)
@@ -113,7 +118,7 @@ class AllReduce(Strategy):
     def theoretical_bytes_per_step(self) -> float:
         if not self.distributed:
             return 0.0
-        compression = str(self.options.get("compression", "none"))
+        compression = self.compression
         if compression == "powersgd":
             return ring_allreduce_bytes(self._powersgd_payload(), self.env.world_size)
         return ring_allreduce_bytes(self.model_bytes * _COMPRESSION_FACTOR[compression],

@@ -9,17 +9,19 @@ top-level children that hold parameters; the root (the rest: embeddings, final n
 more unit, which FSDP does not reshard after forward (its backward follows at once).
 
 Options: ``reshard_after_forward`` (true), ``mixed_precision`` (none | bf16 | fp16: the dtype
-parameters are all-gathered and computed in, and gradients reduce-scattered in, through
-``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; the sharded parameters, their gradients and the
-optimizer stay fp32), ``cpu_offload`` (``CPUOffloadPolicy``: shards live in host memory between
-uses; it needs an accelerator, so a CPU trial refuses it).
+parameters are all-gathered and computed in, ``MixedPrecisionPolicy.param_dtype``), ``reduce_dtype``
+(fp32 | bf16 | fp16, fp32 by default whatever ``mixed_precision`` is: the dtype gradients are
+reduce-scattered in, ``MixedPrecisionPolicy.reduce_dtype``); the sharded parameters, their gradients
+and the optimizer stay fp32. ``cpu_offload`` (``CPUOffloadPolicy``: shards live in host memory
+between uses; it needs an accelerator, so a CPU trial refuses it).
 
-Per step and rank (sent), with ``M_g`` the fp32 bytes of unit g (padded) and ``f`` the all-gather
-dtype's size over 4: all-gathers ``(p-1)/p·f·M_g`` once per forward, once more per backward for a
-block resharded after forward; the reduce-scatter of the gradients ``(p-1)/p·f·M_g`` on NCCL, but
-``2(p-1)/p·f·M_g`` on gloo, whose reduce-scatter runs as an all-reduce (measured here: at p = 2 and
-p = 4 the kernel's byte count matches the all-reduce's volume). Every all-gather and reduce-scatter
-goes through a timed communication object (``set_custom_all_gather`` / ``set_custom_reduce_scatter``).
+Per step and rank (sent), with ``M_g`` the fp32 bytes of unit g (padded), ``f`` the all-gather
+dtype's size over 4 and ``r`` the reduce dtype's: all-gathers ``(p-1)/p·f·M_g`` once per forward,
+once more per backward for a block resharded after forward; the reduce-scatter of the gradients
+``(p-1)/p·r·M_g`` on NCCL, but ``2(p-1)/p·r·M_g`` on gloo, whose reduce-scatter runs as an all-reduce
+(measured here: at p = 2 and p = 4 the kernel's byte count matches the all-reduce's volume). Every
+all-gather and reduce-scatter goes through a timed communication object (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``).
 
 Checkpoints hold this rank's shards (``_sharded_state``: DCP's ``get_state_dict`` / ``set_state_dict``).
 """
@@ -42,7 +44,7 @@ from hpoflow.train.strategies._sharded_state import check_same_world, load_shard
 
 __all__ = ["FSDP", "fsdp_units"]
 
-_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"none": None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -97,7 +99,8 @@ def reduce_scatter_factor(backend: str, world: int) -> float:
 
 
 class FSDP(Strategy):
-    """Options: ``reshard_after_forward``, ``mixed_precision`` (none | bf16 | fp16), ``cpu_offload``."""
+    """Options: ``reshard_after_forward``, ``mixed_precision`` (none | bf16 | fp16), ``reduce_dtype``
+    (fp32 | bf16 | fp16), ``cpu_offload``."""
 
     name = "fsdp"
 
@@ -115,6 +118,18 @@ class FSDP(Strategy):
     def param_dtype(self) -> torch.dtype | None:
         return _DTYPES[str(self.options.get("mixed_precision", "none"))]
 
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduce-scattered in (``None``: fp32, theirs)."""
+        return _DTYPES[str(self.options.get("reduce_dtype", "fp32"))]
+
+    def mp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's policy: parameters gathered in ``mixed_precision``, gradients reduced in
+        ``reduce_dtype`` (fp32 unless asked); ``None`` when both are fp32."""
+        if self.param_dtype is None and self.reduce_dtype is None:
+            return None
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         self._attach(model)
         if not self.distributed:
@@ -126,10 +141,10 @@ class FSDP(Strategy):
                              "rank trains on the CPU. Fix: set cpu_offload: false, or give the trial GPUs")
         self._broadcast_params()  # every rank shards the same full parameters
         self._backend = str(dist.get_backend())
-        dtype = self.param_dtype
         kw: dict[str, Any] = {}
-        if dtype is not None:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        policy = self.mp_policy()
+        if policy is not None:
+            kw["mp_policy"] = policy
         if self.options.get("cpu_offload"):
             kw["offload_policy"] = CPUOffloadPolicy()
         units = fsdp_units(model)
@@ -170,14 +185,15 @@ class FSDP(Strategy):
 
     def theoretical_bytes_per_step(self) -> float:
         """This rank's all-gathers (per forward, and per backward for a resharded unit) and
-        reduce-scatters, at the all-gather dtype (see the module docstring)."""
+        reduce-scatters, at the all-gather and the reduce dtypes (see the module docstring)."""
         if not self.distributed:
             return 0.0
         world = self.env.world_size
         f = 0.5 if self.param_dtype is not None else 1.0
+        r = 0.5 if self.reduce_dtype is not None else 1.0
         gather = (world - 1) / world
         scatter = reduce_scatter_factor(self._backend, world)
-        return sum(f * m * (gather * (2 if resharded else 1) + scatter) for m, resharded in self._units)
+        return sum(m * (f * gather * (2 if resharded else 1) + r * scatter) for m, resharded in self._units)
 
     def make_grad_scaler(self) -> torch.amp.GradScaler:
         """Each rank holds different gradient shards: the scaler all-reduces its inf check."""

@@ -7,6 +7,11 @@ Per step and rank (sent): the gradients' ring all-reduce ``2(p-1)/p·M``, then i
 each of the ``p - 1`` others, ``(p-1)·M_r`` (``(p-1)/p·M`` when the shares are even). The broadcast
 is timed apart from the optimizer's own step (``ZeroRedundancyOptimizer._sync_params``).
 
+Gradients: the parameters stay fp32 (``precision: bf16 | fp16`` only autocasts the forward), so their
+gradients are fp32 and all-reduced in fp32; ``reduce_dtype: bf16 | fp16`` all-reduces them in that
+dtype instead (DDP's ``bf16_compress_hook`` / ``fp16_compress_hook``, as ``allreduce``'s
+``compression``: ``r·2(p-1)/p·M`` with ``r`` the dtype's size over 4).
+
 Checkpoints hold the replicated model and this rank's local optimizer (its share's state).
 """
 
@@ -20,7 +25,6 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hpoflow.train.collectives import ring_allreduce_bytes
 from hpoflow.train.strategies._allreduce import AllReduce
 from hpoflow.train.strategies._sharded_state import check_same_world
 
@@ -28,9 +32,15 @@ __all__ = ["ZeRO1"]
 
 
 class ZeRO1(AllReduce):
-    """Options: ``bucket_cap_mb`` (DDP's buckets)."""
+    """Options: ``bucket_cap_mb`` (DDP's buckets), ``reduce_dtype`` (fp32 | bf16 | fp16)."""
 
     name = "zero1"
+
+    @property
+    def compression(self) -> str:
+        """``reduce_dtype`` as DDP's communication hook (fp32: none)."""
+        dtype = str(self.options.get("reduce_dtype", "fp32"))
+        return "none" if dtype == "fp32" else dtype
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -62,7 +72,7 @@ class ZeRO1(AllReduce):
     def theoretical_bytes_per_step(self) -> float:
         if not self.distributed or self._zero is None:
             return 0.0
-        return ring_allreduce_bytes(self.model_bytes, self.env.world_size) + self._broadcast_bytes(self._zero)
+        return super().theoretical_bytes_per_step() + self._broadcast_bytes(self._zero)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ranks": self.env.world_size}
