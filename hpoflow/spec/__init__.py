@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hpoflow.spec._command import UNBOUNDED_EPOCHS, program
 from hpoflow.spec._load import (
     BUILTIN_MEASURES,
     BUILTIN_METRICS,
@@ -40,6 +41,7 @@ __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
     "SCHEDULABLE",
+    "UNBOUNDED_EPOCHS",
     "CategoricalParam",
     "CheckpointSpec",
     "ElasticRange",
@@ -63,6 +65,7 @@ __all__ = [
     "parse_constraint",
     "placeholders",
     "prepare_spec",
+    "program",
     "resolve_training",
     "search_dirs",
     "spec_from_mapping",
