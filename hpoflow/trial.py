@@ -14,6 +14,7 @@ import functools
 import importlib.machinery
 import json
 import os
+import signal
 import site
 import sys
 import sysconfig
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 __all__ = ["Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus",
-           "Verdict", "aggregate_usage", "imports_torch", "needs_torch", "result_from_ranks"]
+           "Verdict", "aggregate_usage", "describe_exit", "imports_torch", "needs_torch", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 # How one rank ended: ok / pruned / error (an exception, sent by the rank itself), resized (an elastic
@@ -62,6 +63,10 @@ class TrialRequest:
     elastic_policy: str = "longest_remaining"  # a registered hpoflow.registry.ELASTIC policy
     plugins: tuple[str, ...] = ()  # modules that register plug-ins (spec ``plugins:``), imported first
     memory_gb: float = 0.0  # host memory per rank (``resources.memory_gb``); 0: the engine's default share
+    # every metric name the study reads (its objectives, its constraints): what a command trial's output
+    # is scanned for (hpoflow.train.command); empty: ``metric`` alone
+    metric_names: tuple[str, ...] = ()
+    workdir: str = ""  # where a command trial's program runs: the driver's working directory ("": the rank's)
 
     @property
     def checkpoints(self) -> str:
@@ -93,17 +98,22 @@ class TrialRequest:
         data["python_path"] = tuple(data.get("python_path", ()))
         data["elastic_sizes"] = tuple(int(k) for k in data.get("elastic_sizes", ()))
         data["plugins"] = tuple(data.get("plugins", ()))
+        data["metric_names"] = tuple(data.get("metric_names", ()))
         return cls(**data)
 
 
 def needs_torch(function: str | None, processes: int, gpus_per_process: int,
-                python_path: tuple[str, ...] | list[str] = ()) -> bool:
+                python_path: tuple[str, ...] | list[str] = (), *, command: bool = False) -> bool:
     """Whether a trial's ranks want a worker with torch already imported: the built-in trainer
     (``function`` None), a process group (several ranks), a GPU, or a user function whose code will
     import torch (``imports_torch``: read from its source, never run). Only a single CPU rank of a
     torch-free user function runs on a light worker; if it imports torch after all (by a name no
     source shows), torch is seeded then (``hpoflow.train.runner``), the import is timed as the trial's
-    ``cold_start_s``, and the local engine keeps the function on warm workers from then on."""
+    ``cold_start_s``, and the local engine keeps the function on warm workers from then on.
+    A ``command`` trial's rank starts the program in a process of its own and touches no GPU: it needs
+    torch only for the process group its ranks keep (``hpoflow.train.command``)."""
+    if command:
+        return processes > 1
     if function is None or processes > 1 or gpus_per_process > 0:
         return True
     return imports_torch(function, tuple(python_path))
@@ -399,6 +409,18 @@ def _result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], t
     status: TrialStatus = "pruned" if chief.status == "pruned" else "complete"
     return TrialResult(req.number, status, value=chief.metrics.get(req.metric), metrics=dict(chief.metrics),
                        timings=timings)
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words: ``killed by SIGKILL``, ``exited with code 1``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 _USAGE_MEAN = ("cpu_percent", "rss_mean_mb", "gpu_util_percent")

@@ -101,7 +101,7 @@ def _listener(spec: StudySpec, rd: Path, listener: DriverListener | None, progre
 def _run(study: optuna.Study, rd: Path, spec: StudySpec, engine: Engine, dirs: tuple[str, ...],
          n_trials: int | None, listener: DriverListener | None, handle_signals: bool) -> DriverSummary:
     precheck = None
-    if spec.oracle.enabled and not resolve_training(spec.training, {}).function:
+    if spec.oracle.enabled and resolve_training(spec.training, {}).builtin:
         from hpoflow.oracle.precheck import OraclePrecheck
 
         precheck = OraclePrecheck(spec.oracle.cluster, plugins=tuple(spec.plugins), python_path=dirs)

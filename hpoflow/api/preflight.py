@@ -31,7 +31,7 @@ def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, e
         check_fit(spec.engine, spec.engine_option_values(),
                   TrialRequest.shape(r.processes, r.cpus_per_process, r.gpus_per_process, r.nodes,
                                      memory_gb=r.memory_gb or 0.0))
-    if spec.oracle.enabled and spec.oracle.cluster and not resolve_training(spec.training, {}).function:
+    if spec.oracle.enabled and spec.oracle.cluster and resolve_training(spec.training, {}).builtin:
         from hpoflow.oracle.cluster import load_cluster
         from hpoflow.oracle.errors import OracleError
 

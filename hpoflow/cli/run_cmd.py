@@ -44,9 +44,9 @@ def _prestart(spec_path: str) -> None:
     res = spec.resources
     function = spec.training.get("function")  # a ${param} placeholder: known per trial only
     light = 0
-    if isinstance(function, str) and "${" not in function and not needs_torch(function, res.processes,
-                                                                                res.gpus_per_process,
-                                                                                search_dirs(spec_path)):
+    command = spec.training.get("command") is not None
+    if (command or (isinstance(function, str) and "${" not in function)) and not needs_torch(
+            function, res.processes, res.gpus_per_process, search_dirs(spec_path), command=command):
         light = min(spec.search.max_concurrent, len(machine_cores()) // (res.processes * res.cpus_per_process))
     prestart(light=light)
 

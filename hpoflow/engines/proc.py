@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpoflow.trial import describe_exit  # re-exported: an exit code in words, for every process of a trial
+
 __all__ = ["become_subreaper", "descendants", "describe_exit", "kill_tree", "reap_descendants",
            "start_without_main", "tail"]
 
@@ -41,18 +43,6 @@ def tail(path: Path, max_bytes: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
-
-
-def describe_exit(code: int | None) -> str:
-    """A process's exit code in words: ``killed by SIGKILL``, ``exited with code 1``."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 # -- process trees ----------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ def oracle_cost(options: OracleCostOptions) -> Callable[[TrialRequest], TrialCos
     cache: dict[str, tuple[float | None, str]] = {}
 
     def cost(req: TrialRequest) -> TrialCost:
-        if req.train.get("function"):
-            return TrialCost(0.0, {}, error="cost model oracle: a training.function is opaque to the oracle; "
-                                            "use the function or lognormal cost model")
+        if req.train.get("function") or req.train.get("command") is not None:
+            return TrialCost(0.0, {}, error="cost model oracle: a training.function or training.command is opaque "
+                                            "to the oracle; use the function or lognormal cost model")
         train, key = judged(req)
         if key not in cache:
             verdict = check_trial(train, req.processes, req.gpus_per_process, cluster)

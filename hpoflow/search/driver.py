@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -57,7 +58,7 @@ from hpoflow.search.summary import (
     objective_values,
     write_result,
 )
-from hpoflow.spec import StudySpec, resolve_training
+from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, Verdict
 
 __all__ = ["Driver", "DriverListener", "DriverSummary"]
@@ -89,6 +90,9 @@ class Driver:
         self.listener = listener
         self.python_path = python_path
         self.precheck = precheck
+        names = [n for n, _ in spec.study.objectives] + [parse_constraint(c)[0] for c in spec.study.constraints]
+        self._metric_names = tuple(dict.fromkeys(names))  # what a command trial's output is read for
+        self._workdir = os.getcwd()  # where a command trial's program runs
         self.grid = Grid(spec.space) if spec.search.algorithm == "grid" else None
         budget = n_trials or spec.search.n_trials
         if self.grid is not None:
@@ -397,9 +401,9 @@ class Driver:
             pruning=self.spec.search.pruner.type != "none" or self.scheduling is not None,
             python_path=self.python_path, attempt=attempt,
             seed=train.seed, checkpoint_dir=self._checkpoint_dir(trial.number, trial.user_attrs, attempt),
-            elastic_sizes=r.elastic_sizes(None if train.function else train.batch_size),
+            elastic_sizes=r.elastic_sizes(train.batch_size if train.builtin else None),
             elastic_policy=r.elastic.policy if r.elastic is not None else "longest_remaining",
-            plugins=tuple(self.spec.plugins),
+            plugins=tuple(self.spec.plugins), metric_names=self._metric_names, workdir=self._workdir,
         )
 
     def _checkpoint_dir(self, number: int, user_attrs: dict[str, Any], attempt: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hpoflow.spec._command import UNBOUNDED_EPOCHS, program
 from hpoflow.spec._fingerprint import study_fingerprint
 from hpoflow.spec._load import (
     BUILTIN_MEASURES,
@@ -42,6 +43,7 @@ __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
     "SCHEDULABLE",
+    "UNBOUNDED_EPOCHS",
     "CategoricalParam",
     "CheckpointSpec",
     "ElasticRange",
@@ -66,6 +68,7 @@ __all__ = [
     "parse_constraint",
     "placeholders",
     "prepare_spec",
+    "program",
     "resolve_training",
     "search_dirs",
     "spec_from_mapping",

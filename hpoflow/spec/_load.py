@@ -19,9 +19,11 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import HpoflowError, Issue, SpecError, did_you_mean
 from hpoflow.registry import MODELS
+from hpoflow.spec._command import command_argv, command_placeholders, command_problem, substitute_command
 from hpoflow.spec._models import (
     PLACEHOLDER,
     CategoricalParam,
@@ -161,9 +163,18 @@ def resolve_training(training: Mapping[str, Any], params: Mapping[str, Any]) -> 
     """The concrete training config of one trial: placeholders replaced by the trial's values.
 
     A placeholder whose parameter is inactive (its condition not met) leaves the key unset, so the
-    field takes its default.
+    field takes its default. ``command``'s placeholders may sit inside an argument (``--lr=${lr}``):
+    ``hpoflow.spec._command.substitute_command``.
     """
-    return TrainConfig.model_validate(_substitute(dict(training), params))
+    data = dict(training)
+    command = data.pop("command", None)
+    out = _substitute(data, params)
+    if command is not None:
+        try:
+            out["command"] = substitute_command(command, params)
+        except PydanticCustomError:
+            out["command"] = command  # the model says what is wrong with it, at its key
+    return TrainConfig.model_validate(out)
 
 
 def _candidates(param: Param) -> list[Any]:
@@ -227,7 +238,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
                         f"value(s) {bad!r} are not among {parent!r}'s choices {pp.choices!r}")
     # Placeholders: every ${name} is a parameter and its values fit the field.
     used: dict[str, list[tuple[str | int, ...]]] = {}
-    for path, pname in placeholders(spec.training):
+    for path, pname in _training_placeholders(spec.training):
         if pname not in spec.space:
             add(("training", *path),
                 f"${{{pname}}} refers to no search parameter{did_you_mean(pname, names)}; "
@@ -240,7 +251,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
             resolve_training(spec.training, base)
         except ValidationError as exc:
             where = {".".join(str(x) for x in ("training", *path)): n
-                     for path, n in placeholders(spec.training)}
+                     for path, n in _training_placeholders(spec.training)}
             for issue in _issues_from_validation(exc, lines, source, ("training",)):
                 found = where.get(issue.path)
                 if found is not None:
@@ -261,7 +272,10 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
     if issues:
         return issues
     train = resolve_training(spec.training, {n: _candidates(p)[0] for n, p in spec.space.items()})
-    if train.function:
+    if train.command is not None:
+        for loc, msg in _command_problems(spec, train.command):
+            add(loc, msg)
+    elif train.function:
         problem = _check_function(train.function, search_dirs)
         if problem:
             add(("training", "function"), problem)
@@ -291,6 +305,39 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
     if not spec.space:
         add(("space",), "the search space is empty. Fix: add at least one parameter under space:")
     return issues
+
+
+def _training_placeholders(training: Mapping[str, Any]) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    """``placeholders`` of the training section, with ``command``'s found inside its arguments too
+    (``--lr=${lr}``; a command written as one line: the path is ``command``)."""
+    for path, name in placeholders({k: v for k, v in training.items() if k != "command"}):
+        yield path, name
+    raw = training.get("command")
+    try:
+        argv = command_argv(raw)
+    except PydanticCustomError:
+        return  # the model says why
+    for i, name in command_placeholders(argv or []):
+        yield ("command", i) if isinstance(raw, list) else ("command",), name
+
+
+def _command_problems(spec: StudySpec, argv: list[str]) -> list[tuple[tuple[Any, ...], str]]:
+    """What keeps ``training.command`` from running: a program that is not there, an elastic trial (a
+    program keeps the ranks it started with), a scheduler without ``training.epochs`` (its rungs and
+    intervals count epochs)."""
+    out: list[tuple[tuple[Any, ...], str]] = []
+    found = command_problem(argv, os.getcwd())
+    if found is not None:
+        i, msg = found
+        out.append((("training", "command", *((i,) if isinstance(spec.training.get("command"), list) else ())), msg))
+    if spec.resources.elastic is not None:
+        out.append((("resources", "processes"), "a command trial keeps the ranks its program started with, but "
+                    "processes is elastic ({min, max}). Fix: write processes: N"))
+    if spec.search.scheduler.enabled and "epochs" not in spec.training:
+        out.append((("training", "command"), f"search.scheduler {spec.search.scheduler.type} counts epochs (the "
+                    "step of each report), and hpoflow ends a command trial after its report of training.epochs, "
+                    "which is not set. Fix: set training.epochs to the epochs your program trains"))
+    return out
 
 
 def _top_level_names(source: str) -> set[str] | None:

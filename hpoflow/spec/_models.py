@@ -32,6 +32,7 @@ from hpoflow.registry import (
     check_class,
     is_class_path,
 )
+from hpoflow.spec._command import UNBOUNDED_EPOCHS, command_argv
 from hpoflow.spec._yaml import MAX_ITEMS as MAX_CHOICES
 
 __all__ = [
@@ -510,10 +511,18 @@ class TrainConfig(_Strict):
     """What one trial trains, after every ``${param}`` has been replaced by its value.
 
     With ``function`` set, the user's function trains and receives this config (``options`` is
-    free-form for it); otherwise the built-in trainer trains ``model`` on ``dataset``.
+    free-form for it); with ``command``, the user's program runs as each rank (``hpoflow.train.command``);
+    otherwise the built-in trainer trains ``model`` on ``dataset``.
     """
 
     function: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    command: list[str] | None = Field(
+        default=None, description="Your own program as each rank of a trial, with torchrun's environment: an argv "
+        "list (or one line, split like a shell splits it but never run by one); any argument may hold ${param} "
+        "placeholders. python means the interpreter hpoflow runs in.")
+    stop_grace_s: float = Field(
+        default=30.0, ge=0, description="A command trial pruned, paused or at its last epoch: seconds it has to "
+        "exit by itself (hpoflow.client.should_stop() is true) before SIGTERM, then SIGKILL, on every rank.")
     model: str = "cnn"
     model_options: dict[str, Any] = Field(default_factory=dict)
     dataset: Literal["digits", "synthetic", "chars"] = "digits"
@@ -556,6 +565,21 @@ class TrainConfig(_Strict):
         default_factory=CheckpointSpec,
         description="Periodic checkpoints a trial resumes from after a crash: every, keep, async, format, options.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _command_argv(cls, data: Any) -> Any:
+        """``command`` as an argv (a string split with shlex); a command trial without ``epochs`` has no
+        step limit (``UNBOUNDED_EPOCHS``: its program ends itself)."""
+        if isinstance(data, dict) and data.get("command") is not None:
+            data = {**data, "command": command_argv(data["command"])}
+            data.setdefault("epochs", UNBOUNDED_EPOCHS)
+        return data
+
+    @property
+    def builtin(self) -> bool:
+        """The built-in trainer trains (neither ``function`` nor ``command`` is set)."""
+        return self.function is None and self.command is None
+
     @field_validator("schedule")
     @classmethod
     def _check_schedule(cls, v: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
@@ -579,7 +603,11 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_plugins(self) -> TrainConfig:
-        if self.function is None:
+        if self.function is not None and self.command is not None:
+            raise PydanticCustomError(
+                "function_and_command", "{at}: give either function (module:function) or command (your program), "
+                "but both are set. Fix: remove one of them", {"at": "command"})
+        if self.builtin:
             _checked_name(MODELS, self.model, "model")
             full_model = MODELS.check(self.model, self.model_options, at="model_options")
             if full_model != self.model_options:
@@ -605,7 +633,7 @@ class TrainConfig(_Strict):
         if chosen != self.strategy_options:
             object.__setattr__(self, "strategy_options", chosen)  # frozen: normalise once, here
         self._check_precision(chosen)
-        if self.function is None and self.strategy != "allreduce" and self.checkpoint.shared_state:
+        if self.builtin and self.strategy != "allreduce" and self.checkpoint.shared_state:
             raise PydanticCustomError(
                 "checkpoint_format",
                 "{at}: {fmt} keeps one copy of the state for every rank, which holds only where every "
@@ -874,8 +902,8 @@ class StudySpec(_Strict):
             raise PydanticCustomError(
                 "pbt_epochs", "training.epochs: PBT trains every member a fixed number of epochs, but got {e}. Fix: "
                 "write a whole number", {"e": epochs})
-        if self.training.get("function"):
-            return self
+        if self.training.get("function") or self.training.get("command") is not None:
+            return self  # the user's code decides what a resume may change
         for path, name in placeholders(self.training):
             if name in names and not (len(path) == 1 and path[0] in SCHEDULABLE):
                 raise PydanticCustomError(

@@ -11,11 +11,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 from torch.distributed import FileStore, TCPStore  # type: ignore[attr-defined]  # not re-exported in the stubs
 
 from hpoflow.train.rendezvous import LOOPBACK_ENV, wait_for_master
 
-__all__ = ["announced_store", "destroy", "init_process_group", "store_address"]
+__all__ = ["announced_store", "destroy", "group_store", "init_process_group", "store_address"]
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
@@ -47,6 +48,14 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=timeout)
+
+
+def group_store() -> Store:
+    """The key-value store the ranks of this process's group met through (file store or TCP store):
+    for what ranks tell each other outside collectives (a command trial's ``hpoflow.train.command``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def store_address(environ: dict[str, str] | None = None) -> str:

@@ -13,6 +13,7 @@ and given the rank's thread count the moment its import completes (``_when_impor
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -186,7 +187,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     req = job.request
     channel = channel or NullChannel()
     use_cuda = False
-    if req.gpus_per_process > 0:
+    command = req.train.get("command") is not None  # the rank supervises the user's program: no GPU of its own
+    if req.gpus_per_process > 0 and not command:
         import torch
 
         use_cuda = torch.cuda.is_available()
@@ -221,7 +223,12 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         # cold_start_s and left out of run_s, so durations compare across trials.
         started_at = time.time()
         loaded = time.perf_counter()
-        if config.function:
+        fn: Callable[[TrialContext], Any]
+        if config.command is not None:
+            from hpoflow.train.command import run_command
+
+            fn = functools.partial(run_command, job=job)
+        elif config.function:
             fn = load_function(config.function, req.python_path)
         else:
             from hpoflow.train.builtin import train_builtin

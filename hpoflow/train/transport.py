@@ -12,6 +12,8 @@ Rank 0 sends reports out and receives pruning decisions back over a ``Channel``:
   NFS attribute caching delays a file by seconds). Rank 0 listens on a kernel-picked port and
   announces ``ADDRESS PORT TOKEN`` in ``control.addr`` (mode 0600); the engine's first line must be
   the token. Where no engine connects within ``FALLBACK_S``, rank 0 falls back to answer files.
+- ``LineServer``: the token-checked JSON-lines server behind ``SocketChannel``, and behind a command
+  trial's channel to its program (``hpoflow.train.command``, ``hpoflow.client``: ``HPOFLOW_CONTROL``).
 
 The file protocol: one directory per attempt of a trial (``TrialFiles``); every write atomic (temp
 file, fsync, rename: ``hpoflow.fileio``) except the report log, which is append-only JSON lines:
@@ -55,7 +57,8 @@ from hpoflow.fileio import append_jsonl, read_json, write_atomic
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Channel", "FileChannel", "NullChannel", "PipeChannel", "ReportReader", "TrialFiles"]
+__all__ = ["Channel", "ControlLink", "FileChannel", "LineServer", "NullChannel", "PipeChannel", "ReportReader",
+           "SocketChannel", "TrialFiles"]
 
 class Channel(abc.ABC):
     """Rank 0's line to its engine. An answer to a report carries the pruning decision and, for an
@@ -254,28 +257,32 @@ class FileChannel(Channel):
         self._append({"kind": kind, "payload": payload, "time": time.time()})
 
 
-FALLBACK_S = 30.0  # SocketChannel: no engine connected by then: decisions are read from answer files
+class LineServer:
+    """A TCP server of JSON lines for whoever holds its token: the one place a control socket is
+    served (rank 0's ``SocketChannel``; a command trial's ``hpoflow.client`` channel). It listens on a
+    port the kernel picks (on ``host``: ``""`` every interface, ``127.0.0.1`` this host only); a
+    connection's first line must be the token (else it is closed), then each line is one JSON object,
+    handed to ``on_message(conn, message)``, whose reply (a dict) goes back as one line. ``announce``
+    says where it is: ``ADDRESS PORT TOKEN``."""
 
-
-class SocketChannel(FileChannel):
-    """Rank 0's channel in steps mode (see the module docstring): reports to the file and over the
-    engine's connection, decisions from it. ``address``: where the engine reaches this node."""
-
-    def __init__(self, files: TrialFiles, answer_timeout_s: float = 600.0, address: str = "127.0.0.1") -> None:
-        super().__init__(files, answer_timeout_s)
-        self._server = socket.create_server(("", 0))
+    def __init__(self, on_message: Callable[[socket.socket, dict[str, Any]], dict[str, Any] | None], *,
+                 host: str = "", on_open: Callable[[socket.socket], None] | None = None,
+                 on_close: Callable[[socket.socket], None] | None = None, name: str = "hpoflow-control") -> None:
+        self._server = socket.create_server((host, 0))
         self.token = secrets.token_hex(16)
-        self._cv = threading.Condition()
-        self._answers: dict[int, dict[str, Any]] = {}
-        self._conn: socket.socket | None = None
-        self._stopped = False
-        self._opened = time.monotonic()
-        threading.Thread(target=self._serve, name="hpoflow-control", daemon=True).start()
-        write_atomic(files.control, f"{address} {self._server.getsockname()[1]} {self.token}\n", mode=0o600)
+        self._on_message, self._on_open, self._on_close = on_message, on_open, on_close
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
 
     @property
-    def connected(self) -> bool:
-        return self._conn is not None
+    def port(self) -> int:
+        return int(self._server.getsockname()[1])
+
+    def announce(self, address: str) -> str:
+        return f"{address} {self.port} {self.token}"
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._server.close()
 
     def _serve(self) -> None:
         while True:
@@ -286,32 +293,69 @@ class SocketChannel(FileChannel):
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
-        """One connection: its first line is the token (else it is closed), then one JSON object a line."""
         with contextlib.suppress(OSError), conn:
             conn.settimeout(10.0)
             reader = conn.makefile("rb")
             if reader.readline().strip() != self.token.encode():
                 return
             conn.settimeout(None)
-            with self._cv:
-                self._conn = conn  # the engine's latest connection: reports go there
-                self._cv.notify_all()
-            for line in reader:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(msg, dict):
-                    continue
-                with self._cv:
-                    if "seq" in msg:
-                        self._answers[int(msg["seq"])] = msg
-                    if msg.get("stop"):
-                        self._stopped = True
-                    self._cv.notify_all()
-            with self._cv:
-                if self._conn is conn:
-                    self._conn = None
+            if self._on_open is not None:
+                self._on_open(conn)
+            try:
+                for line in reader:
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    if not isinstance(msg, dict):
+                        continue
+                    reply = self._on_message(conn, msg)
+                    if reply is not None:
+                        conn.sendall(json.dumps(reply).encode() + b"\n")
+            finally:
+                if self._on_close is not None:
+                    self._on_close(conn)
+
+
+FALLBACK_S = 30.0  # SocketChannel: no engine connected by then: decisions are read from answer files
+
+
+class SocketChannel(FileChannel):
+    """Rank 0's channel in steps mode (see the module docstring): reports to the file and over the
+    engine's connection, decisions from it. ``address``: where the engine reaches this node."""
+
+    def __init__(self, files: TrialFiles, answer_timeout_s: float = 600.0, address: str = "127.0.0.1") -> None:
+        super().__init__(files, answer_timeout_s)
+        self._cv = threading.Condition()
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._conn: socket.socket | None = None
+        self._stopped = False
+        self._opened = time.monotonic()
+        self._server = LineServer(self._on_message, on_open=self._on_open, on_close=self._on_close)
+        self.token = self._server.token
+        write_atomic(files.control, self._server.announce(address) + "\n", mode=0o600)
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    def _on_open(self, conn: socket.socket) -> None:
+        with self._cv:
+            self._conn = conn  # the engine's latest connection: reports go there
+            self._cv.notify_all()
+
+    def _on_message(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        with self._cv:
+            if "seq" in msg:
+                self._answers[int(msg["seq"])] = msg
+            if msg.get("stop"):
+                self._stopped = True
+            self._cv.notify_all()
+
+    def _on_close(self, conn: socket.socket) -> None:
+        with self._cv:
+            if self._conn is conn:
+                self._conn = None
 
     def report(self, step: int, metrics: dict[str, float], wants_answer: bool) -> bool:
         seq = self.seq

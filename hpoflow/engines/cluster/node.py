@@ -82,6 +82,12 @@ def _die_with_parent() -> None:
 
 
 def _kill_own_group() -> None:
+    """Kill this process group, and the process group of a command trial's program this rank runs
+    (``hpoflow.train.command``: a group of its own, which killing ours would leave running)."""
+    command = sys.modules.get("hpoflow.train.command")
+    for group in command.running_groups() if command is not None else ():
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
     try:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:

@@ -190,7 +190,8 @@ class LocalEngine(Engine):
                             deferred=None, logs=[])
         function = request.train.get("function")
         torch_first = function in self._torch_functions or needs_torch(
-            function, request.processes, request.gpus_per_process, request.python_path)
+            function, request.processes, request.gpus_per_process, request.python_path,
+            command=request.train.get("command") is not None)
         if torch_first:  # light so far: now a trial needs the preload
             self._pool.start_warm()
         with self._pool.lock:

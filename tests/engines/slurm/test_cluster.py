@@ -150,6 +150,34 @@ def test_the_digits_example_runs_in_steps_mode(slurm_cluster: SlurmCluster) -> N
     assert (shared / "run" / "trials.csv").exists() and (shared / "run" / "best.yaml").exists()
 
 
+def test_the_plain_torchrun_script_runs_as_a_2_node_command_trial_in_steps_mode(slurm_cluster: SlurmCluster) -> None:
+    """examples/scripts/train_ddp.py, as it is, one rank on each node: its ranks meet at MASTER_ADDR,
+    rank 0's address on the network gloo uses, which rank 0's rank process chose and told the other."""
+    shared = slurm_cluster.shared_dir / "command"
+    data = yaml.safe_load((ROOT / "examples" / "scripts" / "ddp.yaml").read_text())
+    data["engine"] = "slurm"
+    data["search"].update(n_trials=1)
+    data["training"]["command"][1] = str(ROOT / "examples" / "scripts" / "train_ddp.py")
+    data["training"]["command"][-1] = "2"  # --epochs
+    data["resources"]["nodes"] = 2
+    spec = shared / "ddp.yaml"
+    shared.mkdir(parents=True, exist_ok=True)
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    job = launch(slurm_cluster, spec, shared / "run", "--nodes", "2")
+    info = wait_job(slurm_cluster, job)
+    out = (shared / "run" / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out
+    study = _study(shared / "run")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE], out
+    trial_dir = shared / "run" / "trials" / "0"
+    hosts = _rank_hosts(trial_dir)
+    assert sorted(h for h, _ in hosts.values()) == ["n1", "n2"], hosts  # one rank on each node
+    masters = {re.findall(r"MASTER_ADDR=(\S+) MASTER_PORT=(\d+)", (trial_dir / f"rank{r}.log").read_text())[-1]
+               for r in (0, 1)}
+    assert len(masters) == 1 and next(iter(masters))[0] == hosts[0][1], (masters, hosts)  # rank 0's address
+    assert re.findall(r"^epoch=(\d) val_loss=", (trial_dir / "rank0.log").read_text(), re.M) == ["1", "2"]
+
+
 def _digits_spec(path: Path, n_trials: int, epochs: int, **resources: Any) -> Path:
     data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     data["engine"] = "slurm"

@@ -1,0 +1,147 @@
+"""``training.command``: the user's own program as a trial (an argv, never a shell).
+
+A command is an argv list, or a string split with ``shlex`` (never given to a shell). Any argument
+may hold ``${param}`` placeholders, whole (``"${lr}"``) or inside it (``--lr=${lr}``, a Hydra
+override ``lr=${lr}``): each is replaced by the trial's value as text, so a value never becomes more
+than the one argument it stands in. An argument naming a parameter that is inactive in the trial (its
+``when`` condition unmet) is left out, and so is the option just before a whole placeholder
+(``--momentum "${momentum}"``: both go).
+
+The program is found like a shell would: a name without ``/`` on ``PATH``, a path relative to the
+directory ``hpoflow`` runs in; ``python``/``python3`` mean the interpreter running hpoflow (as
+``torchrun`` runs a script with its own interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+__all__ = ["PYTHON_NAMES", "UNBOUNDED_EPOCHS", "command_argv", "command_placeholders", "command_problem",
+           "program", "substitute_command"]
+
+# A command trial without training.epochs has no step limit: its epochs are this (a program ends itself).
+UNBOUNDED_EPOCHS = 2**31 - 1
+PYTHON_NAMES = ("python", "python3")
+_ANY_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_WHOLE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+def command_argv(value: Any) -> list[str] | None:
+    """A command as an argv: a string split with ``shlex``, a list with each scalar as text; None
+    stays None. ``PydanticCustomError`` for an unbalanced quote, an empty command, or an item that is
+    not a scalar."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            argv = shlex.split(value)
+        except ValueError as exc:
+            raise PydanticCustomError(
+                "bad_command", "{at}: the command {c} cannot be split into arguments ({why}); it is split like a shell "
+                "splits a line, but never run by one. Fix: close the quote, or write the command as a list",
+                {"at": "command", "c": repr(value), "why": str(exc)}) from None
+    elif isinstance(value, list | tuple):
+        argv = []
+        for i, item in enumerate(value):
+            if isinstance(item, dict | list | tuple) or item is None:
+                raise PydanticCustomError(
+                    "bad_command", "{at}: an argument is text or a number, but got {v}. Fix: write it as text",
+                    {"at": f"command.{i}", "v": repr(item)})
+            argv.append(_text(item))
+    else:
+        raise PydanticCustomError(
+            "bad_command", "{at}: a command is a list of arguments ([python, train.py, --lr, \"${lr}\"]) or one "
+            "line of text, but got {v}", {"at": "command", "v": repr(value)})
+    if not argv or not argv[0]:
+        raise PydanticCustomError("bad_command", "{at}: the command is empty. Fix: name a program first, "
+                                  "e.g. [python, train.py]", {"at": "command"})
+    return argv
+
+
+def _text(value: Any) -> str:
+    """A parameter's value as one argument: numbers as Python writes them, ``true``/``false`` as YAML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def command_placeholders(argv: list[str]) -> list[tuple[int, str]]:
+    """``(index, name)`` of every ``${name}`` in the arguments, whole or inside one."""
+    return [(i, m.group(1)) for i, arg in enumerate(argv) for m in _ANY_PLACEHOLDER.finditer(arg)]
+
+
+def substitute_command(value: Any, params: Mapping[str, Any]) -> list[str] | None:
+    """The trial's argv: every placeholder replaced by its value; an argument of an inactive parameter
+    left out (with the option before it, for a whole placeholder)."""
+    argv = command_argv(value)
+    if argv is None:
+        return None
+    out: list[str] = []
+    for arg in argv:
+        names = [m.group(1) for m in _ANY_PLACEHOLDER.finditer(arg)]
+        if any(n not in params for n in names):
+            if _WHOLE.match(arg) and out and out[-1].startswith("-") and "=" not in out[-1] and len(out) > 1:
+                out.pop()  # the option whose value this was
+            continue
+        out.append(_ANY_PLACEHOLDER.sub(lambda m: _text(params[m.group(1)]), arg))
+    return out
+
+
+def program(argv0: str) -> str:
+    """The executable ``argv0`` names: this interpreter for ``python``/``python3``, else as given."""
+    return sys.executable if argv0 in PYTHON_NAMES else argv0
+
+
+def command_problem(argv: list[str], workdir: str) -> tuple[int, str] | None:
+    """Why ``argv`` cannot start (``(index, message)`` of the argument at fault), found without running
+    anything: the program is not on ``PATH`` or not an executable file; for ``python SCRIPT``, the
+    script is not a file. Relative paths are taken from ``workdir``."""
+    argv0 = argv[0]
+    if "${" in argv0:
+        return None  # a searched program: the trial says what it could not run
+    if argv0 not in PYTHON_NAMES:
+        if "/" in argv0:
+            path = os.path.join(workdir, argv0)
+            if not os.path.isfile(path):
+                return 0, (f"the program {argv0!r} is not a file (relative to {workdir}, the directory hpoflow runs "
+                           "in). Fix: correct the path, or run hpoflow from the directory it is relative to")
+            if not os.access(path, os.X_OK):
+                return 0, (f"the program {argv0!r} is not executable. Fix: chmod +x {argv0}, or run it with its "
+                           "interpreter")
+        elif shutil.which(argv0) is None:
+            return 0, (f"the program {argv0!r} is not on PATH. Fix: install it, give its path, or add its directory "
+                       "to PATH")
+        return None
+    script = _python_script(argv)
+    if script is None or "${" in script[1]:
+        return None
+    i, name = script
+    if not os.path.isfile(os.path.join(workdir, name)):
+        return i, (f"python's script {name!r} is not a file (relative to {workdir}, the directory hpoflow runs in). "
+                   "Fix: correct the path, or run hpoflow from the directory it is relative to")
+    return None
+
+
+def _python_script(argv: list[str]) -> tuple[int, str] | None:
+    """``(index, path)`` of the script of ``python [options] SCRIPT ...``; None for ``-m``/``-c``/``-``."""
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-m", "-c", "-") or arg.startswith(("-m", "-c")):
+            return None
+        if arg in ("-W", "-X", "--check-hash-based-pycs"):
+            i += 2
+            continue
+        if arg.startswith("-"):
+            i += 1
+            continue
+        return i, arg
+    return None
