@@ -52,7 +52,18 @@ def _prestart(spec_path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _prestart(args.spec)
+    try:
+        _prestart(args.spec)
+        return _run(args)
+    finally:
+        # what _prestart started is the engine's once it exists; until then (a Ctrl-C or an error before
+        # it) it is stopped here, rather than importing torch for seconds after the command ended
+        from hpoflow.engines.local import discard_prestarted
+
+        discard_prestarted()
+
+
+def _run(args: argparse.Namespace) -> int:
     if os.environ.get("SLURM_JOB_ID"):  # in a batch job: pause the trials before its walltime, whoever wrote it
         from hpoflow.engines.slurm.walltime import arm_walltime_warning
 
