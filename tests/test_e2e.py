@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,12 @@ def test_run_writes_a_complete_run_directory(tmp_path: Path, tiny_spec: dict[str
     assert len(rows) == 4 and rows[0].startswith("number,state,value,param_hidden,param_lr")
     best = yaml.safe_load((run_dir / "best.yaml").read_text())
     assert best["best_value"] > 0.5 and set(best["best_params"]) == {"lr", "hidden"}
+    # the final line: the best value with 4 significant digits, as the table (it printed 0.9888888888888889)
+    final = re.search(r"; best (\S+) \(trial \d+\) with (\S+=\S+) (\S+=\S+)$", " ".join(p.stdout.split()))
+    assert final is not None, p.stdout
+    assert final.group(1) == f"{best['best_value']:.4g}", p.stdout
+    assert dict(kv.split("=") for kv in final.groups()[1:]) == {"hidden": str(best["best_params"]["hidden"]),
+                                                                  "lr": f"{best['best_params']['lr']:.4g}"}, p.stdout
     rerun = spec_from_mapping(best["rerun_spec"])  # a spec that reruns the best configuration
     assert rerun.search.algorithm == "grid" and rerun.search.n_trials == 1
     for n in range(3):

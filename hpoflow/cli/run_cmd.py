@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
         arm_walltime_warning()
     from hpoflow.api import optimize
     from hpoflow.report.progress import ProgressListener
-    from hpoflow.report.tables import status_dict, trials_table
+    from hpoflow.report.tables import best_line, status_dict, trials_table
     from hpoflow.term import console as make_console
 
     console = make_console(stderr=True)
@@ -90,8 +90,8 @@ def _run(args: argparse.Namespace) -> int:
         out.print(trials_table(result.study, top=10))
         out.print(
             f"run dir: {result.run_dir}   finished {status['n_complete']} complete, "
-            f"{status['n_pruned']} pruned, {status['n_failed']} failed in {s.elapsed_s:.1f} s; "
-            f"best {status['best_value']} with {status['best_params']}", highlight=False, markup=False)
+            f"{status['n_pruned']} pruned, {status['n_failed']} failed in {s.elapsed_s:.1f} s; {best_line(status)}",
+            highlight=False, markup=False)
     message = s.outcome_message()
     if message:
         print(f"hpoflow: {message}", file=sys.stderr)
