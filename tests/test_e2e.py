@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,12 @@ def test_run_writes_a_complete_run_directory(tmp_path: Path, tiny_spec: dict[str
     assert len(rows) == 4 and rows[0].startswith("number,state,value,param_hidden,param_lr")
     best = yaml.safe_load((run_dir / "best.yaml").read_text())
     assert best["best_value"] > 0.5 and set(best["best_params"]) == {"lr", "hidden"}
+    # the final line: the best value with 4 significant digits, as the table (it printed 0.9888888888888889)
+    final = re.search(r"; best (\S+) \(trial \d+\) with (\S+=\S+) (\S+=\S+)$", " ".join(p.stdout.split()))
+    assert final is not None, p.stdout
+    assert final.group(1) == f"{best['best_value']:.4g}", p.stdout
+    assert dict(kv.split("=") for kv in final.groups()[1:]) == {"hidden": str(best["best_params"]["hidden"]),
+                                                                  "lr": f"{best['best_params']['lr']:.4g}"}, p.stdout
     rerun = spec_from_mapping(best["rerun_spec"])  # a spec that reruns the best configuration
     assert rerun.search.algorithm == "grid" and rerun.search.n_trials == 1
     for n in range(3):
@@ -114,3 +121,47 @@ def test_sigterm_midway_then_rerun_finishes_exactly_n_trials(tmp_path: Path, tin
     status = json.loads(again.stdout)
     assert status["n_complete"] == 6 and status["n_failed"] == 0  # exactly n_trials, none lost or doubled
     assert status["n_running"] == 0 and status["n_waiting"] == 0
+
+
+@pytest.mark.slow
+def test_status_lists_the_interrupted_trials_and_the_trial_that_reran_each(tmp_path: Path) -> None:
+    """After a Ctrl-C, trials/0 and trials/1 stay on disk with "cancelled" results and the study reruns
+    them under new numbers: ``status`` names them and their reruns, before the resume and after it."""
+    spec = {"study": {"name": "chain", "metric": "value", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": 3, "max_concurrent": 2, "seed": 3},
+            "training": {"function": "trainfns_light:slow", "options": {"sleep": 1.5, "steps": 5}},
+            "oracle": {"enabled": False}}
+    spec_file = write(tmp_path, spec)
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "hpoflow", "run", str(spec_file), "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    t0 = time.monotonic()
+    while not all((run_dir / "trials" / n / "rank0.log").exists() for n in ("0", "1")):
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    for n in (0, 1):
+        assert json.loads((run_dir / "trials" / str(n) / "result.json").read_text())["status"] == "cancelled"
+
+    def chain() -> tuple[dict[int, int], str]:
+        js = hpoflow("status", str(run_dir), "--json")
+        assert js.returncode == 0, js.stderr
+        status = json.loads(js.stdout)
+        links = {x["trial"]: x["rerun_as"] for x in status["interrupted"]}
+        assert status["n_interrupted"] == len(links)
+        text = hpoflow("status", str(run_dir))
+        assert text.returncode == 0, text.stderr
+        return links, text.stdout
+
+    links, text = chain()
+    assert set(links) == {0, 1} and len(set(links.values())) == 2 and not set(links.values()) & {0, 1}, links
+    assert f"0 -> {links[0]}" in text and f"1 -> {links[1]}" in text, text
+
+    again = subprocess.run([*args, "--json"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["n_complete"] == 3
+    after, text = chain()  # (from the finished run's status snapshot)
+    assert after == links and f"0 -> {links[0]}" in text, text

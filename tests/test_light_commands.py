@@ -37,6 +37,14 @@ def test_a_light_command_does_not_import_torch(args: list[str], tmp_path: Path) 
     assert code == 0 and not torch_loaded, args
 
 
+def test_help_names_the_engines_truthfully() -> None:
+    """It said "(local or PyCOMPSs)"; hpoflow also runs studies on SLURM."""
+    from hpoflow.cli.main import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "(engines: local, SLURM, PyCOMPSs)" in text and "local or PyCOMPSs" not in text, text
+
+
 def test_status_does_not_import_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hpoflow
     from hpoflow.engines.threads import ThreadEngine

@@ -38,3 +38,28 @@ def test_a_runnable_readme_block_works_as_copied(tmp_path: Path, lang: str, code
     assert "Traceback" not in r.stderr
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert runs and all((tmp_path / "runs" / name / "study.journal").is_file() for name in runs), runs
+
+
+def _requirement_names(lines: list[str]) -> set[str]:
+    """The distribution names in PEP 508 requirement strings (lower case, ``-`` for ``_``)."""
+    return {re.split(r"[\s<>=!~;\[]", line.strip(), maxsplit=1)[0].lower().replace("_", "-") for line in lines}
+
+
+def test_requirements_txt_installs_what_the_quick_start_runs() -> None:
+    """The README's quick start installs with ``pip install -r requirements.txt`` and then runs
+    ``hpoflow report``, which draws with plotly (the ``report`` extra): the file must install it, or a
+    fresh clone's first report fails with "needs plotly"."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras: set[str] = set()
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        m = re.fullmatch(r"-e\s+\.(?:\[([\w,\s-]+)\])?", line.strip())
+        if m:
+            extras |= {e.strip() for e in (m.group(1) or "").split(",") if e.strip()}
+    installed = _requirement_names(project["dependencies"])
+    for extra in extras:
+        installed |= _requirement_names(project["optional-dependencies"][extra])
+    quick_start = BLOCKS[0][1]
+    assert "hpoflow report" in quick_start
+    assert _requirement_names(project["optional-dependencies"]["report"]) <= installed, (extras, installed)

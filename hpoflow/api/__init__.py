@@ -72,18 +72,25 @@ def optimize(
                 raise
             if parsed.search.warm_start and not study.get_trials(deepcopy=False):
                 warm_start(study, parsed)
-        eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)
-        summary: DriverSummary | None = None
-        try:
-            summary = _run(study, rd, parsed, eng, dirs, n_trials, _listener(parsed, rd, listener, progress),
-                           handle_signals)
-            return StudyResult(rd, study, summary, label)
-        finally:
-            if engine is None:
-                eng.close()
-            down = isinstance(sys.exc_info()[1], StorageUnavailable) or getattr(summary, "stopped_by", "") == "storage"
-            if not down:  # (a storage that stopped answering has nothing to write them from)
-                write_outputs(study, parsed, text, rd, label, journal=url is None)
+        stop = _Stop()
+        # From the engine's start until it is closed and the outputs are written, a signal never raises
+        # (a KeyboardInterrupt there could leave processes running): it stops the driver, or is kept for it.
+        with _stop_on_signals(stop, handle_signals):
+            eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)
+            summary: DriverSummary | None = None
+            try:
+                summary = _run(study, rd, parsed, eng, dirs, n_trials, _listener(parsed, rd, listener, progress),
+                               stop)
+            finally:
+                if engine is None:
+                    eng.close()
+                down = (isinstance(sys.exc_info()[1], StorageUnavailable)
+                        or getattr(summary, "stopped_by", "") == "storage")
+                if not down:  # (a storage that stopped answering has nothing to write them from)
+                    write_outputs(study, parsed, text, rd, label, journal=url is None)
+        if stop.reason == "signal" and summary.stopped_by in ("budget", "timeout", "grid_exhausted"):
+            summary.stopped_by = "signal"  # after its last trial, but interrupted all the same (exit 130)
+        return StudyResult(rd, study, summary, label)
 
 
 def _listener(spec: StudySpec, rd: Path, listener: DriverListener | None, progress: bool) -> DriverListener | None:
@@ -99,32 +106,52 @@ def _listener(spec: StudySpec, rd: Path, listener: DriverListener | None, progre
 
 
 def _run(study: optuna.Study, rd: Path, spec: StudySpec, engine: Engine, dirs: tuple[str, ...],
-         n_trials: int | None, listener: DriverListener | None, handle_signals: bool) -> DriverSummary:
+         n_trials: int | None, listener: DriverListener | None, stop: _Stop) -> DriverSummary:
     precheck = None
     if spec.oracle.enabled and resolve_training(spec.training, {}).builtin:
         from hpoflow.oracle.precheck import OraclePrecheck
 
         precheck = OraclePrecheck(spec.oracle.cluster, plugins=tuple(spec.plugins), python_path=dirs)
-    driver = Driver(spec, study, engine, rd, listener=listener, n_trials=n_trials, python_path=dirs,
-                    precheck=precheck)
     try:
-        with _stop_on_signals(driver, handle_signals):
-            return driver.run()
+        driver = Driver(spec, study, engine, rd, listener=listener, n_trials=n_trials, python_path=dirs,
+                        precheck=precheck)
+        stop.attach(driver)
+        return driver.run()
     finally:
         if precheck is not None:
             precheck.close()
 
 
+class _Stop:
+    """The stop signals of one ``optimize``: passed on to its driver (``Driver.request_stop``), or kept
+    until the driver exists; ``reason`` is the first one's."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._driver: Driver | None = None
+
+    def request(self, reason: str) -> None:
+        """A signal handler: never blocks, never raises."""
+        if self.reason is None:
+            self.reason = reason
+        if self._driver is not None:
+            self._driver.request_stop(reason)
+
+    def attach(self, driver: Driver) -> None:
+        self._driver = driver
+        if self.reason is not None:
+            driver.request_stop(self.reason)
+
+
 @contextlib.contextmanager
-def _stop_on_signals(driver: Driver, enabled: bool) -> Iterator[None]:
+def _stop_on_signals(stop: _Stop, enabled: bool) -> Iterator[None]:
     """SIGINT/SIGTERM ask the driver to stop cleanly, SIGUSR1 (a walltime warning) to pause the running
     trials with a checkpoint first (in the main thread only)."""
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, lambda signum, frame: driver.request_stop("signal"))
-           for s in (signal.SIGINT, signal.SIGTERM)}
-    old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: driver.request_stop("preempted"))
+    old = {s: signal.signal(s, lambda signum, frame: stop.request("signal")) for s in (signal.SIGINT, signal.SIGTERM)}
+    old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.request("preempted"))
     try:
         yield
     finally:

@@ -48,7 +48,8 @@ def _registrars(argv: Sequence[str]) -> list[Callable[[argparse._SubParsersActio
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpoflow",
-        description="Task-based hyperparameter optimisation for deep learning (local or PyCOMPSs).",
+        description="Task-based hyperparameter optimisation for deep learning, on this machine or a cluster "
+                    "(engines: local, SLURM, PyCOMPSs).",
     )
     parser.add_argument("--version", action="version", version=f"hpoflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

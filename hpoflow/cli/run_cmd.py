@@ -52,14 +52,25 @@ def _prestart(spec_path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _prestart(args.spec)
+    try:
+        _prestart(args.spec)
+        return _run(args)
+    finally:
+        # what _prestart started is the engine's once it exists; until then (a Ctrl-C or an error before
+        # it) it is stopped here, rather than importing torch for seconds after the command ended
+        from hpoflow.engines.local import discard_prestarted
+
+        discard_prestarted()
+
+
+def _run(args: argparse.Namespace) -> int:
     if os.environ.get("SLURM_JOB_ID"):  # in a batch job: pause the trials before its walltime, whoever wrote it
         from hpoflow.engines.slurm.walltime import arm_walltime_warning
 
         arm_walltime_warning()
     from hpoflow.api import optimize
     from hpoflow.report.progress import ProgressListener
-    from hpoflow.report.tables import status_dict, trials_table
+    from hpoflow.report.tables import best_line, status_dict, trials_table
     from hpoflow.term import console as make_console
 
     console = make_console(stderr=True)
@@ -79,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
         out.print(trials_table(result.study, top=10))
         out.print(
             f"run dir: {result.run_dir}   finished {status['n_complete']} complete, "
-            f"{status['n_pruned']} pruned, {status['n_failed']} failed in {s.elapsed_s:.1f} s; "
-            f"best {status['best_value']} with {status['best_params']}", highlight=False, markup=False)
+            f"{status['n_pruned']} pruned, {status['n_failed']} failed in {s.elapsed_s:.1f} s; {best_line(status)}",
+            highlight=False, markup=False)
     message = s.outcome_message()
     if message:
         print(f"hpoflow: {message}", file=sys.stderr)

@@ -1,8 +1,10 @@
 """``hpoflow status RUN_DIR [--json]``: where a study stands (works while it runs; reads only).
 
-Besides the counts and the best trials it lists the drivers that worked on the study (several
-``hpoflow run`` may share one storage): ``alive``, ``ended``, or ``lost`` (no beat for over its
-lease; judged by the wall clock, or by the pid for a driver of this machine)."""
+Besides the counts and the best trials it lists the trials that were interrupted (a stop, a crashed
+driver) with the trial that reran each (they do not count; their directories stay), and the drivers
+that worked on the study (several ``hpoflow run`` may share one storage): ``alive``, ``ended``, or
+``lost`` (no beat for over its lease; judged by the wall clock, or by the pid for a driver of this
+machine)."""
 
 from __future__ import annotations
 
@@ -48,9 +50,13 @@ def run(args: argparse.Namespace) -> int:
     console = make_console()
     if table is not None:
         console.print(render_table(table))
-    console.print(", ".join(f"{k}={v}" for k, v in status.items() if k not in ("best_params", "drivers")),
-                  highlight=False)
+    console.print(", ".join(f"{k}={v}" for k, v in status.items()
+                            if k not in ("best_params", "drivers", "interrupted")), highlight=False)
     console.print(f"best_params={status['best_params']}", highlight=False)
+    links = status.get("interrupted") or []
+    if links:
+        console.print("interrupted, rerun as (not counted; trials/<n> keeps what each wrote): " + ", ".join(
+            f"{x['trial']} -> {'?' if x['rerun_as'] is None else x['rerun_as']}" for x in links), highlight=False)
     drivers = status.get("drivers") or []
     if len(drivers) > 1 or any(d["state"] != "ended" for d in drivers):  # several drivers, or one at work
         console.print(render_table({

@@ -24,6 +24,10 @@ Contract, for every engine:
   walltime warning, a preemption): its ranks get SIGUSR1 (or see a ``PAUSE`` file) and agree on a step;
   its result arrives later with status ``cancelled`` ("paused ..."), or ``cancelled`` by a kill if it
   did not stop within the engine's grace. The default cancels.
+- ``interrupt()`` says a stop has begun (the driver's ``request_stop``, maybe from a signal handler, so
+  it only sets flags and sends signals: no lock, no wait): from then on the engine starts no helper
+  process again (no restart of anything that died), and a ``submit`` it cannot serve without starting
+  or waiting for one returns at once, the trial's result ``cancelled``. The default does nothing.
 - ``close()`` cancels what is running, reaps every process, and is idempotent.
 
 Built from a spec: an engine registered in ``hpoflow.registry.ENGINES`` is made by
@@ -105,6 +109,10 @@ class Engine(abc.ABC):
         """Before its first trial the driver says how many trial runs the study may start: ``runs``
         (every trial, each rung or interval a run of its own) and ``worst`` (each run also retried
         ``resources.max_retries`` times). An engine with a limit on them warns; the default does nothing."""
+        return None
+
+    def interrupt(self) -> None:
+        """A stop has begun: start nothing more, wait for nothing (see the module docstring)."""
         return None
 
     @abc.abstractmethod

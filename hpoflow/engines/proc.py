@@ -11,6 +11,10 @@
   (the engine retiring a worker).
 - ``start_without_main``: processes that ``multiprocessing`` starts (spawn, forkserver) under a name
   beginning with ``hpoflow-`` do not run the parent's ``__main__`` first.
+- ``sigint_blocked``, ``unblock_sigint``: the helper processes a driver starts (the forkserver, what it
+  forks, spawned workers) start with SIGINT blocked, so a terminal's Ctrl-C, sent to the whole process
+  group, reaches only the driver, which stops them itself; a worker unblocks it once it leads a session
+  of its own.
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from hpoflow.trial import describe_exit  # re-exported: an exit code in words, for every process of a trial
 
 __all__ = ["become_subreaper", "descendants", "describe_exit", "kill_tree", "reap_descendants",
-           "start_without_main", "tail"]
+           "sigint_blocked", "start_without_main", "tail", "unblock_sigint"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 _FREEZE_ROUNDS = 50  # a tree that still grows after this many stop rounds is killed as it is
@@ -195,3 +199,36 @@ def start_without_main() -> None:
 
     get_preparation_data._hpoflow = True  # type: ignore[attr-defined]
     spawn.get_preparation_data = get_preparation_data
+
+
+# -- Ctrl-C reaches the driver only --------------------------------------------------------------------
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in the calling thread while it starts a process: the process starts with SIGINT
+    blocked (a signal mask survives ``fork`` and ``exec``), and so does everything it forks. A terminal's
+    Ctrl-C goes to every process of the foreground group; without this the forkserver (importing torch)
+    and the oracle service died of it with a ``KeyboardInterrupt`` traceback, and the driver restarted
+    them in the middle of its stop. The driver stops its helpers itself. Only the start is wrapped:
+    a thread that waits with SIGINT blocked would run the driver's handler late. multiprocessing's
+    resource tracker is started first: starting it unblocks SIGINT in the calling thread (it blocks the
+    signal around its own start the same way)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, ())  # (already, by the caller)
+    try:  # (the block inside the try: a KeyboardInterrupt just after it must not leave SIGINT blocked)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        yield
+    finally:
+        if not blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def unblock_sigint() -> None:
+    """Undo ``sigint_blocked`` in a process that has left the driver's process group (a worker after
+    ``setsid``): the trials it runs, and what they start, see SIGINT as any process does. A Ctrl-C that
+    came while it was still in the driver's group is discarded (ignoring a signal drops it if pending),
+    not delivered now."""
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, handler)

@@ -5,13 +5,19 @@ first use from the ``forkserver`` context (the local engine's forkserver already
 asked once per distinct trial shape: verdicts are cached. Only trials of the built-in trainer are
 checked; a user's ``training.function`` is opaque to the oracle. A service that dies is restarted
 (up to ``max_restarts`` times); one that hangs, or dies again and again, leaves the trials unchecked.
+A stop (``interrupt``) restarts nothing: from then on trials are left unchecked, and a wait for the
+service ends at once. The service ignores SIGINT (a terminal's Ctrl-C reaches the whole process
+group); the driver ends it by closing its pipe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
+import os
+import signal
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -25,6 +31,7 @@ __all__ = ["OraclePrecheck", "judged"]
 def _serve(conn: Connection, cluster: str | None, plugins: tuple[str, ...], python_path: tuple[str, ...]) -> None:
     """Process entry (this module stays torch-free; the oracle and torch load in the child, after the
     spec's plug-in modules, so a registered model or strategy is priced like a built-in one)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's to handle; it closes the pipe to stop this
     from hpoflow.oracle.service import serve
     from hpoflow.spec import import_plugins
 
@@ -58,6 +65,7 @@ class OraclePrecheck:
         self._broken: str | None = None
         self.restarts = 0
         self.max_restarts = max_restarts
+        self._stopping = False  # interrupt(): a plain flag, set from a signal handler
 
     def __call__(self, request: TrialRequest) -> Verdict | None:
         if request.train.get("function") or request.train.get("command") is not None:  # opaque to the oracle
@@ -67,8 +75,20 @@ class OraclePrecheck:
             self._cache[key] = self._ask(train, request.processes, request.gpus_per_process)
         return self._cache[key]
 
+    def interrupt(self) -> None:
+        """A stop has begun (maybe in a signal handler: a flag and a signal, no lock, no wait): the
+        service is never started or restarted again, and a wait for its answer ends at once (it is
+        killed); trials asked from now on are left unchecked."""
+        self._stopping = True
+        pid = getattr(self._proc, "pid", None)
+        if pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
     def _ask(self, train: dict[str, Any], processes: int, gpus: int) -> Verdict:
         while self._broken is None:
+            if self._stopping:
+                return Verdict(True, "not checked: the study is stopping", {})
             try:
                 if self._conn is None:
                     self._start()
@@ -81,6 +101,8 @@ class OraclePrecheck:
                 data = conn.recv()
             except (OSError, EOFError) as exc:  # the service died (a kill, an OOM): start a new one
                 self.close()
+                if self._stopping:  # killed by the stop: nothing is restarted
+                    continue
                 self.restarts += 1
                 log.warning("the oracle service died (%s: %s); restart %d of %d", type(exc).__name__, exc,
                             self.restarts, self.max_restarts)
@@ -94,15 +116,22 @@ class OraclePrecheck:
         return Verdict(True, f"not checked: {self._broken}", {})
 
     def _start(self) -> None:
+        from hpoflow.engines.local._forkserver import ensure_forkserver
         from hpoflow.engines.proc import start_without_main
 
         start_without_main()  # "hpoflow-oracle" never runs the caller's __main__ (a script on stdin)
+        ensure_forkserver()  # with SIGINT blocked, as everything it forks: the service too
         ctx = mp.get_context("forkserver")
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_serve, args=(child, self.cluster, self.plugins, self.python_path),
                            name="hpoflow-oracle", daemon=True)
-        proc.start()
-        child.close()
+        try:
+            proc.start()  # waits for the forkserver's preload (a stop kills a forkserver still preloading)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
         self._conn, self._proc = parent, proc
 
     def close(self) -> None:

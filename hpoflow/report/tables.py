@@ -28,12 +28,14 @@ from hpoflow.run.ledger import (
     ATTR_RUNGS,
     ATTR_SEGMENTS,
     is_counted,
+    reruns,
 )
 from hpoflow.search.pbt import lineage_chain, schedule_of
 from hpoflow.spec import SCHEDULABLE
 from hpoflow.term import render_table
 
 __all__ = [
+    "best_line",
     "best_rows",
     "best_trial",
     "fmt",
@@ -215,8 +217,11 @@ def _replay(study: optuna.Study, best: FrozenTrial, rerun: dict[str, Any]) -> di
 
 def status_dict(study: optuna.Study, storage_label: str, budget: int | None = None) -> dict[str, Any]:
     """Where the whole study stands: ``n_trials`` is the budget (when known), ``n_total`` the trials that
-    count so far (interrupted-and-rerun trials do not); ``storage`` is already redacted; ``drivers``
-    the drivers that worked on it (``hpoflow.run.lease.lease_rows``). Reads only."""
+    count so far (interrupted-and-rerun trials do not: ``n_interrupted`` of them, and ``interrupted``
+    says which trial reran each, ``[{"trial": 0, "rerun_as": 4}]``; their ``trials/<n>`` directories
+    keep what they wrote); ``storage`` is already redacted; ``drivers`` the drivers that worked on it
+    (``hpoflow.run.lease.lease_rows``). Reads only."""
+    chain = reruns(study.get_trials(deepcopy=False))
     trials = _counted(study)
     running: dict[str, int] = {}
     for t in trials:
@@ -241,6 +246,8 @@ def status_dict(study: optuna.Study, storage_label: str, budget: int | None = No
         "n_waiting": by[TrialState.WAITING],
         "n_failed": by[TrialState.FAIL],
         "n_pruned": by[TrialState.PRUNED],
+        "n_interrupted": len(chain),
+        "interrupted": [{"trial": old, "rerun_as": new} for old, new in chain.items()],
         "best_value": None if best is None else best.value,
         "best_params": None if best is None else best.params,
         "best_trial": None if best is None else best.number,
@@ -253,6 +260,17 @@ def fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def best_line(status: Mapping[str, Any]) -> str:
+    """The best trial in words, with 4 significant digits as the tables show them (best.yaml keeps the
+    exact values): ``best 0.9889 (trial 7) with batch_size=64 lr=0.003001``."""
+    if status.get("pareto") is not None:
+        return f"{len(status['pareto'])} trial(s) on the Pareto front"
+    if status.get("best_value") is None:
+        return "no trial complete yet"
+    params = " ".join(f"{k}={fmt(v)}" for k, v in (status.get("best_params") or {}).items())
+    return f"best {fmt(status['best_value'])} (trial {status['best_trial']})" + (f" with {params}" if params else "")
 
 
 def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 __all__ = ["ATTR_BRACKET", "ATTR_CHECKPOINTS", "ATTR_DRIVER", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED",
            "ATTR_LINEAGE", "ATTR_NEXT_ATTEMPT", "ATTR_PAUSED", "ATTR_REPLACES", "ATTR_RUNGS", "ATTR_SEGMENTS",
-           "ATTR_UNUSED", "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted"]
+           "ATTR_UNUSED", "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted",
+           "reruns"]
 
 ATTR_REPLACES = "hpoflow_replaces"  # user attr: the number of the interrupted trial this one reruns
 _LEGACY_INTERRUPTED = "hpoflow_interrupted"  # system attr of runs written before ATTR_REPLACES
@@ -46,10 +47,20 @@ ATTR_SEGMENTS = "hpoflow_segments"  # user attr: [{start, end, step, outcome}] o
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
+def reruns(trials: list[FrozenTrial]) -> dict[int, int | None]:
+    """Each trial that was interrupted and rerun -> the number of the trial that reran it (None for a
+    run written before ``ATTR_REPLACES``), by number. A rerun interrupted in turn is a link of its own
+    (0 -> 4 -> 7: ``{0: 4, 4: 7}``)."""
+    out: dict[int, int | None] = {t.number: None for t in trials if t.system_attrs.get(_LEGACY_INTERRUPTED)}
+    for t in trials:  # by number: where two trials name one (cannot happen: Tally.verdict), the first
+        if ATTR_REPLACES in t.user_attrs and out.get(int(t.user_attrs[ATTR_REPLACES])) is None:
+            out[int(t.user_attrs[ATTR_REPLACES])] = t.number
+    return dict(sorted(out.items()))
+
+
 def interrupted(trials: list[FrozenTrial]) -> set[int]:
     """Numbers of the trials that were interrupted and rerun (they do not count)."""
-    out = {int(t.user_attrs[ATTR_REPLACES]) for t in trials if ATTR_REPLACES in t.user_attrs}
-    return out | {t.number for t in trials if t.system_attrs.get(_LEGACY_INTERRUPTED)}
+    return set(reruns(trials))
 
 
 def is_counted(trials: list[FrozenTrial]) -> Callable[[FrozenTrial], bool]:

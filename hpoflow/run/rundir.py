@@ -28,7 +28,7 @@ __all__ = ["LOCK_FILE", "STATUS_FILE", "RunLock", "disk_error", "disk_errors", "
 
 LOCK_FILE = ".hpoflow.lock"
 STATUS_FILE = "status.json"
-_SNAPSHOT_FORMAT = 1
+_SNAPSHOT_FORMAT = 2  # 2: status holds the interrupted trials
 
 
 def resolve(path: str | os.PathLike[str], *, create: bool) -> Path:

@@ -30,10 +30,9 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import optuna
 from optuna.trial import TrialState
@@ -61,10 +60,21 @@ from hpoflow.search.summary import (
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
 from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, Verdict
 
-__all__ = ["Driver", "DriverListener", "DriverSummary"]
+__all__ = ["Driver", "DriverListener", "DriverSummary", "Precheck"]
 
 _log = logging.getLogger("hpoflow")
 _IDLE_S = 0.25  # how often a driver with nothing in flight looks at the study again
+
+
+class Precheck(Protocol):
+    """Judges a trial before it takes a slot (``hpoflow.oracle.precheck.OraclePrecheck``)."""
+
+    def __call__(self, request: TrialRequest) -> Verdict | None:
+        """The verdict on ``request``; None for a trial it does not judge."""
+
+    def interrupt(self) -> None:
+        """A stop has begun (maybe in a signal handler: no lock, no wait): start or restart nothing, and
+        answer at once from now on."""
 
 
 @dataclass
@@ -82,7 +92,7 @@ class Driver:
     def __init__(self, spec: StudySpec, study: optuna.Study, engine: Engine, run_dir: Path,
                  listener: DriverListener | None = None, n_trials: int | None = None,
                  python_path: tuple[str, ...] = (),
-                 precheck: Callable[[TrialRequest], Verdict | None] | None = None) -> None:
+                 precheck: Precheck | None = None) -> None:
         self.spec = spec
         self.study = study
         self.engine = engine
@@ -124,9 +134,15 @@ class Driver:
     # -- public ---------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
         """Stop starting trials and cancel the running ones, or with ``reason="preempted"`` (a walltime
-        warning) pause them at their next step with a checkpoint; either way they are rerun on resume."""
+        warning) pause them at their next step with a checkpoint; either way they are rerun on resume.
+        A stop restarts nothing: the precheck and the engine are told at once (``interrupt``), so
+        neither starts a helper process again nor keeps the loop waiting for one. A signal handler
+        calls it."""
         if self._stop_reason is None:
             self._stop_reason = reason
+            if self.precheck is not None:
+                self.precheck.interrupt()
+            self.engine.interrupt()
 
     def run(self) -> DriverSummary:
         t_start = time.monotonic()

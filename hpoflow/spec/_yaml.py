@@ -11,6 +11,11 @@ The input is bounded, and every bound is checked before anything deep or large i
   never reach them), the length of every list (``MAX_ITEMS``: a categorical's choices are the one
   place a long list could be meant, so its message says what to use instead) and the number of
   values once aliases are expanded (``MAX_NODES``: a 1 KB "billion laughs" spec expands to billions).
+
+libyaml has limits and wording of its own (since PyYAML 6.0.4 its scanner refuses flow collections
+nested past 1000 levels, and it scans ahead, so it stops before the event scan sees level 33): a text
+the C loader refuses is scanned again by PyYAML's pure-Python loader, whose verdict and message stand.
+Every message is then the same whichever loader PyYAML has.
 """
 
 from __future__ import annotations
@@ -176,12 +181,7 @@ def load_yaml_with_lines(text: str, source: str = "<spec>") -> tuple[Any, dict[P
     if bad is not None:
         raise bad
     try:
-        scanner = _Loader(text)
-        try:
-            _scan(scanner)
-        finally:
-            scanner.dispose()
-        loader = _Loader(text)
+        loader = _scanned(text)(text)
         try:
             node = loader.get_single_node()
             lines: dict[Path, int] = {}
@@ -211,6 +211,23 @@ def load_yaml_with_lines(text: str, source: str = "<spec>") -> tuple[Any, dict[P
     if issues:
         raise SpecError(issues)
     return data, lines
+
+
+def _scanned(text: str) -> Any:
+    """The loader class that scanned ``text`` within the bounds (``_scan``): ``_Loader``, or PyYAML's
+    pure-Python ``SafeLoader`` where the C loader refused the text (see the module docstring); the
+    pure-Python loader's error or ``_TooLarge`` if it refuses it too."""
+    for cls in dict.fromkeys((_Loader, yaml.SafeLoader)):
+        scanner = cls(text)
+        try:
+            _scan(scanner)
+            return cls
+        except yaml.YAMLError:
+            if cls is yaml.SafeLoader:
+                raise
+        finally:
+            scanner.dispose()
+    return yaml.SafeLoader  # (not reached: the pure-Python loader returns or raises above)
 
 
 def _syntax(exc: yaml.MarkedYAMLError, source: str) -> SpecError:

@@ -20,6 +20,9 @@ of its final evaluated weights to ``weights_rank<r>.sha256`` in the trial direct
 ``state_dict`` to ``final_state_rank<r>.pt`` when ``HPOFLOW_SAVE_FINAL_STATE=1``); rank 0 reports
 ``ranks_identical`` (1.0 when every rank ended with the same weights).
 
+Rank 0 prints one line per epoch to its rank log (``trials/<n>/rank0.log``): the epoch, the
+validation and training metrics, the learning rate and the epoch's time (``epoch_line``).
+
 Checkpoints (``training.checkpoint.every: K``): every K epochs, at the epoch boundary (after the
 report, before ``should_stop()``), every rank saves its model, optimizer, strategy state, step and
 epoch, RNG states and progress counters (``hpoflow.train.checkpoint``; the format,
@@ -65,7 +68,16 @@ from hpoflow.train.strategies import OptimizerLike, Strategy, StrategyEnv, make_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteLoss", "evaluate", "make_optimizer", "train_builtin", "weights_digest"]
+__all__ = ["NonFiniteLoss", "epoch_line", "evaluate", "make_optimizer", "train_builtin", "weights_digest"]
+
+_LOGGED = ("val_accuracy", "val_loss", "val_perplexity", "train_loss", "train_accuracy", "lr")  # in this order
+
+
+def epoch_line(epoch: int, epochs: int, metrics: dict[str, float], seconds: float) -> str:
+    """The rank log's line for an epoch: ``epoch 3/15  val_accuracy=0.9583 val_loss=0.1432 ...  1.21 s``
+    (4 significant digits, as the tables show them)."""
+    values = " ".join(f"{k}={metrics[k]:.4g}" for k in _LOGGED if k in metrics)
+    return f"epoch {epoch}/{epochs}  {values}  {seconds:.2f} s"
 
 
 def optimizer_spec(name: str, lr: float, momentum: float, weight_decay: float
@@ -377,6 +389,7 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
             return _checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint, batch, stats, amp)
 
         for epoch in range(progress.epoch, cfg.epochs):
+            t_epoch = time.perf_counter()
             sampler.set_epoch(epoch)
             now = at_epoch(cfg, epoch)  # training.schedule; a resumed PBT member's new values
             schedule = LrSchedule.from_config(now, base, steps_per_epoch)
@@ -419,6 +432,8 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
             if data.task == "next_token":
                 metrics["val_perplexity"] = math.exp(min(val_loss, 700.0))
                 metrics["tokens_per_s"] = metrics["samples_per_s"] * per_sample
+            if env.rank == 0:  # the rank's stdout is its rank log
+                print(epoch_line(epoch + 1, cfg.epochs, metrics, time.perf_counter() - t_epoch), flush=True)
             ctx.report(epoch + 1, **metrics)
             # Epoch boundary: every rank is consistent here. Checkpoints are keyed by epochs done.
             saved_here = every > 0 and (epoch + 1) % every == 0

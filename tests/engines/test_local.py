@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -68,6 +69,19 @@ def test_builtin_cnn_trial_with_two_ranks(engine: LocalEngine, tmp_path: Path) -
     assert res.status == "complete", res
     assert res.value is not None and res.value > 0.8
     assert res.timings["duration_s"] > 0
+
+
+def test_the_builtin_trainers_rank_0_logs_a_line_per_epoch(engine: LocalEngine, tmp_path: Path) -> None:
+    """The built-in trainer's rank logs were empty: rank 0 now writes the epoch, its metrics and its time."""
+    res = run_all(engine, [request(tmp_path, 0, processes=2, metric="val_accuracy", epochs=3)])[0]
+    assert res.status == "complete", res
+    lines = (tmp_path / "0" / "rank0.log").read_text().splitlines()
+    epoch = re.compile(r"epoch (\d+)/3  val_accuracy=(\S+) val_loss=\S+ train_loss=\S+ train_accuracy=\S+ lr=\S+  "
+                       r"\d+\.\d\d s")
+    matches = [m for m in map(epoch.fullmatch, lines) if m]
+    assert [int(m.group(1)) for m in matches] == [1, 2, 3], lines
+    assert float(matches[-1].group(2)) == pytest.approx(res.value, rel=1e-3)  # the metric reported, to 4 digits
+    assert "epoch" not in (tmp_path / "0" / "rank1.log").read_text()  # once per trial, not per rank
 
 
 def test_exception_in_user_code_fails_with_stderr_tail(engine: LocalEngine, tmp_path: Path) -> None:

@@ -221,6 +221,24 @@ def test_a_resumed_seeded_study_does_not_repeat_its_configurations(tmp_path: Pat
     assert len(xs) == 8 and len(set(xs)) == 8
 
 
+def test_a_resumed_study_samples_other_configurations_than_an_uninterrupted_one(tmp_path: Path) -> None:
+    """What the README says of search.seed: same seed and spec give the same configurations in a run
+    never interrupted; a resumed study reseeds its sampler (seed + the trials it holds), so from the
+    resume on it draws others than the uninterrupted run of the same seed."""
+    data = copy.deepcopy(BASE)
+    data["search"].update(n_trials=8, max_concurrent=1)
+
+    def xs(result: Any) -> list[float]:
+        return [t.params["x"] for t in sorted(result.study.trials, key=lambda t: t.number)]
+
+    whole = [xs(optimize(data, tmp_path / f"whole{i}", engine=ThreadEngine(lambda p, r: p["x"], 1))) for i in (0, 1)]
+    assert whole[0] == whole[1] and len(whole[0]) == 8
+    optimize(data, tmp_path / "resumed", engine=ThreadEngine(lambda p, r: p["x"], 1), n_trials=4)  # then stopped
+    resumed = xs(optimize(data, tmp_path / "resumed", engine=ThreadEngine(lambda p, r: p["x"], 1)))
+    assert resumed[:4] == whole[0][:4]  # before the stop: the same draws
+    assert not set(resumed[4:]) & set(whole[0][4:])  # after the resume: others
+
+
 def test_oracle_rejects_a_trial_too_large_for_the_device_without_a_slot(tmp_path: Path) -> None:
     data = {
         "study": {"name": "big", "metric": "val_accuracy", "direction": "maximize"},

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from hpoflow.errors import SpecError
-from hpoflow.spec import load_spec, spec_from_mapping
+from hpoflow.spec import _yaml, load_spec, spec_from_mapping
 from hpoflow.spec._yaml import MAX_ITEMS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +75,48 @@ def test_hostile_specs_are_one_line_and_exit_2_in_validate_and_run(tmp_path: Pat
     _one_line_exit_2(_hpoflow("validate", str(spec), cwd=tmp_path), words, str(spec))
     _one_line_exit_2(_hpoflow("run", str(spec), "--run-dir", str(tmp_path / "run"), cwd=tmp_path), words)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+class _LibyamlNestingLimit(yaml.SafeLoader):
+    """PyYAML's pure-Python loader with the limit libyaml has since PyYAML 6.0.4 (its wheels' libyaml):
+    flow collections nested past 1000 levels are refused while scanning, with libyaml's error. Its
+    scanner looks ahead up to 1024 characters on a line, as libyaml's does, so a deep flow list is
+    refused before a single level of it reaches the event stream: what the C loader does there."""
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:  # (PyYAML's argument name)
+        if self.flow_level >= 1000:
+            mark = self.get_mark()
+            raise yaml.scanner.ScannerError("while increasing flow level", mark, "exceeded maximum nesting depth",
+                                            mark)
+        super().fetch_flow_collection_start(TokenClass)
+
+
+LOADERS = [yaml.SafeLoader, _LibyamlNestingLimit, *([yaml.CSafeLoader] if hasattr(yaml, "CSafeLoader") else [])]
+
+
+TEXTS = [c for c in HOSTILE_TEXTS if c[0] != "not UTF-8"]  # (that one is the file reader's, before YAML)
+
+
+@pytest.mark.parametrize("loader", LOADERS, ids=[c.__name__ for c in LOADERS])
+@pytest.mark.parametrize(("name", "data", "words"), TEXTS, ids=[c[0] for c in TEXTS])
+def test_hostile_specs_say_the_same_whichever_loader_pyyaml_uses(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                                  data: bytes, words: str, loader: type) -> None:
+    """The C loader of PyYAML 6.0.4 refused the deep flow list with its own "exceeded maximum nesting
+    depth" before hpoflow's depth check saw it: the message must not depend on the loader."""
+    text = data.decode()
+    monkeypatch.setattr(_yaml, "_Loader", yaml.SafeLoader)
+    with pytest.raises(SpecError) as reference:
+        spec_from_text(text)
+    monkeypatch.setattr(_yaml, "_Loader", loader)
+    with pytest.raises(SpecError) as caught:
+        spec_from_text(text)
+    assert str(caught.value) == str(reference.value)
+    assert words in str(caught.value)
+
+
+def spec_from_text(text: str) -> Any:
+    data, _ = _yaml.load_yaml_with_lines(text, "spec.yaml")
+    return spec_from_mapping(data)
 
 
 def test_endless_and_huge_files_are_read_only_up_to_the_bound(tmp_path: Path) -> None:

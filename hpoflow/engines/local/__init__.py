@@ -1,8 +1,9 @@
 """The local engine: trials as ranks on warm worker processes of this machine.
 
 ``engine`` runs the trials' lifecycle (``_slots``: their placement on cores and GPUs); ``_pool`` starts, hands out and
-retires the worker processes; ``_worker`` is the loop each worker runs (``_modules``: which modules it
-unloads after a trial). ``LocalEngine``, ``plan_placement`` and ``prestart`` load their modules on
+retires the worker processes; ``_forkserver`` starts and stops the forkserver they are forked from;
+``_worker`` is the loop each worker runs (``_modules``: which modules it unloads after a trial).
+``LocalEngine``, ``plan_placement``, ``prestart`` and ``discard_prestarted`` load their modules on
 first use, so a worker process that imports ``hpoflow.engines.local._worker`` loads neither pydantic
 nor the registries.
 """
@@ -13,13 +14,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hpoflow.engines.local._pool import prestart
+    from hpoflow.engines.local._pool import discard_prestarted, prestart
     from hpoflow.engines.local._slots import plan_placement
     from hpoflow.engines.local.engine import LocalEngine
 
-__all__ = ["LocalEngine", "plan_placement", "prestart"]
+__all__ = ["LocalEngine", "discard_prestarted", "plan_placement", "prestart"]
 
-_WHERE = {"LocalEngine": "engine", "plan_placement": "_slots", "prestart": "_pool"}
+_WHERE = {"LocalEngine": "engine", "plan_placement": "_slots", "prestart": "_pool", "discard_prestarted": "_pool"}
 
 
 def __getattr__(name: str) -> Any:

@@ -7,11 +7,16 @@ forkserver and one warm worker per core in a background thread (``start_warm``).
 a fresh interpreter without torch (spawned, ready in a fraction of a second) for a rank that
 ``needs_torch`` not, used while no warm worker is up; light workers retire once warm ones are.
 ``prestart`` starts either kind before any engine exists (``hpoflow run`` does, first thing) and the
-next pool adopts them. Every worker leads its own process group and is the subreaper of what its
-trials start; ``retire`` freezes and kills it with its whole tree (``hpoflow.engines.proc.kill_tree``).
-No worker runs the parent's ``__main__`` (``start_without_main``): a script on stdin, a notebook, or
-a script without a ``__main__`` guard start workers like any other. The pool's state is guarded by
-``lock``; the engine calls it from one thread.
+next pool adopts them (``discard_prestarted`` stops them where no pool did). Every worker leads its
+own process group and is the subreaper of what its trials start; ``retire`` freezes and kills it with
+its whole tree (``hpoflow.engines.proc.kill_tree``). No worker runs the parent's ``__main__``
+(``start_without_main``): a script on stdin, a notebook, or a script without a ``__main__`` guard
+start workers like any other. Workers and the forkserver start with SIGINT blocked
+(``hpoflow.engines.proc.sigint_blocked``): a terminal's Ctrl-C is the driver's to handle.
+A stop starts nothing: after ``interrupt`` (the driver's stop, maybe from a signal handler) or
+``close`` no worker and no forkserver is started, a forkserver still preloading is killed, and
+``acquire`` returns None instead of waiting. The pool's state is guarded by ``lock``; the engine calls
+it from one thread.
 """
 
 from __future__ import annotations
@@ -29,13 +34,20 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from hpoflow.credentials import scrub_environ
+from hpoflow.engines.local._forkserver import (
+    ensure_forkserver,
+    forkserver_stopped,
+    kill_forkserver,
+    stop_forkserver,
+    use_preload,
+)
 from hpoflow.engines.machine import GpuId
-from hpoflow.engines.proc import kill_tree, start_without_main
+from hpoflow.engines.proc import kill_tree, sigint_blocked, start_without_main
 from hpoflow.errors import EngineError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PRELOAD", "Worker", "WorkerPool", "prestart"]
+__all__ = ["PRELOAD", "Worker", "WorkerPool", "discard_prestarted", "prestart"]
 
 PRELOAD = ["hpoflow.engines.local._preload"]  # torch and the trainer (its digits need no scikit-learn)
 _PRELOAD_DONE = "hpoflow.engines.local._preload_done"  # always imported last (see that module)
@@ -43,11 +55,14 @@ _PRELOAD_DONE = "hpoflow.engines.local._preload_done"  # always imported last (s
 
 def _preload_list(preload: list[str] | None) -> list[str]:
     return [*(PRELOAD if preload is None else preload), _PRELOAD_DONE]
+
+
 KILL_GRACE_S = 2.0
 _SPAWN_TRIES = 5  # a forkserver killed (again) while it preloads torch answers EOF: start another
 
 # Processes started by ``prestart`` before any engine exists; the next pool adopts them.
 _PRESTARTED: list[tuple[BaseProcess, Connection]] = []
+_PRESTARTED_FORKSERVER: list[bool] = []  # [True] while a forkserver prestart started waits for its pool
 
 
 @dataclass
@@ -75,7 +90,8 @@ def _start_light(ctx: Any, wid: int) -> tuple[BaseProcess, Connection]:
 
     parent, child = ctx.Pipe(duplex=True)
     proc = ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}", daemon=True)
-    proc.start()
+    with sigint_blocked():  # a spawn returns at once: the new interpreter boots on its own
+        proc.start()
     child.close()
     return proc, parent
 
@@ -88,14 +104,27 @@ def prestart(light: int, preload: list[str] | None = None) -> None:
     process adopts them."""
     scrub_environ()  # a storage URL's variable or password never reaches a worker (hpoflow.credentials)
     if light <= 0:
-        from multiprocessing import forkserver
-
-        _use_preload(_preload_list(preload))
-        forkserver.ensure_running()
+        use_preload(_preload_list(preload))
+        ensure_forkserver()
+        _PRESTARTED_FORKSERVER[:] = [True]
         return
     ctx = _light_context()
     for i in range(light):
         _PRESTARTED.append(_start_light(ctx, -1 - i))
+
+
+def discard_prestarted() -> None:
+    """Stop what ``prestart`` started and no pool adopted (the program ended before its engine existed: a
+    Ctrl-C, a storage that did not open): the light workers, and the forkserver, which would otherwise
+    go on importing torch for seconds after the program's end."""
+    while _PRESTARTED:
+        proc, conn = _PRESTARTED.pop()
+        _killpg(proc)
+        proc.join(KILL_GRACE_S)
+        conn.close()
+    if _PRESTARTED_FORKSERVER:
+        _PRESTARTED_FORKSERVER.clear()
+        stop_forkserver()
 
 
 class WorkerPool:
@@ -109,7 +138,8 @@ class WorkerPool:
         self.max_trials_per_worker = max_trials_per_worker
         start_without_main()
         self._ctx = mp.get_context("forkserver")
-        _use_preload(_preload_list(preload))
+        use_preload(_preload_list(preload))
+        _PRESTARTED_FORKSERVER.clear()  # this pool's now: close() stops it if it still preloads
         self._light_ctx = _light_context()
         self.lock = threading.RLock()
         self._idle_added = threading.Condition(self.lock)  # a worker the warm thread forked is idle
@@ -118,6 +148,9 @@ class WorkerPool:
         self.idle: list[Worker] = []
         self._next_wid = 0
         self.closed = False
+        # a stop has begun (interrupt, close): start nothing from now on. A plain flag, not an Event: a
+        # signal handler sets it, and Event.set() takes a lock the interrupted thread may hold
+        self.stopping = False
         while _PRESTARTED:  # light workers started by prestart() before this pool existed
             proc, conn = _PRESTARTED.pop()
             w = Worker(self._next_wid, proc, conn, light=True)
@@ -140,19 +173,27 @@ class WorkerPool:
 
     def start_warm(self) -> None:
         """Start the forkserver and the warm workers if not started yet (a trial needs torch)."""
-        if self._warm.ident is None:
+        if self._warm.ident is None and not self.stopping:
             self._warm.start()
+
+    def interrupt(self) -> None:
+        """A stop has begun: from now on start no worker and no forkserver, and let ``acquire`` return
+        None rather than wait; a forkserver still preloading is killed, so nothing waits for its
+        preload (a fork request fails at once). Only sets a flag and sends a signal: the driver's
+        signal handler calls it, maybe while this thread holds a lock."""
+        self.stopping = True
+        if not self.warm_ready.is_set():
+            kill_forkserver()
 
     def _prestart(self, n: int) -> None:
         """Start the forkserver and fork ``n`` warm workers (in the background: a fork waits for the
         preload, which must never hold the lock a submit needs); retire idle light workers as warm
         ones come up."""
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+        if not self.stopping:
+            ensure_forkserver()  # its preload begins now, even when no warm worker is wanted yet
         while True:
             with self.lock:
-                if self.closed or sum(not w.light for w in self.workers.values()) >= n:
+                if self.stopping or sum(not w.light for w in self.workers.values()) >= n:
                     break
             try:
                 w = self._spawn(light=False)  # blocks until the forkserver has preloaded
@@ -160,7 +201,7 @@ class WorkerPool:
                 break
             self.warm_ready.set()
             with self.lock:
-                if self.closed:
+                if self.stopping:
                     self.retire(w)
                     break
                 self.idle.append(w)
@@ -185,32 +226,41 @@ class WorkerPool:
         from hpoflow.engines.local._worker import worker_main
 
         parent, child = self._ctx.Pipe(duplex=True)
-        for attempt in range(_SPAWN_TRIES):
-            proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}",
-                                     daemon=True)
-            try:
-                proc.start()
-                break
-            except (EOFError, ConnectionError, FileNotFoundError, TypeError) as exc:
-                if isinstance(exc, TypeError) and not _forkserver_stopped():
-                    raise
-                if self.closed:  # close() stopped a forkserver still preloading: nothing to start
-                    raise EngineError("the engine is closed") from exc
-                # the forkserver died (an OOM kill, a stray signal) between multiprocessing's liveness
-                # check and the fork request; the next start() notices and launches a new one
-                log.warning("the local engine's forkserver is gone (%s: %s); starting a new one",
-                            type(exc).__name__, exc)
-                if attempt == _SPAWN_TRIES - 1:
-                    raise EngineError(f"the local engine could not start a worker process: {exc}") from exc
-                _restart_forkserver()
-                time.sleep(0.2 * attempt)
-        child.close()
+        try:
+            for attempt in range(_SPAWN_TRIES):
+                if self.stopping:  # a stop starts nothing, a forkserver least of all
+                    raise EngineError("the engine is stopping")
+                proc = self._ctx.Process(target=worker_main, args=(child, wid), name=f"hpoflow-worker{wid}",
+                                         daemon=True)
+                try:
+                    ensure_forkserver()
+                    proc.start()
+                    break
+                except (EOFError, ConnectionError, FileNotFoundError, TypeError) as exc:
+                    if isinstance(exc, TypeError) and not forkserver_stopped():
+                        raise
+                    if self.stopping:  # a stop killed a forkserver still preloading
+                        raise EngineError("the engine is stopping") from exc
+                    # the forkserver died (an OOM kill, a stray signal) between multiprocessing's
+                    # liveness check and the fork request; the next start() launches a new one
+                    log.warning("the local engine's forkserver is gone (%s: %s); starting a new one",
+                                type(exc).__name__, exc)
+                    if attempt == _SPAWN_TRIES - 1:
+                        raise EngineError(f"the local engine could not start a worker process: {exc}") from exc
+                    stop_forkserver()
+                    time.sleep(0.2 * attempt)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
         return proc, parent
 
-    def acquire(self, gpus: tuple[GpuId, ...], needs_torch: bool) -> Worker:
+    def acquire(self, gpus: tuple[GpuId, ...], needs_torch: bool) -> Worker | None:
         """An idle worker that may use ``gpus`` (same binding, or never bound): a warm one if any; a
         light one for a rank that ``needs_torch`` not, also started anew while no warm worker exists
-        yet; else a new warm one. Call with ``lock`` held."""
+        yet; else a new warm one. None once a stop has begun (``interrupt``): a stop starts nothing and
+        waits for nothing. Call with ``lock`` held."""
         want = gpus or None
 
         def fits(w: Worker, exact: bool) -> bool:
@@ -219,6 +269,8 @@ class WorkerPool:
             return w.gpus is None or want is None  # unbound; or a CPU rank, which any worker can run
 
         while True:
+            if self.stopping:
+                return None
             for w in [w for w in self.idle if w.proc.exitcode is not None]:  # died while idle (killed)
                 self.idle.remove(w)
                 self.retire(w)
@@ -230,15 +282,26 @@ class WorkerPool:
             if not needs_torch and not self.warm_ready.is_set():
                 return self._spawn(light=True)
             # The warm thread is forking the workers of the cores: wait for one rather than fork one
-            # more beside them (a worker per core, never more: each holds its own memory).
-            if not (self._warm.is_alive() and not self.closed
-                    and sum(not w.light for w in self.workers.values()) < self.n_cores):
+            # more beside them (a worker per core, never more: each holds its own memory). The wait
+            # wakes up often enough to see a stop (``interrupt``: a signal handler cannot notify).
+            if not (self._warm.is_alive() and sum(not w.light for w in self.workers.values()) < self.n_cores):
                 break
-            self._idle_added.wait(1.0)
+            self._idle_added.wait(0.2)
         # None fits: retire an idle worker bound elsewhere or light (keep the pool bounded), start anew.
         if self.idle and len(self.workers) >= self.n_cores:
             self.retire(self.idle.pop(0))
-        return self._spawn(light=False)
+        try:
+            return self._spawn(light=False)
+        except EngineError:
+            if self.stopping:  # the stop began while it forked
+                return None
+            raise
+
+    def put_back(self, w: Worker) -> None:
+        """``w`` was acquired but given no rank (its trial could not start): idle again, as it was."""
+        with self.lock:
+            if self.alive(w):
+                self.idle.append(w)
 
     def release(self, w: Worker) -> None:
         """``w`` finished its rank: back to the idle list, or retired (recycled after
@@ -276,12 +339,14 @@ class WorkerPool:
             if self.closed:
                 return
             self.closed = True
-        if self._warm.ident is not None and not self.warm_ready.is_set():
-            # Closed before the forkserver finished its preload (a short study of light trials): stop
-            # it rather than wait seconds for a torch import nothing needs any more.
-            _restart_forkserver()
-        if self._warm.ident is not None:
-            self._warm.join()
+            self.stopping = True
+        while self._warm.is_alive():
+            if not self.warm_ready.is_set():
+                # Closed before the forkserver finished its preload (a short study of light trials, a
+                # stop): kill it rather than wait seconds for a torch import nothing needs any more; the
+                # warm thread's fork then fails, and it ends.
+                stop_forkserver()
+            self._warm.join(0.2)
         with self.lock:
             for w in list(self.workers.values()):
                 with contextlib.suppress(BrokenPipeError, OSError):
@@ -290,51 +355,6 @@ class WorkerPool:
             for w in list(self.workers.values()):
                 self.retire(w)
             self.idle.clear()
-
-
-_PRELOAD_LOCK = threading.Lock()
-
-
-def _use_preload(preload: list[str]) -> None:
-    """Set the preload of multiprocessing's forkserver (one per process). One that runs already with
-    another preload (started by other code of this process first, e.g. a ``forkserver`` context's
-    ``Process`` in a notebook or a test, with multiprocessing's default) would fork "warm" workers
-    without torch: it is stopped, and the next fork starts one with ``preload`` (the processes the old
-    one forked go on). One started with this preload (by an engine, or by anything forking after an
-    engine set it) is kept."""
-    from multiprocessing import forkserver
-
-    with _PRELOAD_LOCK:
-        server = getattr(forkserver, "_forkserver", None)
-        running = getattr(server, "_forkserver_pid", None) is not None
-        if running and list(getattr(server, "_preload_modules", preload)) != preload:
-            _restart_forkserver()
-        mp.get_context("forkserver").set_forkserver_preload(preload)
-
-
-def _forkserver_stopped() -> bool:
-    """Whether multiprocessing's forkserver was stopped under a fork in progress (another engine of this
-    process closed while its forkserver preloaded): the fork then fails with a TypeError (no fd)."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    return getattr(server, "_forkserver_alive_fd", 0) is None
-
-
-def _restart_forkserver() -> None:
-    """Stop multiprocessing's forkserver for good (it is dead or answers nothing), so the next
-    ``start()`` launches a new one with the same preload."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    stop = getattr(server, "_stop", None)
-    if callable(stop):
-        with contextlib.suppress(OSError, ChildProcessError):
-            stop()
 
 
 def _killpg(proc: BaseProcess) -> None:

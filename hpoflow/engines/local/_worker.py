@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
 from hpoflow.engines.local._modules import ModuleKeeper
-from hpoflow.engines.proc import become_subreaper, reap_descendants
+from hpoflow.engines.proc import become_subreaper, reap_descendants, unblock_sigint
 from hpoflow.train.runner import run_rank
 from hpoflow.train.transport import NullChannel, PipeChannel
 from hpoflow.trial import RankJob, RankOutcome
@@ -120,6 +120,7 @@ def _reset(snap: _Snapshot, keeper: ModuleKeeper, job: RankJob) -> None:
 def worker_main(conn: Connection, worker_id: int) -> None:
     """Serve rank jobs from ``conn`` until told to exit or the pipe closes."""
     os.setsid()  # own process group: the engine kills the worker and all its children at once
+    unblock_sigint()  # out of the terminal's group now: a trial sees SIGINT as any process does
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the engine's pause request; a trial's rank handles it
     become_subreaper()  # orphaned descendants of a trial stay below this worker (reap_descendants)
     _die_with_engine(conn)  # ... and die with it when the engine dies

@@ -12,6 +12,8 @@ outlives the trial's timeout fails the whole trial; workers of ranks that did no
 with their whole tree and replaced.
 Rank logs: each rank writes into a pipe whose bytes this process moves into ``rank<r>.log`` with a
 cap (``hpoflow.engines.logcap``); a trial's result waits until its ranks' pipes are drained.
+Stopping: after ``interrupt`` nothing new starts (no worker, no forkserver); a trial submitted then, or
+waiting for a worker then, ends ``cancelled`` without having run.
 """
 
 from __future__ import annotations
@@ -164,9 +166,10 @@ class LocalEngine(Engine):
         return sum((t.request.processes - t.request.base_processes) * t.request.cpus_per_process
                    for t in self._trials.values() if t.request.elastic)
 
-    def _launch(self, request: TrialRequest, placement: list[Placement], prior: _Trial | None = None) -> None:
+    def _launch(self, request: TrialRequest, placement: list[Placement], prior: _Trial | None = None) -> bool:
         """Start the ranks of ``request`` on ``placement``: a new trial, or (``prior``) the next segment
-        of an elastic trial, restarted with ``request.processes`` ranks."""
+        of an elastic trial, restarted with ``request.processes`` ranks. False when a stop began first:
+        the trial ends ``cancelled`` at once, its resources free."""
         for p in placement:
             for c in p.cores:
                 self.free_cores.remove(c)
@@ -195,8 +198,17 @@ class LocalEngine(Engine):
         if torch_first:  # light so far: now a trial needs the preload
             self._pool.start_warm()
         with self._pool.lock:
-            for p in placement:
-                w = self._pool.acquire(p.gpus, torch_first)
+            acquired = [self._pool.acquire(p.gpus, torch_first) for p in placement]
+            workers = [w for w in acquired if w is not None]
+            if len(workers) < len(placement):  # a stop began: no worker is started or waited for now
+                for w in workers:
+                    self._pool.put_back(w)
+                self.free_cores, self.free_gpus = give_back(self.free_cores, self.free_gpus, placement,
+                                                            self.cores, self.gpus)
+                self._book.remove(request.number)
+                self._events.append(TrialResult(request.number, "cancelled", error="study stopped before it started"))
+                return False
+            for p, w in zip(placement, workers, strict=True):
                 threads = max(1, len(p.cores))
                 env = {
                     "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -221,6 +233,7 @@ class LocalEngine(Engine):
                 finally:
                     os.close(out)  # the worker holds it now (or nobody: its log ends at once)
         self._trials[request.number] = trial
+        return True
 
     def _restart(self, t: _Trial) -> None:
         """An elastic trial left at an epoch boundary (every rank ``resized``, checkpointed): free its
@@ -249,8 +262,8 @@ class LocalEngine(Engine):
             append_jsonl(Path(t.request.trial_dir) / "elastic.jsonl",
                          {"time": time.time(), "from": t.request.processes, "to": size})
         t.segments.restart(now, size, t.usage())
-        self._launch(replace(t.request, processes=size), placement, prior=t)
-        book.on_restart(number, size, now)
+        if self._launch(replace(t.request, processes=size), placement, prior=t):
+            book.on_restart(number, size, now)
 
     def _start_queued(self) -> None:
         for request in list(self._queued):
@@ -354,6 +367,10 @@ class LocalEngine(Engine):
 
     def running(self) -> list[int]:
         return sorted([*self._trials, *(r.number for r in self._queued)])
+
+    def interrupt(self) -> None:
+        """A stop has begun: start no worker and no forkserver from now on (``WorkerPool.interrupt``)."""
+        self._pool.interrupt()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until the warm workers are up (the forkserver has preloaded and forked one per core);
