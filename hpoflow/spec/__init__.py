@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpoflow.spec._command import UNBOUNDED_EPOCHS, program
+from hpoflow.spec._command import UNBOUNDED_EPOCHS, program, warm_target
 from hpoflow.spec._load import (
     BUILTIN_MEASURES,
     BUILTIN_METRICS,
@@ -70,4 +70,5 @@ __all__ = [
     "search_dirs",
     "spec_from_mapping",
     "unprintable",
+    "warm_target",
 ]
