@@ -271,6 +271,8 @@ class _Supervisor:
                 elif term_sent and now >= self.stop.at + grace + KILL_AFTER_S:
                     log.info("command: rank %d: still running %g s after SIGTERM: SIGKILL", self.rank, KILL_AFTER_S)
                     self._kill(signal.SIGKILL)
+        if self.stop is None and self.ctx.pause_request.requested:  # a pause signal that reached the program too
+            self._decide("paused")
         log.info("command: rank %d: the program %s", self.rank, describe_exit(proc.returncode))
 
     def _drain(self, reader: ReportReader | None) -> None:

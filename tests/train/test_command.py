@@ -146,6 +146,27 @@ def test_a_pruned_program_is_told_and_one_that_does_not_listen_is_stopped_after_
     assert trained[1] < 200  # it did not train on to its 1000th epoch
 
 
+def test_the_engines_pause_reaches_every_rank_and_pauses_the_trial_with_its_checkpoint(
+        engine: LocalEngine, tmp_path: Path) -> None:
+    # a pause (SIGUSR1 to the rank processes, as before a walltime) tells the program pausing() on both
+    # ranks; it saves and stops, and the trial is interrupted as paused, to resume from its checkpoint
+    engine.submit(request(tmp_path, 0, ["--epochs", "100000", "--sleep", "0.05", "--ask"], processes=2,
+                          prog=WARM))
+    t0 = time.monotonic()
+    while not all((tmp_path / "0" / f"trained_rank{r}.txt").exists() for r in (0, 1)):
+        assert time.monotonic() - t0 < WAIT_S, "the programs did not start"
+        time.sleep(0.05)
+    engine.pause(0, "test")
+    result: list[TrialResult] = []
+    while not result:
+        assert time.monotonic() - t0 < WAIT_S
+        result = [ev for ev in engine.poll(1.0) if isinstance(ev, TrialResult)]
+    assert result[0].status == "cancelled" and "paused" in (result[0].error or ""), result[0]
+    for rank in (0, 1):
+        assert "(pausing: True)" in (tmp_path / "0" / f"rank{rank}.log").read_text()
+    assert (tmp_path / "0" / "checkpoints" / "prog.json").exists()
+
+
 def test_a_cancelled_command_trial_leaves_no_program_behind(engine: LocalEngine, tmp_path: Path) -> None:
     marker = str(tmp_path / "env_RANK.json")  # in the programs' command lines: how the test finds them
     engine.submit(request(tmp_path, 0, ["--epochs", "100000", "--sleep", "0.05", "--env", marker], processes=2))
