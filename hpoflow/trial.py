@@ -103,7 +103,7 @@ class TrialRequest:
 
 
 def needs_torch(function: str | None, processes: int, gpus_per_process: int,
-                python_path: tuple[str, ...] | list[str] = (), *, command: bool = False) -> bool:
+                python_path: tuple[str, ...] | list[str] = (), *, command: bool = False, warm: bool = False) -> bool:
     """Whether a trial's ranks want a worker with torch already imported: the built-in trainer
     (``function`` None), a process group (several ranks), a GPU, or a user function whose code will
     import torch (``imports_torch``: read from its source, never run). Only a single CPU rank of a
@@ -111,9 +111,10 @@ def needs_torch(function: str | None, processes: int, gpus_per_process: int,
     source shows), torch is seeded then (``hpoflow.train.runner``), the import is timed as the trial's
     ``cold_start_s``, and the local engine keeps the function on warm workers from then on.
     A ``command`` trial's rank starts the program in a process of its own and touches no GPU: it needs
-    torch only for the process group its ranks keep (``hpoflow.train.command``)."""
+    torch for the process group its ranks keep, and where the program runs ``warm`` (a Python program
+    forked from a process with torch imported: ``hpoflow.train.command``)."""
     if command:
-        return processes > 1
+        return processes > 1 or warm
     if function is None or processes > 1 or gpus_per_process > 0:
         return True
     return imports_torch(function, tuple(python_path))

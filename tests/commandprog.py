@@ -7,7 +7,8 @@ Its "loss" after epoch ``e`` is ``(x - 0.3)**2 + 1/e``. Each epoch it appends ``
 (``epoch=E val_loss=V``), ``file`` (a JSON line to ``$HPOFLOW_METRICS_FILE``) or ``client``
 (``hpoflow.client.report``). It starts after the epoch of the checkpoint it finds. With ``--ask`` every
 rank asks ``hpoflow.client.should_stop()`` after each epoch and stops when it is true. ``--env FILE``
-writes its environment as JSON first; ``--fail N`` writes to stderr and exits with code N.
+writes its environment, argv, ``sys.path[0]`` and whether torch was imported before it as JSON first;
+``--fail N`` writes to stderr and exits with code N.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def main() -> int:
     p.add_argument("--fail", type=int, default=0)
     a = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    if a.env:
-        Path(a.env.replace("RANK", str(rank))).write_text(json.dumps(dict(os.environ)))
+    if a.env:  # what it was started with: a warm start (runpy in a forked worker) has torch imported already
+        seen = {"environ": dict(os.environ), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+                "torch_imported": "torch" in sys.modules, "pid": os.getpid(), "pgid": os.getpgrp()}
+        Path(a.env.replace("RANK", str(rank))).write_text(json.dumps(seen))
     if a.fail:
         print(f"rank {rank}: something went wrong on purpose", file=sys.stderr)
         return a.fail

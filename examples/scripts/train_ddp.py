@@ -123,6 +123,10 @@ def main() -> None:
         if stop:
             break
     if distributed:
+        # DDP's reducer holds the process group: drop it while the group is still registered, so the group
+        # is torn down by destroy_process_group() while the tensors of its last collective are still ours
+        # (a gloo thread freeing one of them at the teardown would wait for the GIL the teardown holds)
+        net = model
         dist.destroy_process_group()
 
 

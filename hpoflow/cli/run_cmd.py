@@ -28,7 +28,7 @@ def _prestart(spec_path: str) -> None:
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
     (``hpoflow.engines.local.prestart``). An invalid spec starts nothing: ``optimize`` says why."""
     from hpoflow.errors import HpoflowError
-    from hpoflow.spec import load_spec, search_dirs
+    from hpoflow.spec import load_spec, resolve_training, search_dirs, warm_target
 
     try:
         spec, _ = load_spec(spec_path)
@@ -44,9 +44,14 @@ def _prestart(spec_path: str) -> None:
     res = spec.resources
     function = spec.training.get("function")  # a ${param} placeholder: known per trial only
     light = 0
-    command = spec.training.get("command") is not None
+    try:
+        argv = resolve_training(spec.training, {}).command  # placeholders left out: the program is what counts
+    except ValueError:  # (pydantic's ValidationError) the run says why
+        argv = None
+    command = argv is not None
+    warm = argv is not None and not spec.training.get("isolate") and warm_target(argv) is not None
     if (command or (isinstance(function, str) and "${" not in function)) and not needs_torch(
-            function, res.processes, res.gpus_per_process, search_dirs(spec_path), command=command):
+            function, res.processes, res.gpus_per_process, search_dirs(spec_path), command=command, warm=warm):
         light = min(spec.search.max_concurrent, len(machine_cores()) // (res.processes * res.cpus_per_process))
     prestart(light=light)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpoflow.spec._command import UNBOUNDED_EPOCHS, program
+from hpoflow.spec._command import UNBOUNDED_EPOCHS, program, warm_target
 from hpoflow.spec._fingerprint import study_fingerprint
 from hpoflow.spec._load import (
     BUILTIN_MEASURES,
@@ -74,4 +74,5 @@ __all__ = [
     "spec_from_mapping",
     "study_fingerprint",
     "unprintable",
+    "warm_target",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 __all__ = ["PYTHON_NAMES", "UNBOUNDED_EPOCHS", "command_argv", "command_placeholders", "command_problem",
-           "program", "substitute_command"]
+           "program", "substitute_command", "warm_target"]
 
 # A command trial without training.epochs has no step limit: its epochs are this (a program ends itself).
 UNBOUNDED_EPOCHS = 2**31 - 1
@@ -144,4 +144,18 @@ def _python_script(argv: list[str]) -> tuple[int, str] | None:
             i += 1
             continue
         return i, arg
+    return None
+
+
+def warm_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """What a warm process can run itself with ``runpy``: ``("path", SCRIPT, args)`` for ``python SCRIPT
+    args``, ``("module", MODULE, args)`` for ``python -m MODULE args`` (``-u`` allowed before either);
+    None for any other program or interpreter option (it needs an interpreter of its own)."""
+    if not argv or argv[0] not in PYTHON_NAMES:
+        return None
+    rest = argv[2:] if argv[1:2] == ["-u"] else argv[1:]
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "module", rest[1], rest[2:]
+    if rest and not rest[0].startswith("-"):
+        return "path", rest[0], rest[1:]
     return None

@@ -520,6 +520,10 @@ class TrainConfig(_Strict):
         default=None, description="Your own program as each rank of a trial, with torchrun's environment: an argv "
         "list (or one line, split like a shell splits it but never run by one); any argument may hold ${param} "
         "placeholders. python means the interpreter hpoflow runs in.")
+    isolate: bool = Field(
+        default=False, description="A command python SCRIPT or python -m MODULE runs warm: in a process forked "
+        "from the engine's worker, which has torch imported already (runpy, sys.argv set). true: a fresh "
+        "interpreter every time, as for any other program.")
     stop_grace_s: float = Field(
         default=30.0, ge=0, description="A command trial pruned, paused or at its last epoch: seconds it has to "
         "exit by itself (hpoflow.client.should_stop() is true) before SIGTERM, then SIGKILL, on every rank.")

@@ -23,28 +23,45 @@ way it does any trial.
   its stderr.
 
 The program runs in a process group of its own, which is killed when the rank ends, whatever way.
+
+**Warm start.** ``python SCRIPT ...`` and ``python -m MODULE ...`` (unless ``training.isolate``) run in a
+process forked from the rank process where that has torch imported already (the local engine's warm
+workers): ``prefork`` forks a ``Zygote`` when the rank starts, before it makes a thread or a process
+group, and the zygote runs the program with ``runpy`` (``sys.argv``, ``sys.path[0]``, the environment,
+the working directory and the standard streams set as a fresh ``python`` sets them; Python's, NumPy's
+and torch's generators seeded afresh), so it skips the interpreter start and the torch import. Anything
+else, and any rank process without torch imported (a cluster rank: a fresh interpreter itself), starts
+a fresh process (``subprocess``). What differs from a fresh interpreter: modules the worker imported
+are imported already, and ``atexit`` handlers the program registers do not run (it ends with
+``os._exit`` once its main code returns, after flushing its streams).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import io
 import json
 import logging
 import os
 import queue
+import random
 import re
+import runpy
 import shlex
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpoflow.spec import UNBOUNDED_EPOCHS, program
+from hpoflow.spec import UNBOUNDED_EPOCHS, program, warm_target
 from hpoflow.train.context import TrialContext, metric_dict
 from hpoflow.train.transport import LineServer, ReportReader
 from hpoflow.trial import RankJob, describe_exit
@@ -54,7 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CommandError", "LineReports", "command_env", "run_command", "running_groups"]
+__all__ = ["CommandError", "LineReports", "Zygote", "command_env", "prefork", "run_command", "running_groups"]
 
 _STOP_KEY = "hpoflow/command/stop"
 _MASTER_KEY = "hpoflow/command/master"
@@ -139,8 +156,8 @@ class _Stop:
 
 
 class _Supervisor:
-    def __init__(self, ctx: TrialContext, job: RankJob) -> None:
-        self.ctx, self.job = ctx, job
+    def __init__(self, ctx: TrialContext, job: RankJob, zygote: Zygote | None = None) -> None:
+        self.ctx, self.job, self.zygote = ctx, job, zygote
         self.req = job.request
         self.rank = job.rank
         self.stop: _Stop | None = None
@@ -150,7 +167,7 @@ class _Supervisor:
         self.tail = bytearray()
         self.lines = LineReports(self.req.metric_names or (self.req.metric,))
         self.store: Store | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | _Forked | None = None
         self.server: LineServer | None = None
         self._old_sigterm: Any = None
 
@@ -178,12 +195,19 @@ class _Supervisor:
             "HPOFLOW_CHECKPOINT_DIR": str(checkpoints), "HPOFLOW_METRICS_FILE": str(metrics_file),
             "HPOFLOW_CONTROL": self.server.announce("127.0.0.1"), "HPOFLOW_ATTEMPT": str(req.attempt),
         })
-        log.info("command: rank %d runs %s (MASTER_ADDR=%s MASTER_PORT=%d)", self.rank, shlex.join(argv), *master)
-        try:
-            proc = self.proc = subprocess.Popen(argv, env=env, cwd=req.workdir or None, stdin=subprocess.DEVNULL,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0)
-        except OSError as exc:
-            raise CommandError(f"cannot start {shlex.join(cfg.command)} (training.command): {exc}") from exc
+        target = warm_target(cfg.command) if self.zygote is not None else None
+        log.info("command: rank %d runs %s%s (MASTER_ADDR=%s MASTER_PORT=%d)", self.rank, shlex.join(argv),
+                 " warm (runpy in a process forked with torch imported)" if target else "", *master)
+        proc: subprocess.Popen[bytes] | _Forked
+        if target is not None and self.zygote is not None:
+            zygote, self.zygote = self.zygote, None
+            proc = self.proc = zygote.start(target, env, req.workdir or os.getcwd())
+        else:
+            try:
+                proc = self.proc = subprocess.Popen(argv, env=env, cwd=req.workdir or None, stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0)
+            except OSError as exc:
+                raise CommandError(f"cannot start {shlex.join(cfg.command)} (training.command): {exc}") from exc
         _GROUPS.add(proc.pid)
         self._on_sigterm()
         on_line = self._on_line if self.rank == 0 else None
@@ -217,7 +241,7 @@ class _Supervisor:
         announced, port_text = self.store.get(_MASTER_KEY).decode().split()
         return announced, int(port_text)
 
-    def _supervise(self, proc: subprocess.Popen[bytes], reader: ReportReader | None) -> None:
+    def _supervise(self, proc: subprocess.Popen[bytes] | _Forked, reader: ReportReader | None) -> None:
         next_store = 0.0
         term_sent = False
         while proc.poll() is None:
@@ -247,6 +271,8 @@ class _Supervisor:
                 elif term_sent and now >= self.stop.at + grace + KILL_AFTER_S:
                     log.info("command: rank %d: still running %g s after SIGTERM: SIGKILL", self.rank, KILL_AFTER_S)
                     self._kill(signal.SIGKILL)
+        if self.stop is None and self.ctx.pause_request.requested:  # a pause signal that reached the program too
+            self._decide("paused")
         log.info("command: rank %d: the program %s", self.rank, describe_exit(proc.returncode))
 
     def _drain(self, reader: ReportReader | None) -> None:
@@ -384,6 +410,8 @@ class _Supervisor:
 
     def close(self) -> None:
         """Kill and reap the program's process group (a rank that raised, a stop); stop serving the client."""
+        if self.zygote is not None:
+            self.zygote.discard()
         proc = self.proc
         if proc is not None:
             self._kill(signal.SIGKILL)
@@ -434,10 +462,173 @@ def _pump(stream: Any, fd: int, on_line: Callable[[bytes], None] | None, tail: b
         on_line(pending)
 
 
-def run_command(ctx: TrialContext, job: RankJob) -> dict[str, float]:
+class _Forked:
+    """A program a ``Zygote`` runs, seen as ``subprocess.Popen`` shows one: ``pid`` (its process group's
+    too), ``stdout``/``stderr`` (pipes), ``poll``, ``wait``, ``returncode``."""
+
+    def __init__(self, pid: int, stdout: int, stderr: int) -> None:
+        self.pid = pid
+        self.stdout: io.FileIO | None = io.FileIO(stdout, "r")
+        self.stderr: io.FileIO | None = io.FileIO(stderr, "r")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped elsewhere (a worker's subreaper): gone
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return self.returncode if self.returncode is not None else -1
+
+
+class Zygote:
+    """A child forked from this process (which has torch imported) while it holds no thread and no process
+    group: it waits for its order (what to run, the environment, the working directory), then becomes
+    the program (``_become``). ``start`` gives the order; ``discard`` (no program after all) ends it."""
+
+    def __init__(self, threads: int) -> None:
+        order_r, self._order = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the zygote: never returns
+            code = 1
+            try:
+                os.close(self._order)
+                os.close(out_r)
+                os.close(err_r)
+                code = _become(order_r, out_w, err_w, threads)
+            except BaseException:  # the program's own end is handled in _become
+                with contextlib.suppress(Exception):
+                    traceback.print_exc()
+            finally:
+                os._exit(code)
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)  # (also done in the child: whichever runs first)
+        for fd in (order_r, out_w, err_w):
+            os.close(fd)
+        self.pid, self._out, self._err = pid, out_r, err_r
+        _GROUPS.add(pid)
+
+    def start(self, target: tuple[str, str, list[str]], env: dict[str, str], cwd: str) -> _Forked:
+        order = json.dumps({"target": list(target), "env": env, "cwd": cwd}).encode()
+        try:
+            view = memoryview(order)
+            while view:
+                view = view[os.write(self._order, view):]
+        finally:
+            os.close(self._order)
+            self._order = -1
+        return _Forked(self.pid, self._out, self._err)
+
+    def discard(self) -> None:
+        """No program after all (the trial failed before it started): the zygote exits."""
+        if self._order >= 0:
+            os.close(self._order)
+            self._order = -1
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            for fd in (self._out, self._err):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _GROUPS.discard(self.pid)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _become(order_fd: int, out: int, err: int, threads: int) -> int:
+    """In the zygote: wait for the order, set the process up as ``python`` sets up a fresh one, run the
+    program; its exit code. The streams are flushed; nothing of the rank process runs after it."""
+    os.setpgid(0, 0)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with its rank
+    raw = _read_all(order_fd)
+    if not raw:
+        return 0  # discarded
+    order = json.loads(raw)
+    kind, name, args = order["target"]
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.closerange(3, 1 << 16)  # the rank's pipes, its engine connection: none is the program's
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGALRM, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.alarm(0)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    os.chdir(order["cwd"])
+    random.seed()  # fresh streams, as a fresh interpreter has (not the rank's, nor another trial's)
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if numpy is not None:
+        numpy.random.seed()
+    if torch is not None:
+        torch.seed()
+        torch.set_num_threads(threads)
+    logging.getLogger("hpoflow").handlers.clear()
+    code = 0
+    try:
+        if kind == "module":
+            sys.argv = [name, *args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [name, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
+            runpy.run_path(name, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # as the interpreter ends a program that raised
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return code
+
+
+def prefork(train: dict[str, Any], threads: int) -> Zygote | None:
+    """A ``Zygote`` for a command trial that can run warm (see the module docstring), else None. Call it
+    when the rank starts, before any thread or process group exists in this process."""
+    argv = train.get("command")
+    if not isinstance(argv, list) or train.get("isolate") or "torch" not in sys.modules or not hasattr(os, "fork"):
+        return None
+    if warm_target([str(a) for a in argv]) is None:
+        return None
+    return Zygote(threads)
+
+
+def run_command(ctx: TrialContext, job: RankJob, zygote: Zygote | None = None) -> dict[str, float]:
     """Run this rank of a command trial (see the module docstring); the trial's last value of every
-    metric rank 0 reported. ``ctx`` says how it ended: pruned (``_prune``), paused (``pausing``)."""
-    sup = _Supervisor(ctx, job)
+    metric rank 0 reported. ``ctx`` says how it ended: pruned (``_prune``), paused (``pausing``).
+    ``zygote``: run the program warm in it (``prefork``)."""
+    sup = _Supervisor(ctx, job, zygote)
     try:
         return sup.run()
     finally:

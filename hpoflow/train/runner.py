@@ -188,6 +188,11 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     channel = channel or NullChannel()
     use_cuda = False
     command = req.train.get("command") is not None  # the rank supervises the user's program: no GPU of its own
+    zygote = None
+    if command:  # a warm program is forked now, before this process has threads or a process group
+        from hpoflow.train.command import prefork
+
+        zygote = prefork(req.train, job.threads)
     if req.gpus_per_process > 0 and not command:
         import torch
 
@@ -227,7 +232,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         if config.command is not None:
             from hpoflow.train.command import run_command
 
-            fn = functools.partial(run_command, job=job)
+            fn = functools.partial(run_command, job=job, zygote=zygote)
+            zygote = None  # run_command owns it now
         elif config.function:
             fn = load_function(config.function, req.python_path)
         else:
@@ -275,6 +281,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         return RankOutcome("error", {}, error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
                            retryable=retryable, usage=_usage(usage, req, job.rank))
     finally:
+        if zygote is not None:  # the trial failed before its program started
+            zygote.discard()
         if old_usr1 is not None:
             signal.signal(signal.SIGUSR1, old_usr1)
         if ctx is not None:

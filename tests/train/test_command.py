@@ -24,12 +24,14 @@ from hpoflow.train.command import LineReports
 from hpoflow.trial import TrialReport
 from tests.conftest import ROOT
 
-PROG = [sys.executable, "tests/commandprog.py"]
+PROG = [sys.executable, "tests/commandprog.py"]  # a program path: a fresh process, as for any program
+WARM = ["python", "tests/commandprog.py"]  # python SCRIPT: run warm (runpy in a process forked from the worker)
 WAIT_S = 120.0  # bounds a hang on a loaded machine
 
 
 def request(tmp_path: Path, number: int, args: list[str], **kw: Any) -> TrialRequest:
-    train = TrainConfig(command=[*PROG, *args], stop_grace_s=kw.pop("grace", 30.0),
+    train = TrainConfig(command=[*kw.pop("prog", PROG), *args], stop_grace_s=kw.pop("grace", 30.0),
+                        isolate=kw.pop("isolate", False),
                         **({"epochs": kw.pop("epochs")} if "epochs" in kw else {})).model_dump(mode="json")
     return TrialRequest(number, kw.pop("params", {"x": 0.5}), train, kw.pop("metric", "val_loss"), "minimize",
                         str(tmp_path / str(number)), workdir=str(ROOT), **kw)
@@ -77,11 +79,20 @@ def test_a_one_rank_program_reports_each_way_and_completes_with_its_last_value(e
     assert res.value == pytest.approx((0.5 - 0.3) ** 2 + 1 / 3, abs=1e-6)
 
 
-def test_every_rank_gets_torchruns_environment_and_rank_0s_master(engine: LocalEngine, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["warm", "isolated"])
+def test_every_rank_gets_torchruns_environment_and_rank_0s_master(engine: LocalEngine, tmp_path: Path,
+                                                                  how: str) -> None:
     env_file = str(tmp_path / "env_RANK.json")
-    res = events(engine, [request(tmp_path, 0, ["--env", env_file], processes=2, params={"x": 0.25})])[0]
+    res = events(engine, [request(tmp_path, 0, ["--env", env_file], processes=2, params={"x": 0.25}, prog=WARM,
+                                  isolate=how == "isolated")])[0]
     assert res.status == "complete", res
-    envs = [json.loads((tmp_path / f"env_{r}.json").read_text()) for r in (0, 1)]
+    seen = [json.loads((tmp_path / f"env_{r}.json").read_text()) for r in (0, 1)]
+    for s in seen:  # as `python tests/commandprog.py` starts it, warm or not; warm: torch is there already
+        assert s["argv"] == ["tests/commandprog.py", "--env", env_file]
+        assert (s["path0"], s["cwd"]) == (str(ROOT / "tests"), str(ROOT))
+        assert s["torch_imported"] == (how == "warm")
+        assert s["pgid"] == s["pid"]  # a process group of its own
+    envs = [s["environ"] for s in seen]
     for r, env in enumerate(envs):
         assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == \
             (str(r), str(r), "2", "2", "0")
@@ -95,8 +106,10 @@ def test_every_rank_gets_torchruns_environment_and_rank_0s_master(engine: LocalE
     assert envs[0]["HPOFLOW_CONTROL"] != envs[1]["HPOFLOW_CONTROL"]  # each rank its supervisor
 
 
-def test_a_program_that_exits_non_zero_fails_the_trial_with_its_stderr(engine: LocalEngine, tmp_path: Path) -> None:
-    res = events(engine, [request(tmp_path, 0, ["--fail", "3"])])[0]
+@pytest.mark.parametrize("prog", [PROG, WARM], ids=["isolated", "warm"])
+def test_a_program_that_exits_non_zero_fails_the_trial_with_its_stderr(engine: LocalEngine, tmp_path: Path,
+                                                                       prog: list[str]) -> None:
+    res = events(engine, [request(tmp_path, 0, ["--fail", "3"], prog=prog)])[0]
     assert res.status == "failed" and not res.retryable
     assert "exited with code 3" in (res.error or "")
     assert "something went wrong on purpose" in (res.error or "")
@@ -112,7 +125,7 @@ def test_a_pruned_program_is_told_and_one_that_does_not_listen_is_stopped_after_
         engine: LocalEngine, tmp_path: Path) -> None:
     # trial 0 asks should_stop() after each epoch: it stops at once; trial 1 never asks: SIGTERM after 1 s
     listens = request(tmp_path, 0, ["--epochs", "1000", "--sleep", "0.05", "--ask"], pruning=True, grace=1.0)
-    deaf = request(tmp_path, 1, ["--epochs", "1000", "--sleep", "0.05"], pruning=True, grace=1.0)
+    deaf = request(tmp_path, 1, ["--epochs", "1000", "--sleep", "0.05"], pruning=True, grace=1.0, prog=WARM)
     decided: dict[int, float] = {}
 
     def prune_at_step_2(ev: TrialReport) -> None:
@@ -131,6 +144,27 @@ def test_a_pruned_program_is_told_and_one_that_does_not_listen_is_stopped_after_
     assert "SIGTERM" in log and "SIGKILL" not in log
     assert ended - decided[1] < 1.0 + 10.0  # the grace, and what a loaded machine adds to end a trial
     assert trained[1] < 200  # it did not train on to its 1000th epoch
+
+
+def test_the_engines_pause_reaches_every_rank_and_pauses_the_trial_with_its_checkpoint(
+        engine: LocalEngine, tmp_path: Path) -> None:
+    # a pause (SIGUSR1 to the rank processes, as before a walltime) tells the program pausing() on both
+    # ranks; it saves and stops, and the trial is interrupted as paused, to resume from its checkpoint
+    engine.submit(request(tmp_path, 0, ["--epochs", "100000", "--sleep", "0.05", "--ask"], processes=2,
+                          prog=WARM))
+    t0 = time.monotonic()
+    while not all((tmp_path / "0" / f"trained_rank{r}.txt").exists() for r in (0, 1)):
+        assert time.monotonic() - t0 < WAIT_S, "the programs did not start"
+        time.sleep(0.05)
+    engine.pause(0, "test")
+    result: list[TrialResult] = []
+    while not result:
+        assert time.monotonic() - t0 < WAIT_S
+        result = [ev for ev in engine.poll(1.0) if isinstance(ev, TrialResult)]
+    assert result[0].status == "cancelled" and "paused" in (result[0].error or ""), result[0]
+    for rank in (0, 1):
+        assert "(pausing: True)" in (tmp_path / "0" / f"rank{rank}.log").read_text()
+    assert (tmp_path / "0" / "checkpoints" / "prog.json").exists()
 
 
 def test_a_cancelled_command_trial_leaves_no_program_behind(engine: LocalEngine, tmp_path: Path) -> None:

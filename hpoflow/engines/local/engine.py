@@ -41,6 +41,7 @@ from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, machine_core
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
+from hpoflow.spec import warm_target
 from hpoflow.train.rendezvous import private_dir, remove_private_dir, store_path, sweep_private_dirs
 from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
@@ -192,9 +193,10 @@ class LocalEngine(Engine):
             trial = replace(prior, request=request, placement=placement, workers=[], outcomes={}, store=store,
                             deferred=None, logs=[])
         function = request.train.get("function")
+        command = request.train.get("command")
         torch_first = function in self._torch_functions or needs_torch(
-            function, request.processes, request.gpus_per_process, request.python_path,
-            command=request.train.get("command") is not None)
+            function, request.processes, request.gpus_per_process, request.python_path, command=command is not None,
+            warm=command is not None and not request.train.get("isolate") and warm_target(command) is not None)
         if torch_first:  # light so far: now a trial needs the preload
             self._pool.start_warm()
         with self._pool.lock:

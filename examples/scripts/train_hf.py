@@ -1,0 +1,84 @@
+"""A Hugging Face ``Trainer`` script, which hpoflow tunes as it is (examples/scripts/hf.yaml):
+
+    torchrun --nproc-per-node 2 examples/scripts/train_hf.py --lr 5e-3 --epochs 3
+    hpoflow run examples/scripts/hf.yaml --run-dir runs/script-hf
+
+A tiny BERT (``BertForSequenceClassification`` built from a ``BertConfig``: no weights are downloaded)
+learns whether a sequence of random tokens holds more 1s than 2s (generated from the seed). Under
+torchrun, or as a multi-rank hpoflow trial (which gives each rank torchrun's environment), the Trainer
+runs DDP over gloo on the CPU by itself. It evaluates after each epoch; rank 0 prints
+``epoch=E eval_loss=V``, and where hpoflow is installed ``HpoflowCallback`` reports the evaluation to the
+trial and stops the Trainer when the trial is pruned (outside a trial it does nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+try:
+    from hpoflow.integrations.huggingface import HpoflowCallback
+except ImportError:  # the script needs nothing of hpoflow
+    HpoflowCallback = None  # type: ignore[assignment,misc]
+
+VOCAB, LENGTH = 16, 12
+
+
+class Counting(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Random token sequences; the label: more 1s than 2s."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
+        self.labels = ((self.ids == 1).sum(1) > (self.ids == 2).sum(1)).long()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class PrintEpochs(TrainerCallback):
+    """``epoch=E eval_loss=V`` on rank 0 after each evaluation."""
+
+    def on_evaluate(self, args: TrainingArguments, state: Any, control: Any, metrics: Any = None,
+                    **kwargs: Any) -> None:
+        if state.is_world_process_zero and metrics:
+            print(f"epoch={round(state.epoch)} eval_loss={metrics['eval_loss']:.6f}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--samples", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=2 * args.hidden, max_position_embeddings=LENGTH, num_labels=2)
+    model = BertForSequenceClassification(config)
+    out = os.environ.get("HPOFLOW_TRIAL_DIR") or tempfile.mkdtemp(prefix="train_hf-")
+    training = TrainingArguments(
+        output_dir=os.path.join(out, "hf"), learning_rate=args.lr, num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=256, eval_strategy="epoch",
+        save_strategy="no", logging_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
+        ddp_backend="gloo", ddp_find_unused_parameters=False, seed=args.seed, dataloader_num_workers=0)
+    callbacks: list[TrainerCallback] = [PrintEpochs()]
+    if HpoflowCallback is not None:
+        callbacks.append(HpoflowCallback(by_epoch=True))
+    trainer = Trainer(model=model, args=training, train_dataset=Counting(args.samples, args.seed),
+                      eval_dataset=Counting(256, args.seed + 1), callbacks=callbacks)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

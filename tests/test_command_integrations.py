@@ -1,0 +1,67 @@
+"""The Lightning and Hugging Face example scripts (examples/scripts/train_lightning.py, train_hf.py), with
+the real packages: each runs unchanged under ``torchrun --nproc-per-node 2`` and under ``hpoflow run``
+with 2-rank trials, where the framework's own DDP starts from torchrun's environment; its hpoflow
+callback (``hpoflow.integrations``) reports the framework's metrics, and stops the trainer of a trial the
+median pruner prunes (the program ends by itself: no SIGTERM)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, RUN_ENV
+
+pytestmark = pytest.mark.slow  # real frameworks: a torch, Lightning or transformers import per rank
+
+# script, spec, the module to skip without, a good and a bad configuration (the bad one is worse after
+# its first epoch), the metric its callback reports beside the study's
+CASES = {
+    "lightning": ("train_lightning.py", "lightning.yaml", "lightning", {"lr": 0.3, "hidden": 64},
+                  {"lr": 0.001, "hidden": 16}, "val_accuracy"),
+    "hf": ("train_hf.py", "hf.yaml", "transformers", {"lr": 0.006, "hidden": 32}, {"lr": 1.0, "hidden": 16},
+           "eval_runtime"),
+}
+
+
+def _torchrun() -> str:
+    return shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_script_runs_as_it_is_under_torchrun_and_as_2_rank_hpoflow_trials(tmp_path: Path, case: str) -> None:
+    script, spec_name, module, good, bad, extra = CASES[case]
+    pytest.importorskip(module)
+    r = subprocess.run([_torchrun(), "--nproc-per-node", "2", f"examples/scripts/{script}", "--epochs", "1"],
+                       env=RUN_ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.findall(r"^epoch=(\d) ", r.stdout, re.M) == ["1"], r.stdout[-2000:]
+
+    data: dict[str, Any] = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "scripts" / spec_name).read_text()))
+    data["space"]["lr"] = {"type": "float", "low": 1e-4, "high": 1.0, "log": True}
+    data["search"].update(n_trials=2, enqueue=[good, bad], pruner={"type": "median", "startup_trials": 1})
+    data["training"]["command"][-1] = "3"  # --epochs
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    run = subprocess.run([sys.executable, "-m", "hpoflow", "run", str(spec), "--run-dir", str(tmp_path / "run"),
+                          "--json"], env=RUN_ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    status = json.loads(run.stdout)
+    assert (status["n_complete"], status["n_pruned"]) == (1, 1), (status, run.stderr[-3000:])
+    trials = tmp_path / "run" / "trials"
+    for rank in (0, 1):  # both ranks' programs ran, warm, and ended by themselves
+        log = (trials / "1" / f"rank{rank}.log").read_text()
+        assert "warm (runpy" in log and "the program exited with code 0" in log, log[-2000:]
+        assert "SIGTERM" not in log  # the callback stopped the trainer of the pruned trial
+    assert re.findall(r"^epoch=(\d) ", (trials / "0" / "rank0.log").read_text(), re.M) == ["1", "2", "3"]
+    assert re.findall(r"^epoch=(\d) ", (trials / "1" / "rank0.log").read_text(), re.M) == ["1"]
+    csv_header = (tmp_path / "run" / "trials.csv").read_text().splitlines()[0]
+    assert f"metric_{extra}" in csv_header  # reported by the callback, not printed by the script
