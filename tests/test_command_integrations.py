@@ -37,14 +37,20 @@ def _torchrun() -> str:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_script_runs_as_it_is_under_torchrun_and_as_2_rank_hpoflow_trials(tmp_path: Path, case: str) -> None:
-    script, spec_name, module, good, bad, extra = CASES[case]
+def test_the_script_runs_as_it_is_under_torchrun(case: str) -> None:
+    script, _spec, module, _good, _bad, _extra = CASES[case]
     pytest.importorskip(module)
     r = subprocess.run([_torchrun(), "--nproc-per-node", "2", f"examples/scripts/{script}", "--epochs", "1"],
                        env=RUN_ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.findall(r"^epoch=(\d) ", r.stdout, re.M) == ["1"], r.stdout[-2000:]
 
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_script_runs_unchanged_as_2_rank_hpoflow_trials_and_its_callback_stops_a_pruned_one(
+        tmp_path: Path, case: str) -> None:
+    _script, spec_name, module, good, bad, extra = CASES[case]
+    pytest.importorskip(module)
     data: dict[str, Any] = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "scripts" / spec_name).read_text()))
     data["space"]["lr"] = {"type": "float", "low": 1e-4, "high": 1.0, "log": True}
     data["search"].update(n_trials=2, enqueue=[good, bad], pruner={"type": "median", "startup_trials": 1})
