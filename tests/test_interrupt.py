@@ -79,49 +79,63 @@ def _oracle(pid: int) -> bool:
     return False
 
 
+def _mapped(pid: int, library: str) -> bool:
+    """The driver has loaded ``library`` (an extension module: how far its imports have come)."""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _results(run_dir: Path) -> int:
     return len(list(run_dir.glob("trials/*/result.json")))
 
 
 Ready = Callable[[int, Path], bool]
-ALWAYS: Ready = lambda pid, rd: True  # noqa: E731
+SPEC_LOAD: Ready = lambda pid, rd: _mapped(pid, "_pydantic_core")  # the spec is being read  # noqa: E731
+API_IMPORTS: Ready = lambda pid, rd: _mapped(pid, "_multiarray_umath")  # optuna imports numpy  # noqa: E731
 FORKSERVER: Ready = lambda pid, rd: _forkserver(pid)  # noqa: E731
 JOURNAL: Ready = lambda pid, rd: (rd / "study.journal").exists()  # noqa: E731
 ORACLE: Ready = lambda pid, rd: _oracle(pid)  # noqa: E731
 TRIAL_0: Ready = lambda pid, rd: (rd / "trials" / "0" / "rank0.log").exists()  # noqa: E731
 TRIAL_1: Ready = lambda pid, rd: (rd / "trials" / "1" / "rank0.log").exists()  # noqa: E731
+TRIAL_2: Ready = lambda pid, rd: (rd / "trials" / "2" / "rank0.log").exists()  # noqa: E731
+TRIAL_3: Ready = lambda pid, rd: (rd / "trials" / "3" / "rank0.log").exists()  # noqa: E731
 ONE_DONE: Ready = lambda pid, rd: _results(rd) >= 1  # noqa: E731
 TWO_DONE: Ready = lambda pid, rd: _results(rd) >= 2  # noqa: E731
 THREE_DONE: Ready = lambda pid, rd: _results(rd) >= 3  # noqa: E731
-ALL_DONE: Ready = lambda pid, rd: _results(rd) >= N_TRIALS  # the last trial's result: the driver stops  # noqa: E731
+# the last trial's result: the driver stops
+ALL_DONE: Ready = lambda pid, rd: _results(rd) >= N_TRIALS  # noqa: E731
 
 # (name, what to wait for, then how long to wait more, whether to freeze the driver for the signal):
-# 20 moments, from the interpreter's start to the run's end. The forkserver's preload takes
-# seconds: four moments fall inside it. Moments near the end freeze the driver (SIGSTOP) while the
-# signal is sent, so it surely comes before the run ends on its own; the earlier ones need not (the run
-# has seconds to go) and must not: a signal sent to a stopped process goes to whichever of its threads
-# runs first when it continues, where a terminal's Ctrl-C goes to the main thread, the one that runs
-# the handler (a wait of the main thread for the forkserver's preload sees it only once that returns).
+# 20 moments, from the spec's loading to the run's end. The first comes once hpoflow's code runs: a
+# Ctrl-C while the interpreter itself starts (site, runpy: some 0.1 s) is Python's, its traceback too.
+# The forkserver's preload takes seconds: the api's imports and three more moments fall inside it.
+# Moments near the end freeze the driver (SIGSTOP) while the signal is sent, so it surely comes before
+# the run ends on its own; the earlier ones need not (the run has seconds to go) and must not: a signal
+# sent to a stopped process goes to whichever of its threads runs first when it continues, where a
+# terminal's Ctrl-C goes to the main thread, the one that runs the handler (a wait of the main thread
+# for the forkserver's preload sees it only once that returns).
 MOMENTS: list[tuple[str, Ready, float, bool]] = [
-    ("imports", ALWAYS, 0.15, False),
-    ("imports-late", ALWAYS, 0.4, False),
+    ("spec-load", SPEC_LOAD, 0.0, False),
+    ("spec-load-0.1s", SPEC_LOAD, 0.1, False),
     ("forkserver-start", FORKSERVER, 0.0, False),
-    ("preload-0.3s", FORKSERVER, 0.3, False),
-    ("preload-0.7s", FORKSERVER, 0.7, False),
-    ("preload-1.2s", FORKSERVER, 1.2, False),
-    ("preload-1.8s", FORKSERVER, 1.8, False),
+    ("api-imports", API_IMPORTS, 0.0, False),
+    ("api-imports-0.2s", API_IMPORTS, 0.2, False),
+    ("preload-0.5s", FORKSERVER, 0.5, False),
+    ("preload-1.0s", FORKSERVER, 1.0, False),
+    ("preload-1.6s", FORKSERVER, 1.6, False),
     ("study-opened", JOURNAL, 0.0, False),
     ("study-opened-0.2s", JOURNAL, 0.2, False),
     ("oracle-start", ORACLE, 0.0, False),
     ("oracle-0.1s", ORACLE, 0.1, False),
     ("first-trial", TRIAL_0, 0.0, True),
-    ("first-trial-0.1s", TRIAL_0, 0.1, True),
     ("second-trial", TRIAL_1, 0.0, True),
-    ("trials-0.3s", TRIAL_1, 0.3, True),
+    ("third-trial", TRIAL_2, 0.0, True),
+    ("fourth-trial", TRIAL_3, 0.0, True),
     ("one-done", ONE_DONE, 0.0, True),
-    ("one-done-0.1s", ONE_DONE, 0.1, True),
-    ("three-done", THREE_DONE, 0.0, True),
     ("two-done", TWO_DONE, 0.0, True),
+    ("three-done", THREE_DONE, 0.0, True),
     ("all-done", ALL_DONE, 0.0, True),
 ]
 

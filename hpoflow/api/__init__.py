@@ -7,12 +7,9 @@ exceeds ``n_trials``. ``preflight.check_runnable`` is every check made before th
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ from hpoflow.report.outputs import write_outputs
 from hpoflow.run import rundir
 from hpoflow.run.open import load_run, open_run_storage, open_study, run_budget, study_url
 from hpoflow.run.retry import StorageUnavailable
+from hpoflow.run.signals import StopSignals, stop_signals
 from hpoflow.search.driver import Driver, DriverListener, DriverSummary
 from hpoflow.search.samplers import make_pruner, make_sampler
 from hpoflow.search.warm_start import warm_start
@@ -49,7 +47,17 @@ def optimize(
     ``spec`` is a ``StudySpec``, a mapping in the YAML layout, or a YAML file path. ``run_dir``
     defaults to ``runs/<study name>``. ``engine`` overrides the spec's engine (e.g. a configured
     ``LocalEngine``). ``progress=True`` shows the live progress display on stderr.
+    ``handle_signals``: SIGINT and SIGTERM stop the study cleanly, SIGUSR1 (a walltime warning) pauses
+    its running trials first (``hpoflow.run.signals``: recorded, never raised, from the start to the
+    end of the call; in the main thread only).
     """
+    with stop_signals(handle_signals) as stop:
+        return _optimize(spec, run_dir, n_trials, engine, listener, progress, stop)
+
+
+def _optimize(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str], run_dir: str | os.PathLike[str] | None,
+              n_trials: int | None, engine: Engine | None, listener: DriverListener | None, progress: bool,
+              stop: StopSignals) -> StudyResult:
     parsed, text = prepare_spec(spec)
     source = os.fspath(spec) if isinstance(spec, str | os.PathLike) else "<spec>"
     check_runnable(parsed, text, source, engine=engine is None)  # before anything is written
@@ -72,22 +80,16 @@ def optimize(
                 raise
             if parsed.search.warm_start and not study.get_trials(deepcopy=False):
                 warm_start(study, parsed)
-        stop = _Stop()
-        # From the engine's start until it is closed and the outputs are written, a signal never raises
-        # (a KeyboardInterrupt there could leave processes running): it stops the driver, or is kept for it.
-        with _stop_on_signals(stop, handle_signals):
-            eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)
-            summary: DriverSummary | None = None
-            try:
-                summary = _run(study, rd, parsed, eng, dirs, n_trials, _listener(parsed, rd, listener, progress),
-                               stop)
-            finally:
-                if engine is None:
-                    eng.close()
-                down = (isinstance(sys.exc_info()[1], StorageUnavailable)
-                        or getattr(summary, "stopped_by", "") == "storage")
-                if not down:  # (a storage that stopped answering has nothing to write them from)
-                    write_outputs(study, parsed, text, rd, label, journal=url is None)
+        eng = engine if engine is not None else make_engine(parsed.engine, parsed.engine_option_values(), rd)
+        summary: DriverSummary | None = None
+        try:
+            summary = _run(study, rd, parsed, eng, dirs, n_trials, _listener(parsed, rd, listener, progress), stop)
+        finally:
+            if engine is None:
+                eng.close()
+            down = isinstance(sys.exc_info()[1], StorageUnavailable) or getattr(summary, "stopped_by", "") == "storage"
+            if not down:  # (a storage that stopped answering has nothing to write them from)
+                write_outputs(study, parsed, text, rd, label, journal=url is None)
         if stop.reason == "signal" and summary.stopped_by in ("budget", "timeout", "grid_exhausted"):
             summary.stopped_by = "signal"  # after its last trial, but interrupted all the same (exit 130)
         return StudyResult(rd, study, summary, label)
@@ -106,7 +108,7 @@ def _listener(spec: StudySpec, rd: Path, listener: DriverListener | None, progre
 
 
 def _run(study: optuna.Study, rd: Path, spec: StudySpec, engine: Engine, dirs: tuple[str, ...],
-         n_trials: int | None, listener: DriverListener | None, stop: _Stop) -> DriverSummary:
+         n_trials: int | None, listener: DriverListener | None, stop: StopSignals) -> DriverSummary:
     precheck = None
     if spec.oracle.enabled and resolve_training(spec.training, {}).builtin:
         from hpoflow.oracle.precheck import OraclePrecheck
@@ -115,45 +117,8 @@ def _run(study: optuna.Study, rd: Path, spec: StudySpec, engine: Engine, dirs: t
     try:
         driver = Driver(spec, study, engine, rd, listener=listener, n_trials=n_trials, python_path=dirs,
                         precheck=precheck)
-        stop.attach(driver)
+        stop.attach(driver.request_stop)  # a signal that came before (opening the study) stops it at once
         return driver.run()
     finally:
         if precheck is not None:
             precheck.close()
-
-
-class _Stop:
-    """The stop signals of one ``optimize``: passed on to its driver (``Driver.request_stop``), or kept
-    until the driver exists; ``reason`` is the first one's."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-        self._driver: Driver | None = None
-
-    def request(self, reason: str) -> None:
-        """A signal handler: never blocks, never raises."""
-        if self.reason is None:
-            self.reason = reason
-        if self._driver is not None:
-            self._driver.request_stop(reason)
-
-    def attach(self, driver: Driver) -> None:
-        self._driver = driver
-        if self.reason is not None:
-            driver.request_stop(self.reason)
-
-
-@contextlib.contextmanager
-def _stop_on_signals(stop: _Stop, enabled: bool) -> Iterator[None]:
-    """SIGINT/SIGTERM ask the driver to stop cleanly, SIGUSR1 (a walltime warning) to pause the running
-    trials with a checkpoint first (in the main thread only)."""
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, lambda signum, frame: stop.request("signal")) for s in (signal.SIGINT, signal.SIGTERM)}
-    old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.request("preempted"))
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

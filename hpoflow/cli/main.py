@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -60,14 +61,15 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("hpoflow: %(message)s"))
-    logging.getLogger("hpoflow").addHandler(handler)
-    logging.getLogger("hpoflow").setLevel(logging.WARNING)
-    try:
+    program = argv is None  # the hpoflow command itself: its process ends when this returns
+    try:  # (a Ctrl-C while the parser is built: one line too)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("hpoflow: %(message)s"))
+        logging.getLogger("hpoflow").addHandler(handler)
+        logging.getLogger("hpoflow").setLevel(logging.WARNING)
         return int(args.func(args))
     except HpoflowError as exc:
         print(f"hpoflow: error: {exc}", file=sys.stderr)
@@ -81,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    finally:
+        if program:  # a Ctrl-C or SIGTERM now has nothing left to stop: it must not kill the interpreter's
+            for s in (signal.SIGINT, signal.SIGTERM):  # exit (a traceback, or death by SIGINT, not this code)
+                signal.signal(s, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

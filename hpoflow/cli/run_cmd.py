@@ -6,8 +6,12 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from hpoflow.cli._args import positive_int
+
+if TYPE_CHECKING:
+    from hpoflow.run.signals import StopSignals
 
 __all__ = ["register"]
 
@@ -57,18 +61,30 @@ def _prestart(spec_path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        _prestart(args.spec)
-        return _run(args)
-    finally:
-        # what _prestart started is the engine's once it exists; until then (a Ctrl-C or an error before
-        # it) it is stopped here, rather than importing torch for seconds after the command ended
-        from hpoflow.engines.local import discard_prestarted
+    from hpoflow.run.signals import stop_signals
 
-        discard_prestarted()
+    # Ctrl-C, SIGTERM and SIGUSR1 are recorded, never raised, for the whole command (hpoflow.run.signals,
+    # which says why): before the study opens the command ends at its next step, then the driver stops.
+    with stop_signals() as stop:
+        try:
+            _prestart(args.spec)
+            return _run(args, stop)
+        finally:
+            # what _prestart started is the engine's once it exists; until then (a Ctrl-C or an error
+            # before it) it is stopped here, rather than importing torch for seconds after the command ended
+            from hpoflow.engines.local import discard_prestarted
+
+            discard_prestarted()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _interrupted() -> int:
+    print("hpoflow: interrupted", file=sys.stderr)
+    return 130
+
+
+def _run(args: argparse.Namespace, stop: StopSignals) -> int:
+    if stop.reason is not None:
+        return _interrupted()
     if os.environ.get("SLURM_JOB_ID"):  # in a batch job: pause the trials before its walltime, whoever wrote it
         from hpoflow.engines.slurm.walltime import arm_walltime_warning
 
@@ -80,7 +96,9 @@ def _run(args: argparse.Namespace) -> int:
 
     console = make_console(stderr=True)
     listener = ProgressListener(console, quiet=args.quiet or args.json)
-    result = optimize(args.spec, args.run_dir, n_trials=args.n_trials, listener=listener)
+    if stop.reason is not None:  # (before the study opens: nothing is written)
+        return _interrupted()
+    result = optimize(args.spec, args.run_dir, n_trials=args.n_trials, listener=listener)  # shares ``stop``
     s = result.summary
     if s.stopped_by == "storage":  # the storage stopped answering: nothing to read from it now
         if args.json:
@@ -104,4 +122,6 @@ def _run(args: argparse.Namespace) -> int:
         from hpoflow.engines.slurm.walltime import requeue_if_asked
 
         requeue_if_asked()
+    if stop.reason == "signal" and s.exit_code in (0, 3):  # a Ctrl-C after the study ended, as this printed
+        return _interrupted()
     return s.exit_code

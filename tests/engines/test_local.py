@@ -84,6 +84,22 @@ def test_the_builtin_trainers_rank_0_logs_a_line_per_epoch(engine: LocalEngine, 
     assert "epoch" not in (tmp_path / "0" / "rank1.log").read_text()  # once per trial, not per rank
 
 
+def test_what_prestart_found_running_is_not_discarded(engine: LocalEngine) -> None:
+    """``hpoflow run`` stops what ``prestart`` started if no engine adopted it (a Ctrl-C before the
+    engine existed), never a forkserver that was running already: an engine's workers die with it."""
+    from multiprocessing import forkserver
+
+    from hpoflow.engines.local import discard_prestarted, prestart
+
+    assert engine.wait_warm(120)
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    assert pid is not None
+    prestart(light=0)  # the same preload: the running forkserver is kept
+    discard_prestarted()
+    assert getattr(forkserver._forkserver, "_forkserver_pid", None) == pid and psutil.pid_exists(pid)
+    assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
 def test_exception_in_user_code_fails_with_stderr_tail(engine: LocalEngine, tmp_path: Path) -> None:
     res = run_all(engine, [request(tmp_path, 0, "trainfns:fail")])[0]
     assert res.status == "failed" and not res.retryable

@@ -32,12 +32,16 @@ def _server() -> Any:
     return getattr(forkserver, "_forkserver", None)
 
 
-def ensure_forkserver() -> None:
-    """Start the forkserver if none runs, with SIGINT blocked (see the module docstring)."""
+def ensure_forkserver() -> bool:
+    """Start the forkserver if none runs, with SIGINT blocked (see the module docstring); True if this
+    call started it."""
     from multiprocessing import forkserver
 
+    before = getattr(_server(), "_forkserver_pid", None)
     with sigint_blocked():
         forkserver.ensure_running()
+    pid = getattr(_server(), "_forkserver_pid", None)
+    return pid is not None and pid != before
 
 
 def kill_forkserver() -> None:

@@ -105,8 +105,8 @@ def prestart(light: int, preload: list[str] | None = None) -> None:
     scrub_environ()  # a storage URL's variable or password never reaches a worker (hpoflow.credentials)
     if light <= 0:
         use_preload(_preload_list(preload))
-        ensure_forkserver()
-        _PRESTARTED_FORKSERVER[:] = [True]
+        if ensure_forkserver():  # (one that ran already is someone else's: discard_prestarted leaves it)
+            _PRESTARTED_FORKSERVER[:] = [True]
         return
     ctx = _light_context()
     for i in range(light):
