@@ -116,7 +116,7 @@ class OraclePrecheck:
         return Verdict(True, f"not checked: {self._broken}", {})
 
     def _start(self) -> None:
-        from hpoflow.engines.local._forkserver import ensure_forkserver
+        from hpoflow.engines.local import ensure_forkserver
         from hpoflow.engines.proc import start_without_main
 
         start_without_main()  # "hpoflow-oracle" never runs the caller's __main__ (a script on stdin)

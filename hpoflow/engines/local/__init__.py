@@ -3,7 +3,8 @@
 ``engine`` runs the trials' lifecycle (``_slots``: their placement on cores and GPUs); ``_pool`` starts, hands out and
 retires the worker processes; ``_forkserver`` starts and stops the forkserver they are forked from;
 ``_worker`` is the loop each worker runs (``_modules``: which modules it unloads after a trial).
-``LocalEngine``, ``plan_placement``, ``prestart`` and ``discard_prestarted`` load their modules on
+``LocalEngine``, ``plan_placement``, ``prestart``, ``discard_prestarted`` and ``ensure_forkserver`` (the
+forkserver as the engine starts it, for other users of it: the oracle service) load their modules on
 first use, so a worker process that imports ``hpoflow.engines.local._worker`` loads neither pydantic
 nor the registries.
 """
@@ -14,13 +15,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hpoflow.engines.local._forkserver import ensure_forkserver
     from hpoflow.engines.local._pool import discard_prestarted, prestart
     from hpoflow.engines.local._slots import plan_placement
     from hpoflow.engines.local.engine import LocalEngine
 
-__all__ = ["LocalEngine", "discard_prestarted", "plan_placement", "prestart"]
+__all__ = ["LocalEngine", "discard_prestarted", "ensure_forkserver", "plan_placement", "prestart"]
 
-_WHERE = {"LocalEngine": "engine", "plan_placement": "_slots", "prestart": "_pool", "discard_prestarted": "_pool"}
+_WHERE = {"LocalEngine": "engine", "plan_placement": "_slots", "prestart": "_pool", "discard_prestarted": "_pool",
+          "ensure_forkserver": "_forkserver"}
 
 
 def __getattr__(name: str) -> Any:
