@@ -13,8 +13,8 @@ identical on every rank (``end_epoch``), every rank evaluates the whole validati
 training precision), rank 0 reports ``val_accuracy``, ``val_loss``, ``train_loss``,
 ``train_accuracy`` (per token for ``next_token``, which also reports ``val_perplexity`` =
 exp(val_loss) and ``tokens_per_s``) and the measurements (``samples_per_s``, ``step_time_s``,
-``comm_time_s``, ``comm_fraction``, ``bytes_per_step``, ``peak_memory_mb`` (the largest over
-the ranks, ``hpoflow.train.memory``), ...), and every rank asks ``should_stop()`` at the same
+``comm_time_s``, ``comm_fraction``, ``bytes_per_step``, ``peak_memory_mb`` and ``startup_memory_mb``
+(the largest over the ranks, ``hpoflow.train.memory``), ...), and every rank asks ``should_stop()`` at the same
 point. At the end every rank writes the SHA-256
 of its final evaluated weights to ``weights_rank<r>.sha256`` in the trial directory (and the
 ``state_dict`` to ``final_state_rank<r>.pt`` when ``HPOFLOW_SAVE_FINAL_STATE=1``); rank 0 reports
@@ -200,15 +200,16 @@ def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: Opti
     return stats, step, None
 
 
-def _peak_memory(ctx: TrialContext, memory: PeakMemory) -> dict[str, float]:
-    """``peak_memory_mb``: the largest over the ranks (a collective in a distributed trial)."""
+def _peak_memory(ctx: TrialContext, memory: PeakMemory, startup: float | None) -> dict[str, float]:
+    """``peak_memory_mb`` and ``startup_memory_mb`` (the peak until the model was built and wrapped):
+    the largest over the ranks (one collective in a distributed trial)."""
     mine = memory.mb()
-    value = -1.0 if mine is None else mine
+    values = [-1.0 if mine is None else mine, -1.0 if startup is None else startup]
     if ctx.distributed:
-        t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+        t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        value = float(t.item())
-    return {} if value < 0 else {"peak_memory_mb": value}
+        values = [float(v) for v in t.tolist()]
+    return {k: v for k, v in zip(("peak_memory_mb", "startup_memory_mb"), values, strict=True) if v >= 0}
 
 
 def _ranks_identical(ctx: TrialContext, digest: str) -> bool:
@@ -341,9 +342,13 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                       device=ctx.device)
     strategy = make_strategy(cfg.strategy, cfg.strategy_options, env)
     memory = PeakMemory(ctx.device)  # from here: what training adds (hpoflow.train.memory)
-    model = build_model(cfg.model, data.input_shape, data.n_classes, **cfg.model_options).to(ctx.device)
     try:
-        net = strategy.wrap(model)
+        # the strategy builds the model (fsdp: only this rank's shard of it) from the seed set above
+        net = strategy.build(lambda: build_model(cfg.model, data.input_shape, data.n_classes, **cfg.model_options))
+        model = strategy.model
+        if model is None:
+            raise RuntimeError(f"strategy {cfg.strategy!r} built no model")
+        startup = memory.mb()  # the start-up's peak: the model built and wrapped (before a resume's load)
         train_set = TensorDataset(data.x_train, data.y_train)
         sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
             train_set, num_replicas=world, rank=env.rank, shuffle=True, seed=cfg.seed,
@@ -414,7 +419,7 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                 "world_size": float(world),
                 "resumed_from_epoch": resumed,
                 **strategy.comm_stats(),
-                **_peak_memory(ctx, memory),
+                **_peak_memory(ctx, memory, startup),
             }
             if data.task == "next_token":
                 metrics["val_perplexity"] = math.exp(min(val_loss, 700.0))

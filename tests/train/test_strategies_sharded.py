@@ -21,6 +21,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from hpoflow.engines.local import LocalEngine
 from hpoflow.errors import SpecError
 from hpoflow.spec import TrainConfig, load_spec
 from hpoflow.train.checkpoint import checkpoint_name, decode, encode, read_checkpoint, snapshot
+from hpoflow.train.models import build_model
 from hpoflow.train.rendezvous import free_port
 from hpoflow.train.strategies import Strategy, StrategyEnv, make_strategy
 from tests.train.test_checkpoint import _rank_pid
@@ -61,6 +63,31 @@ def _small_model() -> nn.Module:
 def _volume_model() -> nn.Module:  # ~400 kB of parameters in 3 units: protocol overhead is small
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _gpt() -> nn.Module:
+    return build_model("gpt", (16,), 56, layers=2, heads=2, width=24, context=16)
+
+
+def _truncated() -> nn.Module:  # trunc_normal_ needs whole tensors: fsdp builds it whole
+    first = nn.Linear(64, 32)
+    nn.init.trunc_normal_(first.weight, std=0.1)
+    return nn.Sequential(first, nn.ReLU(), nn.Linear(32, 10))
+
+
+def _built(name: str, builder: Any, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[str], int]:
+    """``name``'s build of ``builder()`` with seed 5: the whole weights (gathered), fsdp's warnings, and
+    the elements this rank holds."""
+    torch.manual_seed(5)
+    s = make_strategy(name, _options(name, {}), StrategyEnv(rank, world, LR))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.build(builder)
+    model = _model(s)
+    held = sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in model.parameters())
+    whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in model.state_dict().items()}
+    return whole, [str(w.message) for w in caught if "fsdp:" in str(w.message)], held
 
 
 def _data(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +157,9 @@ def _session_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        res: dict[str, Any] = {"equiv": {}, "digests": {}, "volume": {}, "resume": {}, "accum": {}}
+        res: dict[str, Any] = {"equiv": {}, "digests": {}, "volume": {}, "resume": {}, "accum": {}, "init": {}}
+        for key, builder in (("gpt", _gpt), ("truncated", _truncated)):
+            res["init"][key] = {name: _built(name, builder, rank, world) for name in ("allreduce", "fsdp")}
         x, y = _data(STEPS, WORLD * B)
         for key, (name, opts) in EQUIV.items():
             s, net, opt = _build(name, opts, _small_model(), rank, world)
@@ -200,6 +229,28 @@ def _reference() -> torch.Tensor:
         nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
     return _whole(list(model.parameters()))
+
+
+def test_fsdp_builds_only_its_shard_and_the_gathered_weights_are_a_replicas(session: list[dict[str, Any]]) -> None:
+    """The same seed: fsdp's sharded build, gathered, is bitwise allreduce's whole build, and each rank
+    holds its half of the elements (dim 0 of each tensor split over 2 ranks)."""
+    total = sum(p.numel() for p in _gpt().parameters())
+    for rank in range(WORLD):
+        replica, _, held_replica = session[rank]["init"]["gpt"]["allreduce"]
+        sharded, warned, held = session[rank]["init"]["gpt"]["fsdp"]
+        assert held_replica == total and held <= total // 2 + 200, (held, total)
+        assert not warned
+        assert replica.keys() == sharded.keys()
+        assert all(torch.equal(sharded[k], replica[k]) for k in replica)
+    both = [session[r]["init"]["gpt"]["fsdp"][2] for r in range(WORLD)]
+    assert sum(both) == total
+
+
+def test_a_model_fsdp_cannot_build_in_shards_is_built_whole_with_a_warning(session: list[dict[str, Any]]) -> None:
+    replica, _, _ = session[0]["init"]["truncated"]["allreduce"]
+    sharded, warned, _ = session[0]["init"]["truncated"]["fsdp"]
+    assert len(warned) == 1 and "cannot be built shard by shard (aten.any" in warned[0], warned
+    assert all(torch.equal(sharded[k], replica[k]) for k in replica)
 
 
 @pytest.mark.parametrize("key", list(EQUIV))
@@ -485,3 +536,125 @@ def test_a_sharded_state_is_refused_on_another_world_size_with_the_fix() -> None
     with pytest.raises(ValueError, match=r"zero1 state was sharded over 2 ranks, but this trial has 4\. Fix: resume "
                                          r"with the same resources\.processes"):
         check_same_world("zero1", {"ranks": 2}, 4)
+
+
+# -- a per-rank memory cap: fsdp trains under it, allreduce cannot -----------------------------------
+
+CAP_RANKS = 4
+CAP_GPT: dict[str, Any] = {"layers": 16, "heads": 4, "width": 256, "context": 16}  # 12.6 M parameters, 50 MB
+CAP_MB = 130  # address space a rank may add (RLIMIT_AS): less than the fp32 weights + Adam state (151 MB)
+_M_ARENA_MAX = -8
+
+
+def _vm_size() -> int:
+    """This process's address space, in bytes (``VmSize``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("no VmSize in /proc/self/status")
+
+
+def _cap_gpt() -> nn.Module:
+    return build_model("gpt", (CAP_GPT["context"],), 56, **CAP_GPT)
+
+
+def _capped_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Cap this rank's address space at its size now + CAP_MB, then build and train 2 Adam steps with
+    fsdp, then allreduce: what each did (its start-up and step peaks) or the error that stopped it."""
+    import ctypes
+    import resource
+
+    from hpoflow.train.memory import PeakMemory
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError):  # glibc: one heap arena, not one 64 MiB reserve per thread
+        ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    res: dict[str, Any] = {}
+    failed = False
+    try:
+        PeakMemory(torch.device("cpu"))  # imports torch._dynamo (~70 MB), as the first optimizer would: before
+        base = _vm_size()
+        resource.setrlimit(resource.RLIMIT_AS, (base + CAP_MB * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        for name in ("fsdp", "allreduce"):
+            memory = PeakMemory(torch.device("cpu"))
+            torch.manual_seed(0)
+            try:
+                s = make_strategy(name, _options(name, {}), StrategyEnv(rank, world, LR))
+                net = s.build(_cap_gpt)
+                startup = memory.mb()
+                opt = s.build_optimizer(_model(s).parameters(), torch.optim.Adam, lr=1e-3)
+                g = torch.Generator().manual_seed(rank)
+                losses = []
+                for _ in range(2):
+                    x = torch.randint(0, 56, (1, CAP_GPT["context"]), generator=g)
+                    opt.zero_grad(set_to_none=True)
+                    loss = nn.functional.cross_entropy(net(x).flatten(0, 1), x.flatten())
+                    loss.backward()
+                    s.after_backward()
+                    s.step(opt)
+                    losses.append(float(loss.detach()))
+                res[name] = {"losses": losses, "startup_mb": startup, "peak_mb": memory.mb(),
+                             "grown_mb": (_vm_size() - base) / 2**20}
+                dist.barrier()
+            except (MemoryError, RuntimeError) as exc:  # out of memory, or a peer that was
+                res[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                failed = True
+                break
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+        if failed:  # peers may sit in a collective that will never complete: leave without the group
+            os._exit(0)
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_4_rank_fsdp_model_trains_under_a_memory_cap_that_allreduce_exceeds(tmp_path: Path) -> None:
+    """The issue's case on CPU: a built-in GPT whose fp32 weights and Adam state (12 bytes a parameter)
+    exceed each rank's cap (RLIMIT_AS) trains with fsdp on 4 ranks, built in shards (its start-up peak is
+    under half the whole model), while allreduce runs out of memory under the same cap, and the
+    oracle's precheck, told the cap, refuses allreduce and admits fsdp."""
+    from hpoflow.oracle import load_cluster
+    from hpoflow.oracle.catalog import DEVICES, PRESETS
+    from hpoflow.oracle.feasibility import check_trial
+
+    whole_mb = sum(p.numel() for p in _cap_gpt().parameters()) * 4 / 2**20
+    assert 3 * whole_mb > CAP_MB  # weights + Adam's two moments do not fit one rank
+    ctx = mp.get_context("forkserver")
+    port = free_port()
+    procs = [ctx.Process(target=_capped_rank, args=(r, CAP_RANKS, port, str(tmp_path))) for r in range(CAP_RANKS)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 300  # a bound for a hang: seconds on a quiet machine
+    try:
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    errors = [f.read_text() for f in sorted(tmp_path.glob("*.error"))]
+    assert not errors, "\n".join(errors)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(CAP_RANKS)]
+    for r in ranks:
+        fsdp = r["fsdp"]
+        assert "error" not in fsdp, fsdp
+        assert len(fsdp["losses"]) == 2 and all(torch.isfinite(torch.tensor(fsdp["losses"])))
+        assert fsdp["startup_mb"] < whole_mb / 2, (fsdp, whole_mb)  # its quarter, one tensor whole, not the model
+        assert fsdp["grown_mb"] < CAP_MB
+        assert "error" in r["allreduce"], r["allreduce"]
+    assert any("can't allocate memory" in r["allreduce"]["error"] for r in ranks), [r["allreduce"] for r in ranks]
+    cluster = load_cluster({**PRESETS["laptop"], "device": {**DEVICES["cpu"], "memory_bytes": CAP_MB * 2**20}})
+    train = {"model": "gpt", "model_options": CAP_GPT, "dataset": "chars", "batch_size": 1, "optimizer": "adam",
+             "epochs": 1}
+    refused = check_trial({**train, "strategy": "allreduce"}, CAP_RANKS, 0, cluster)
+    admitted = check_trial({**train, "strategy": "fsdp"}, CAP_RANKS, 0, cluster)
+    assert not refused.feasible and refused.reason.startswith("memory per device must fit the device")
+    assert admitted.feasible and admitted.reason.startswith("fits only when sharded"), admitted.reason
+    predicted = admitted.predicted["memory"]
+    assert predicted["startup"] < predicted["step"] <= CAP_MB * 2**20

@@ -3,9 +3,14 @@
 A ``Strategy`` decides how the ranks of one trial combine their work. The trainer drives it, and
 every rank makes the same calls in the same order (each call may be a collective):
 
-1. ``wrap(model) -> nn.Module`` once, before the optimizer exists. It makes the ranks' models
-   identical (broadcast from rank 0 or DDP's own) and returns the module to run forward/backward on
-   (a ``DistributedDataParallel`` for ``allreduce``, the model itself otherwise).
+1. ``build(builder) -> nn.Module`` once, before the optimizer exists: the model from ``builder()``
+   (the caller seeds torch alike on every rank first), wrapped. The default builds the whole model on
+   the CPU, moves it to the rank's device and calls ``wrap(model)``, which makes the ranks' models
+   identical (broadcast from rank 0, one tensor at a time, or DDP's own) and returns the module to
+   run forward/backward on (a ``DistributedDataParallel`` for ``allreduce``, the model itself
+   otherwise); ``self.model`` is the model. ``fsdp`` builds only this rank's shard of each tensor
+   instead (``_sharded_init``: the values a replica's build gives them). ``wrap(model)`` alone takes
+   a model built already.
 2. ``build_optimizer(params, optimizer_class, **defaults)`` once, after ``wrap``: the optimizer
    over ``model.parameters()`` (``optimizer_class(params, **defaults)``; ``zero1`` shards its state
    in a ``ZeroRedundancyOptimizer``); then ``prepare_optimizer(optimizer)`` once.
@@ -50,7 +55,7 @@ import abc
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -242,14 +247,25 @@ class Strategy(abc.ABC):
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def _broadcast_params(self) -> None:
-        """Make every rank start from rank 0's parameters (not counted as step traffic)."""
+        """Make every rank start from rank 0's parameters (not counted as step traffic): one tensor at a
+        time, in place, so no rank holds a second copy of the model."""
         if not self.distributed or not self.params:
             return
-        flat = flat_params(self.params)
-        dist.broadcast(flat, src=0)
-        load_flat(self.params, flat)
+        with torch.no_grad():
+            for p in self.params:
+                t = p.detach()
+                buf = t if t.is_contiguous() else t.contiguous()
+                dist.broadcast(buf, src=0)
+                if buf is not t:
+                    t.copy_(buf)
 
     # -- the contract ---------------------------------------------------------------------------
+    def build(self, builder: Callable[[], nn.Module]) -> nn.Module:
+        """The model of ``builder()``, on this rank's device and wrapped (``wrap``'s result); the
+        caller has seeded torch alike on every rank. Builds the whole model; a sharded strategy may
+        build only its shard."""
+        return self.wrap(builder().to(self.env.device))
+
     @abc.abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
         """Attach to ``model``, make the ranks identical, return the module to train through."""
