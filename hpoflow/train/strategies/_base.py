@@ -30,8 +30,12 @@ every rank makes the same calls in the same order (each call may be a collective
    state or a different configuration with ``ValueError``. The model's and the optimizer's state
    go through ``training_state(model, optimizer)`` / ``load_training_state(state, model,
    optimizer)``: ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` for a
-   replicated model; this rank's shards for ``zero1`` and ``fsdp`` (``_sharded_state``). These two
-   may be collectives (every rank calls them at the same point).
+   replicated model. A strategy whose ``sharded`` is true (``zero1``, ``fsdp``) keeps them sharded
+   over the ranks instead: ``training_state`` is empty, and a checkpoint takes this rank's part by
+   name from ``sharded_state(model, optimizer)`` and reads a resumed one into
+   ``sharded_template(model, optimizer)`` (``_sharded_state``: DCP's state dicts, at any world size),
+   through a checkpoint format that keeps sharded state (``dcp``). These may be collectives (every
+   rank calls them at the same point).
 6. ``close()`` in ``finally``: releases what the strategy owns. Strategies create no process
    groups of their own (they use the trial's default group, which ``runner.run_rank`` destroys).
 
@@ -57,11 +61,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from hpoflow.train.strategies._sharded_state import ShardedTemplate
 
 __all__ = ["CommMeter", "OptimizerLike", "Strategy", "StrategyEnv", "read_bytes_sent"]
 
@@ -225,6 +232,9 @@ class Strategy(abc.ABC):
     """One data-parallel strategy; see the module docstring for the contract."""
 
     name: ClassVar[str] = "strategy"
+    #: the model and the optimizer are sharded over the ranks: checkpoints take them through
+    #: ``sharded_state`` / ``sharded_template`` (module docs, 5)
+    sharded: ClassVar[bool] = False
 
     def __init__(self, options: Mapping[str, Any], env: StrategyEnv) -> None:
         self.options = dict(options)
@@ -334,6 +344,14 @@ class Strategy(abc.ABC):
         """Restore ``training_state``'s output (after ``wrap`` and ``build_optimizer``)."""
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """This rank's part of the sharded model's and optimizer's state, by name (``sharded`` only)."""
+        raise NotImplementedError(f"{self.name} keeps a replica of the model: its state is in training_state")
+
+    def sharded_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedTemplate:
+        """What a resumed sharded state is read into, at this rank's sharding now (``sharded`` only)."""
+        raise NotImplementedError(f"{self.name} keeps a replica of the model: its state is in training_state")
 
     def make_grad_scaler(self) -> torch.amp.GradScaler:
         """The loss scaler of an fp16 trial: its decision to skip a step (an inf or NaN gradient) must

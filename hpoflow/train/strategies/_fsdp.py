@@ -29,7 +29,9 @@ meta device, and each shard handed its rows: no rank holds the whole model (with
 shards go to host memory directly). ``wrap(model)`` shards a model built whole (broadcast from rank 0
 first, one tensor at a time), as does ``build`` where the builder needs whole tensors (with a warning).
 
-Checkpoints hold this rank's shards (``_sharded_state``: DCP's ``get_state_dict`` / ``set_state_dict``).
+Checkpoints take this rank's shards by name (``sharded``: ``_sharded_state``, DCP's ``get_state_dict`` /
+``set_state_dict``), written and read by ``torch.distributed.checkpoint`` (the ``dcp`` format) at any
+world size.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 
 from hpoflow.train.strategies._base import CommMeter, OptimizerLike, Strategy
 from hpoflow.train.strategies._sharded_init import NotShardable, build_sharded
-from hpoflow.train.strategies._sharded_state import check_same_world, load_sharded_state, sharded_state
+from hpoflow.train.strategies._sharded_state import ShardedTemplate, sharded_items
 
 __all__ = ["FSDP", "fsdp_units"]
 
@@ -111,6 +113,7 @@ class FSDP(Strategy):
     (fp32 | bf16 | fp16), ``cpu_offload``."""
 
     name = "fsdp"
+    sharded = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -240,24 +243,18 @@ class FSDP(Strategy):
 
         return ShardedGradScaler(self.env.device.type)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ranks": self.env.world_size}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        check_same_world("fsdp", state, self.env.world_size)
-
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._root is None:
-            return super().training_state(model, optimizer)
-        return sharded_state(model, optimizer)
+        return {}  # sharded: sharded_state
 
     def load_training_state(self, state: Mapping[str, Any], model: nn.Module,
                             optimizer: torch.optim.Optimizer) -> None:
-        if self._root is None:
-            super().load_training_state(state, model, optimizer)
-            return
-        load_sharded_state(state, model, optimizer)
+        """Nothing: the model and the optimizer came through ``sharded_template``."""
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        return sharded_items(model, optimizer)
+
+    def sharded_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedTemplate:
+        return ShardedTemplate(model, optimizer)
 
 
 def _padded_bytes(p: nn.Parameter, world: int) -> int:
