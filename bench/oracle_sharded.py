@@ -20,10 +20,10 @@ start-up prediction where the trainer reports it.
 starts plus N MiB (``bench/_capped.py``: the built-in trainer as a ``training.function``), and asks the
 precheck about the trial on a device of N MiB: a trial that needs more stops with an out-of-memory
 error, and the precheck should refuse it. ``--gpt`` sizes the model and ``--batch`` the batch, e.g. the
-issue's case, a GPT whose fp32 weights and Adam state (12 bytes a parameter, 300 MB) exceed a cap of
-200 MiB, on 4 ranks:
+issue's case, a GPT whose fp32 weights and Adam state (12 bytes a parameter, 286 MiB) exceed a cap of
+170 MiB, on 4 ranks (docs/oracle.md has the figures):
 
-    python bench/oracle_sharded.py --worlds 4 --strategies fsdp,allreduce --cap-mb 200 \
+    python bench/oracle_sharded.py --worlds 4 --strategies fsdp,allreduce --cap-mb 170 \
         --gpt layers=16,heads=4,width=360,context=16 --batch 8
 
 Prints a table, then ONE JSON line with each row and its ratios. About 10 minutes on 2 idle cores.
