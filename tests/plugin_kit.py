@@ -82,9 +82,9 @@ class KitFormat(Checkpointer):
     name = "kit_format"
     prefix = "kit"
 
-    def save(self, state: Any, step: int, private: Any = None) -> None:
+    def save(self, state: Any, step: int, private: Any = None, *, sharded: Any = None) -> None:
         _mark(getattr(self.options, "marker", None), f"checkpoint step={step}")
-        super().save(state, step, private)
+        super().save(state, step, private, sharded=sharded)
 
 
 CHECKPOINT_FORMATS.register("kit_format", KitFormat, KitFormatOptions)

@@ -328,6 +328,9 @@ def _memory_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
                        f"{mem['optimizer_state'] / _GIB:.2f}"
                        + (f", gathered units {gathered / _GIB:.2f}" if gathered else "")
                        + f", allocator+reserved {(mem['allocator'] + mem['reserved']) / _GIB:.2f} GiB"),
+        *([("  at start-up", f"{mem['startup'] / _GIB:.2f} GiB (the model built and wrapped), more than the "
+                             f"step's {mem['step'] / _GIB:.2f} GiB")] if mem.get("startup", 0.0) > mem.get("step", 0.0)
+          else []),
         ("largest batch that fits", str(p["max_batch_per_device"])),
     ]
 

@@ -15,6 +15,14 @@ Per device (``p`` data-parallel devices, ``k`` pipeline stages, ``P`` parameters
   unsharded gradients (in ``param_dtype``) and the copy of them FSDP reduce-scatters (in
   ``reduce_dtype``), which exist together before its reduce-scatter.
 
+**Start-up** (``startup``, before the first step: the model built and wrapped) is priced as the
+step is, and the memory per device is the larger of the two: a replicated model (and ``zero1``'s) is
+built whole (``4P/k``), and DDP's first broadcast of it from rank 0 copies it into buckets of up to
+250 MiB (``min(4P/k, 250 MiB)``, with peers); ``fsdp`` builds each rank's shard only (the trainer's
+``hpoflow.train.strategies._sharded_init``): the shards (``4P/p``, in host memory with
+``cpu_offload``) plus one tensor whole at a time (the largest parameter, ``4·max tensor``: the
+scratch its random initialisation runs on). Plus ``reserved`` in both.
+
 **Activations** are the bytes autograd saves (the trace, per sample and fixed) plus the most bytes
 backward's own tensors (activation gradients) hold at once, on top of them. Activation
 checkpointing changes the saved part per unit (:attr:`hpoflow.oracle._trace.StepTrace.units`):
@@ -32,9 +40,22 @@ from hpoflow.oracle.cluster import ClusterSpec
 from hpoflow.oracle.facts import ModelFacts, optimizer_state_bytes
 from hpoflow.oracle.plan import Plan
 
-__all__ = ["activation_bytes", "max_batch", "memory_breakdown", "saved_bytes"]
+__all__ = ["activation_bytes", "max_batch", "memory_breakdown", "saved_bytes", "startup_bytes"]
 
 _REPLICATED_WITH_BUCKETS = ("allreduce", "ring", "tree", "pipeline", "zero1")
+#: DDP's ``broadcast_bucket_size``: its first broadcast of the model from rank 0 goes in buckets this big
+DDP_BROADCAST_BUCKET = 250 * 2**20
+
+
+def startup_bytes(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int) -> float:
+    """Bytes per device while the model is built and wrapped, before the first step (module docs)."""
+    k = plan.stages if plan.strategy == "pipeline" else 1
+    if plan.strategy == "fsdp":
+        shards = 0.0 if plan.cpu_offload else facts.param_bytes / p
+        return shards + 4.0 * facts.largest_param_tensor + cluster.device.reserved_bytes
+    broadcast = min(facts.param_bytes / k, DDP_BROADCAST_BUCKET) if plan.strategy in _REPLICATED_WITH_BUCKETS \
+        and p // k > 1 else 0.0
+    return facts.param_bytes / k + broadcast + cluster.device.reserved_bytes
 
 
 def activation_bytes(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
@@ -99,7 +120,8 @@ def _gathered(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
 
 
 def memory_breakdown(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, batch: float, p: int) -> dict[str, float]:
-    """Bytes per device by kind (see the module docs); ``total`` is their sum."""
+    """Bytes per device by kind at the step's peak (see the module docs), ``step`` their sum,
+    ``startup`` the start-up's peak, and ``total`` the larger of the two."""
     k = plan.stages if plan.strategy == "pipeline" else 1
     dev = cluster.device
     per, fixed = activation_bytes(facts, plan)
@@ -122,13 +144,20 @@ def memory_breakdown(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, batch:
     parts["activations"] = activations / k
     parts["allocator"] = activations * dev.memory_overhead / k
     parts["reserved"] = dev.reserved_bytes
-    parts["total"] = sum(parts.values())
+    step = sum(parts.values())
+    parts["step"] = step
+    parts["startup"] = startup_bytes(facts, cluster, plan, p)
+    parts["total"] = max(step, parts["startup"])
     return parts
 
 
 def max_batch(facts: ModelFacts, cluster: ClusterSpec, plan: Plan, p: int) -> int:
-    """The largest batch per device whose memory fits the device (0: not even one sample)."""
+    """The largest batch per device whose memory fits the device (0: not even one sample, or the
+    start-up does not fit)."""
     k = plan.stages if plan.strategy == "pipeline" else 1
-    free = cluster.device.memory_bytes - memory_breakdown(facts, cluster, plan, 0, p)["total"]
+    empty = memory_breakdown(facts, cluster, plan, 0, p)
+    if empty["startup"] > cluster.device.memory_bytes:
+        return 0
+    free = cluster.device.memory_bytes - empty["step"]
     per_sample = activation_bytes(facts, plan)[0] * (1 + cluster.device.memory_overhead) / k
     return max(0, int(free // per_sample)) if per_sample > 0 else 1 << 30

@@ -102,6 +102,8 @@ class ModelFacts:
     param_dtype: str = "fp32"
     #: predictions per sample: the tokens of a language model's sequence, else 1
     tokens_per_sample: int = 1
+    #: elements of the largest parameter tensor (a sharded build holds it whole while it initialises it)
+    largest_param_tensor: int = 0
 
     @property
     def param_bytes(self) -> int:
@@ -353,6 +355,7 @@ def _measure(name: str, input_shape: tuple[int, ...] | None, n_classes: int | No
         tokens_per_sample=int(out.shape[1]) if isinstance(out, torch.Tensor) and out.dim() == 3 else 1,
         params=sum(p.numel() for p in params),
         param_tensors=len(params),
+        largest_param_tensor=max((p.numel() for p in params), default=0),
         forward_flops=total / _PROBE_BATCH,
         conv_flops_fraction=conv / total if total else 0.0,
         activation_bytes=round(trace.saved_bytes),

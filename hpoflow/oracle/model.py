@@ -20,7 +20,9 @@ One training step on each device (``b`` samples per device, ``p`` devices):
   slower
 * step     = compute + exposed + wait + loader; throughput = p b / step; epoch = N / (p b) x step
 * memory   = (weights + grads + DDP buckets + optimizer state) / k
-             + (saved activations x b + fixed saved bytes) x (1 + memory_overhead) / k + reserved
+             + (saved activations x b + fixed saved bytes) x (1 + memory_overhead) / k + reserved,
+             or the start-up's peak (the model built and wrapped) where that is higher
+             (:mod:`hpoflow.oracle._memory`)
 
 Speed-up is weak scaling (per-device batch fixed): throughput(p) / throughput(1). The maximum
 speed-up is strong scaling of the same global batch G = p b over q devices (q <= G): the q with

@@ -490,8 +490,9 @@ class CheckpointSpec(_Strict):
     format: str = Field(
         default="replica",
         description="How a checkpoint is laid out and written (hpoflow.registry.CHECKPOINT_FORMATS): replica (every "
-                    "rank its whole state), rank0 (the state once, by rank 0), dcp (torch.distributed.checkpoint: "
-                    "once, split over the ranks), safetensors.")
+                    "rank its whole state; the default), rank0 (the state once, by rank 0), dcp "
+                    "(torch.distributed.checkpoint: once, split over the ranks; the default, and the only format, "
+                    "of fsdp and zero1, whose state is sharded), safetensors.")
     options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the format (dcp: async_save, thread_count); once validated: "
                                           "all of them.")
@@ -505,6 +506,11 @@ class CheckpointSpec(_Strict):
     def shared_state(self) -> bool:
         """The format keeps one copy of the state for every rank (it needs the same state on each)."""
         return bool(getattr(CHECKPOINT_FORMATS.options_model(self.format), "shared_state", False))
+
+    @property
+    def sharded_state(self) -> bool:
+        """The format keeps a state sharded over the ranks (fsdp's and zero1's model and optimizer)."""
+        return bool(getattr(CHECKPOINT_FORMATS.options_model(self.format), "sharded_state", False))
 
 
 class TrainConfig(_Strict):
@@ -637,7 +643,10 @@ class TrainConfig(_Strict):
         if chosen != self.strategy_options:
             object.__setattr__(self, "strategy_options", chosen)  # frozen: normalise once, here
         self._check_precision(chosen)
-        if self.builtin and self.strategy != "allreduce" and self.checkpoint.shared_state:
+        sharded = bool(getattr(STRATEGIES.options_model(self.strategy), "sharded", False))
+        if self.builtin and sharded:
+            self._sharded_checkpoints()
+        elif self.builtin and self.strategy != "allreduce" and self.checkpoint.shared_state:
             raise PydanticCustomError(
                 "checkpoint_format",
                 "{at}: {fmt} keeps one copy of the state for every rank, which holds only where every "
@@ -664,6 +673,22 @@ class TrainConfig(_Strict):
         if data.get("checkpoint") == {}:
             del data["checkpoint"]
         return data
+
+    def _sharded_checkpoints(self) -> None:
+        """fsdp and zero1 keep their model and optimizer sharded over the ranks: they checkpoint through a
+        format that writes sharded state, ``dcp`` unless another such format is named."""
+        if "format" not in self.checkpoint.model_fields_set:
+            checkpoint = CheckpointSpec.model_validate({**self.checkpoint.model_dump(by_alias=True), "format": "dcp",
+                                                        "options": {}})
+            object.__setattr__(self, "checkpoint", checkpoint)
+        elif not self.checkpoint.sharded_state:
+            raise PydanticCustomError(
+                "checkpoint_format",
+                "{at}: {fmt} keeps each rank's state whole, but {s} keeps its model and optimizer sharded over the "
+                "ranks, which only a format that writes sharded state keeps (dcp: torch.distributed.checkpoint, "
+                "which also resumes them on another number of ranks). Fix: use format: dcp (their default), or "
+                "leave format out",
+                {"at": "checkpoint.format", "fmt": self.checkpoint.format, "s": self.strategy})
 
     def _check_precision(self, chosen: dict[str, Any]) -> None:
         """Precision against the strategy: fp16's loss scaler must decide alike on every rank."""
@@ -920,17 +945,20 @@ class StudySpec(_Strict):
 
     @model_validator(mode="after")
     def _check_elastic(self) -> StudySpec:
-        """An elastic built-in trial hands its model and optimizer from rank 0 to any number of ranks,
-        which holds only where every rank keeps the same state: the allreduce strategy."""
+        """An elastic built-in trial resumes its checkpoint on another number of ranks, which holds where
+        every rank keeps the same state (allreduce: rank 0's goes to every rank) or where the state is
+        sharded by name and cut anew for the new number (fsdp, zero1: through dcp)."""
         if self.resources.elastic is None or self.training.get("function"):
             return self
         strategy = self.training.get("strategy", "allreduce")
-        if isinstance(strategy, str) and not PLACEHOLDER.match(strategy) and strategy != "allreduce":
+        if isinstance(strategy, str) and not PLACEHOLDER.match(strategy) and strategy != "allreduce" \
+                and not (strategy in STRATEGIES and getattr(STRATEGIES.options_model(strategy), "sharded", False)):
+            sharded = [n for n in STRATEGIES.names() if getattr(STRATEGIES.options_model(n), "sharded", False)]
             raise PydanticCustomError(
-                "elastic_strategy", "resources.processes: an elastic trial of the built-in trainer needs "
-                "training.strategy allreduce (every rank holds the same model and optimizer, so a checkpoint "
-                "resumes on any number of ranks), but the strategy is '{s}'. Fix: use allreduce, or a fixed "
-                "processes: N", {"s": strategy})
+                "elastic_strategy", "resources.processes: an elastic trial of the built-in trainer needs a strategy "
+                "whose checkpoint resumes on any number of ranks: allreduce (every rank holds the same model and "
+                "optimizer) or {sh} (sharded by name, cut anew), but the strategy is '{s}'. Fix: use one of those, or "
+                "a fixed processes: N", {"s": strategy, "sh": ", ".join(sharded)})
         return self
 
     @model_validator(mode="after")

@@ -13,8 +13,8 @@ identical on every rank (``end_epoch``), every rank evaluates the whole validati
 training precision), rank 0 reports ``val_accuracy``, ``val_loss``, ``train_loss``,
 ``train_accuracy`` (per token for ``next_token``, which also reports ``val_perplexity`` =
 exp(val_loss) and ``tokens_per_s``) and the measurements (``samples_per_s``, ``step_time_s``,
-``comm_time_s``, ``comm_fraction``, ``bytes_per_step``, ``peak_memory_mb`` (the largest over
-the ranks, ``hpoflow.train.memory``), ...), and every rank asks ``should_stop()`` at the same
+``comm_time_s``, ``comm_fraction``, ``bytes_per_step``, ``peak_memory_mb`` and ``startup_memory_mb``
+(the largest over the ranks, ``hpoflow.train.memory``), ...), and every rank asks ``should_stop()`` at the same
 point. At the end every rank writes the SHA-256
 of its final evaluated weights to ``weights_rank<r>.sha256`` in the trial directory (and the
 ``state_dict`` to ``final_state_rank<r>.pt`` when ``HPOFLOW_SAVE_FINAL_STATE=1``); rank 0 reports
@@ -27,7 +27,8 @@ Checkpoints (``training.checkpoint.every: K``): every K epochs, at the epoch bou
 report, before ``should_stop()``), every rank saves its model, optimizer, strategy state, step and
 epoch, RNG states and progress counters (``hpoflow.train.checkpoint``; the format,
 ``training.checkpoint.format``, decides what is written: ``rank0`` and ``dcp`` keep rank 0's state once
-and each rank's RNG states). At the start, a trial whose
+and each rank's RNG states; ``zero1`` and ``fsdp`` keep their model and optimizer sharded, each rank
+its part, through ``dcp``, their format). At the start, a trial whose
 checkpoint directory holds a checkpoint valid on every rank restores all of it and continues with
 the next epoch: on CPU the result is bitwise the uninterrupted run's (docs/checkpointing.md). The
 metrics carry ``resumed_from_epoch`` (0: a fresh start) and ``checkpoint_s`` (time the training
@@ -49,7 +50,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,9 @@ from hpoflow.train.memory import PeakMemory
 from hpoflow.train.models import build_model
 from hpoflow.train.precision import Precision
 from hpoflow.train.strategies import OptimizerLike, Strategy, StrategyEnv, make_strategy
+
+if TYPE_CHECKING:
+    from hpoflow.train.strategies._sharded_state import ShardedTemplate
 
 log = logging.getLogger(__name__)
 
@@ -212,15 +216,16 @@ def train_epoch(ctx: TrialContext, net: nn.Module, strategy: Strategy, opt: Opti
     return stats, step, None
 
 
-def _peak_memory(ctx: TrialContext, memory: PeakMemory) -> dict[str, float]:
-    """``peak_memory_mb``: the largest over the ranks (a collective in a distributed trial)."""
+def _peak_memory(ctx: TrialContext, memory: PeakMemory, startup: float | None) -> dict[str, float]:
+    """``peak_memory_mb`` and ``startup_memory_mb`` (the peak until the model was built and wrapped):
+    the largest over the ranks (one collective in a distributed trial)."""
     mine = memory.mb()
-    value = -1.0 if mine is None else mine
+    values = [-1.0 if mine is None else mine, -1.0 if startup is None else startup]
     if ctx.distributed:
-        t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+        t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        value = float(t.item())
-    return {} if value < 0 else {"peak_memory_mb": value}
+        values = [float(v) for v in t.tolist()]
+    return {k: v for k, v in zip(("peak_memory_mb", "startup_memory_mb"), values, strict=True) if v >= 0}
 
 
 def _ranks_identical(ctx: TrialContext, digest: str) -> bool:
@@ -271,8 +276,8 @@ def _checkpoint_state(progress: Progress, model: nn.Module, optimizer: torch.opt
     (a pause in the middle of an epoch, with that epoch's ``stats`` so far); RNG states are added by
     the context. Data order is a function of the epoch (``DistributedSampler`` seeded by the trial's
     seed and ``set_epoch``), so the position is the epoch and the micro-batch. The model and the
-    optimizer are the strategy's to save (``training_state``: this rank's shards for zero1 and fsdp);
-    ``amp`` the fp16 loss scaler's state."""
+    optimizer are the strategy's to save (``training_state``; nothing for zero1 and fsdp, whose shards go
+    by name beside it: ``Strategy.sharded_state``); ``amp`` the fp16 loss scaler's state."""
     partial = stats or EpochStats()
     return {
         "epoch": progress.epoch, "step": progress.step,
@@ -287,14 +292,18 @@ def _checkpoint_state(progress: Progress, model: nn.Module, optimizer: torch.opt
 
 
 def _restore(ctx: TrialContext, saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-             strategy: Strategy, fingerprint: str) -> tuple[Progress, dict[str, float]]:
+             strategy: Strategy, fingerprint: str,
+             template: ShardedTemplate | None = None) -> tuple[Progress, dict[str, float]]:
     if saved.get("config") != fingerprint:
         raise ValueError(
             f"checkpoint: the checkpoint in {ctx.checkpoints.directory} (step {ctx.resumed_step}) was written "
             "by a trial with a different training config (only epochs, checkpoint, schedule and "
             f"{', '.join(SCHEDULABLE)} may change on a resume). Fix: delete that directory to start over, or "
             "resume with the same config")
-    strategy.load_training_state(saved, model, optimizer)
+    if template is not None:  # a sharded strategy's model and optimizer, read into it already
+        template.apply()
+    else:
+        strategy.load_training_state(saved, model, optimizer)
     strategy.load_state_dict(saved["strategy"])
     p = saved["progress"]
     progress = Progress(int(saved["epoch"]), int(saved["step"]), float(p["t_train"]), int(p["samples"]))
@@ -353,9 +362,13 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                       device=ctx.device)
     strategy = make_strategy(cfg.strategy, cfg.strategy_options, env)
     memory = PeakMemory(ctx.device)  # from here: what training adds (hpoflow.train.memory)
-    model = build_model(cfg.model, data.input_shape, data.n_classes, **cfg.model_options).to(ctx.device)
     try:
-        net = strategy.wrap(model)
+        # the strategy builds the model (fsdp: only this rank's shard of it) from the seed set above
+        net = strategy.build(lambda: build_model(cfg.model, data.input_shape, data.n_classes, **cfg.model_options))
+        model = strategy.model
+        if model is None:
+            raise RuntimeError(f"strategy {cfg.strategy!r} built no model")
+        startup = memory.mb()  # the start-up's peak: the model built and wrapped (before a resume's load)
         train_set = TensorDataset(data.x_train, data.y_train)
         sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
             train_set, num_replicas=world, rank=env.rank, shuffle=True, seed=cfg.seed,
@@ -376,17 +389,23 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
         progress = Progress()
         # resume from the newest checkpoint valid on every rank (a collective; none: a fresh start), also
         # when checkpoints are off: a paused trial saved one to resume from
-        saved = ctx.load_checkpoint(restore_rng=False)
+        template = strategy.sharded_template(model, opt_base) if strategy.sharded else None
+        saved = ctx.load_checkpoint(restore_rng=False, sharded=template.items if template is not None else None)
+        if saved is None and template is not None:
+            template.discard()  # nothing was read into it: the optimizer starts fresh
         if saved is not None:
-            progress, metrics = _restore(ctx, saved, model, opt_base, strategy, fingerprint)
+            progress, metrics = _restore(ctx, saved, model, opt_base, strategy, fingerprint, template)
             amp.load_state_dict(saved.get("amp") or {})
         start_batch, partial = _partial_epoch(saved)
         if not start_batch:
             ctx.restore_checkpoint_rng()  # at an epoch boundary: before the next epoch's data iterator
         resumed = float(progress.epoch)
 
-        def state(batch: int = 0, stats: EpochStats | None = None) -> dict[str, Any]:
-            return _checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint, batch, stats, amp)
+        def save(step: int, batch: int = 0, stats: EpochStats | None = None) -> None:
+            """Checkpoint as ``step`` (a sharded strategy's model and optimizer by name, sharded)."""
+            sharded = strategy.sharded_state(model, opt_base) if strategy.sharded else None
+            ctx.save_checkpoint(_checkpoint_state(progress, model, opt_base, strategy, metrics, fingerprint, batch,
+                                                  stats, amp), step=step, sharded=sharded)
 
         for epoch in range(progress.epoch, cfg.epochs):
             t_epoch = time.perf_counter()
@@ -401,7 +420,7 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
             if paused is not None:  # stop at this step with a checkpoint; the trial resumes from it
                 progress.step = step  # (the epoch's time so far travels in its stats)
                 # keyed as the end of this epoch, which it stands for until that epoch's own checkpoint
-                ctx.save_checkpoint(state(paused, stats), step=epoch + 1)
+                save(epoch + 1, paused, stats)
                 break
             t_sync = time.perf_counter()
             strategy.end_epoch()
@@ -427,7 +446,7 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
                 "world_size": float(world),
                 "resumed_from_epoch": resumed,
                 **strategy.comm_stats(),
-                **_peak_memory(ctx, memory),
+                **_peak_memory(ctx, memory, startup),
             }
             if data.task == "next_token":
                 metrics["val_perplexity"] = math.exp(min(val_loss, 700.0))
@@ -438,13 +457,13 @@ def train_builtin(ctx: TrialContext) -> dict[str, float]:
             # Epoch boundary: every rank is consistent here. Checkpoints are keyed by epochs done.
             saved_here = every > 0 and (epoch + 1) % every == 0
             if saved_here:
-                ctx.save_checkpoint(state(), step=epoch + 1)
+                save(epoch + 1)
             stop = ctx.should_stop()
             if not stop and ctx.resize_to:  # elastic: checkpoint here, leave, resume on resize_to ranks
-                ctx.save_checkpoint(state(), step=epoch + 1)
+                save(epoch + 1)
                 stop = ctx.should_stop()
             if stop and ctx.pausing and not saved_here and epoch + 1 < cfg.epochs:  # paused at this boundary
-                ctx.save_checkpoint(state(), step=epoch + 1)
+                save(epoch + 1)
             if stop:
                 break
         ctx.flush_checkpoints()

@@ -7,7 +7,7 @@ import math
 import numbers
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -257,17 +257,22 @@ class TrialContext:
                 keep=ck.keep, background=ck.async_, elastic=self.elastic)
         return self._checkpointer
 
-    def save_checkpoint(self, state: dict[str, Any], step: int | None = None, *, rng: bool = True) -> None:
+    def save_checkpoint(self, state: dict[str, Any], step: int | None = None, *, rng: bool = True,
+                        sharded: Mapping[str, Any] | None = None) -> None:
         """Checkpoint ``state`` (tensors, numbers, strings, containers) as ``step`` (default: the last
         saved or resumed step + 1), with this process's RNG states unless ``rng=False``.
 
         Call it on every rank at the same step (it is a collective for some formats: ``dcp``); the state
         is copied before this returns, and written in the background when ``training.checkpoint.async`` is
         on. With a format that keeps one copy for all ranks (``rank0``, ``dcp``) ``state`` must be the same on
-        every rank (DDP's model and optimizer); the RNG states are always kept per rank.
+        every rank (DDP's model and optimizer); the RNG states are always kept per rank. ``sharded``:
+        this rank's part of a state sharded over the ranks, by name (``DTensor`` shards: ``fsdp``'s and
+        ``zero1``'s model and optimizer, ``Strategy.sharded_state``), which the ``dcp`` format writes
+        sharded (``ValueError`` with another format).
         """
         t0 = time.perf_counter()
         cp = self.checkpoints
+        self._check_sharded(cp, sharded)
         if step is None:
             step = 1 if cp.last_step is None else cp.last_step + 1
         private: dict[str, Any] = {}
@@ -275,19 +280,27 @@ class TrialContext:
             from hpoflow.train.checkpoint import capture_rng
 
             private["rng"] = capture_rng()
-        cp.save({"user": state}, int(step), private)
+        if sharded is None:
+            cp.save({"user": state}, int(step), private)
+        else:
+            cp.save({"user": state}, int(step), private, sharded=sharded)
         self._saved_since_stop_check = True
         self.checkpoint_s += time.perf_counter() - t0
 
-    def load_checkpoint(self, *, restore_rng: bool = True) -> dict[str, Any] | None:
+    def load_checkpoint(self, *, restore_rng: bool = True,
+                        sharded: Callable[[], Mapping[str, Any]] | None = None) -> dict[str, Any] | None:
         """The state of the newest checkpoint valid on every rank (``None``: start from scratch), and
         the RNG states saved with it restored unless ``restore_rng=False``; sets ``resumed_step``.
 
         Collective in a distributed trial: every rank must call it. Corrupt or partial files are
         skipped with a warning (the previous checkpoint is used); this rank's files newer than the
-        chosen one are deleted (they belong to the crashed run).
+        chosen one are deleted (they belong to the crashed run). ``sharded``: a function giving the
+        tensors a sharded state is read into, by name, at this rank's sharding now
+        (``Strategy.sharded_template``); called once a checkpoint is chosen, and filled in place.
         """
         cp = self.checkpoints
+        self._check_sharded(cp, sharded)
+        kw: dict[str, Any] = {} if sharded is None else {"sharded": sharded}
         gather = None
         if self.distributed:
             def gather(mine: list[int]) -> list[list[int]]:
@@ -298,11 +311,11 @@ class TrialContext:
                 return [list(x) for x in out]
         foreign = False
         if self.elastic:  # written by any number of ranks (a resized trial)
-            any_world = cp.latest_any_world(gather)
+            any_world = cp.latest_any_world(gather, **kw)
             found = None if any_world is None else any_world[:2]
             foreign = any_world is not None and any_world[2]
         else:
-            found = cp.latest(gather)
+            found = cp.latest(gather, **kw)
         if found is None:
             self.resumed_step = None
             return None
@@ -324,6 +337,12 @@ class TrialContext:
         self.resumed_step = step
         user: dict[str, Any] = payload["user"]
         return user
+
+    def _check_sharded(self, cp: CheckpointFormat, sharded: object) -> None:
+        if sharded is not None and not cp.sharded_state:
+            raise ValueError(
+                f"checkpoint: training.checkpoint.format {cp.name!r} keeps each rank's state whole, but this trial's "
+                "model and optimizer are sharded over the ranks (fsdp, zero1). Fix: use format: dcp (their default)")
 
     def restore_checkpoint_rng(self) -> None:
         """Restore the RNG states saved with the checkpoint ``load_checkpoint(restore_rng=False)`` loaded:

@@ -92,6 +92,9 @@ class ZeRO1Options(Options):
     (``torch.distributed.optim.ZeroRedundancyOptimizer``). ``reduce_dtype``: the dtype the (fp32)
     gradients are all-reduced in (bf16, fp16: DDP's compression hooks), fp32 whatever the precision."""
 
+    #: its optimizer state is sharded over the ranks: checkpoints through a format that keeps sharded state
+    sharded: ClassVar[bool] = True
+
     bucket_cap_mb: float = Field(default=25.0, gt=0)
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
@@ -108,6 +111,9 @@ class FSDPOptions(Options):
     parameters are gathered and computed in (FSDP2's ``param_dtype``); ``reduce_dtype``: the dtype
     gradients are reduce-scattered in, fp32 by default whatever ``mixed_precision`` is (torchtitan's
     default: a sum of p low-precision gradients loses their low bits)."""
+
+    #: parameters, gradients and optimizer state sharded: checkpoints through a format that keeps sharded state
+    sharded: ClassVar[bool] = True
 
     reshard_after_forward: bool = True
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"

@@ -178,3 +178,21 @@ def test_bytes_per_step_match_real_collectives_over_gloo(tmp_path: Path, strateg
     # FSDP2 pads each shard to a multiple of the world size, and ZeRO's shares are whole tensors
     # (uneven): the rank average is what the oracle predicts, within a few percent
     assert sum(sent) / world == pytest.approx(predicted, rel=0.05)
+
+
+def test_the_start_up_is_priced_beside_the_step() -> None:
+    """fsdp is built in shards (its shard and the largest tensor whole), a replica whole plus DDP's first
+    broadcast of it (buckets of up to 250 MiB); the memory per device is the larger of start-up and step."""
+    f = _small()
+    c = load_cluster(PRESETS["laptop"])
+    assert 0 < f.largest_param_tensor < f.params
+    shard = memory_breakdown(f, c, _fsdp(4), BATCH, 4)
+    assert shard["startup"] == pytest.approx(4 * f.params / 4 + 4 * f.largest_param_tensor + c.device.reserved_bytes)
+    replica = memory_breakdown(f, c, replace(_fsdp(4), strategy="allreduce"), BATCH, 4)
+    assert replica["startup"] == pytest.approx(2 * 4 * f.params + c.device.reserved_bytes)
+    alone = memory_breakdown(f, c, replace(_fsdp(1), strategy="allreduce"), BATCH, 1)
+    assert alone["startup"] == pytest.approx(4 * f.params + c.device.reserved_bytes)  # no peer: no broadcast
+    for parts in (shard, replica, alone):
+        assert parts["startup"] < parts["step"] == parts["total"]
+    tight = load_cluster({**PRESETS["laptop"], "device": {**_cpu(), "memory_bytes": replica["startup"] * 0.99}})
+    assert predict(f, tight, replace(_fsdp(4), strategy="allreduce")).max_batch_per_device == 0

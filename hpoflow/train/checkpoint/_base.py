@@ -19,6 +19,13 @@ Every rank of a trial builds one (``make_checkpointer``) with the same arguments
 * ``latest_any_world(gather)``: the same for an elastic trial, whose ranks all hold the same state and
   whose global batch is the same on every size: a checkpoint of any world size, and whether this rank's
   state is another rank's (it did not exist when the checkpoint was written: no RNG states of its own).
+* A format whose ``sharded_state`` is true (``dcp``) also keeps a state **sharded over the ranks**
+  (``fsdp``'s and ``zero1``'s model and optimizer): ``save(..., sharded=items)`` with this rank's part
+  as a flat mapping of names to tensors (``DTensor`` shards, or tensors this rank holds), written
+  sharded; ``latest(gather, sharded=template)`` / ``latest_any_world(...)`` with ``template`` a
+  function returning the tensors to read into, by the same names, at this rank's sharding now (called
+  on every rank once the step is agreed, only when there is one to read): they are filled in place,
+  resharded when the world size changed. Other formats refuse ``sharded`` (``CheckpointError``).
 * ``wait()`` blocks until the last write is on disk; ``close()`` does that and stops any thread.
 * ``step_files(step)``: the files that hold ``step`` (every rank's), for tests and the study.
 
@@ -39,9 +46,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from hpoflow.registry import Options
 
-__all__ = ["CheckpointError", "CheckpointFormat", "CorruptCheckpoint", "Gather", "UnsafeCheckpoint"]
+__all__ = ["CheckpointError", "CheckpointFormat", "CorruptCheckpoint", "Gather", "Template", "UnsafeCheckpoint"]
 
 Gather = Callable[[list[int]], list[list[int]]]
+#: a sharded state's template: the tensors to read into, by name (``CheckpointFormat.latest``)
+Template = Callable[[], Mapping[str, Any]]
 
 
 class CheckpointError(RuntimeError):
@@ -62,6 +71,8 @@ class CheckpointFormat(abc.ABC):
     name: ClassVar[str] = ""
     #: one copy of ``state`` for all ranks: ``state`` must be the same on every rank
     shared_state: ClassVar[bool] = False
+    #: keeps a state sharded over the ranks (``sharded=`` of ``save`` and ``latest``)
+    sharded_state: ClassVar[bool] = False
 
     def __init__(self, directory: Path, rank: int = 0, world_size: int = 1, keep: int = 2,
                  background: bool = True, elastic: bool = False, options: Options | None = None) -> None:
@@ -81,16 +92,27 @@ class CheckpointFormat(abc.ABC):
         self.last_error: BaseException | None = None
 
     @abc.abstractmethod
-    def save(self, state: Mapping[str, Any], step: int, private: Mapping[str, Any] | None = None) -> None:
-        """Checkpoint ``state`` (and this rank's ``private``) as ``step``; every rank, same step."""
+    def save(self, state: Mapping[str, Any], step: int, private: Mapping[str, Any] | None = None, *,
+             sharded: Mapping[str, Any] | None = None) -> None:
+        """Checkpoint ``state`` (and this rank's ``private``, and its part of a ``sharded`` state) as
+        ``step``; every rank, same step."""
 
     @abc.abstractmethod
-    def latest(self, gather: Gather | None = None) -> tuple[int, dict[str, Any]] | None:
+    def latest(self, gather: Gather | None = None, *,
+               sharded: Template | None = None) -> tuple[int, dict[str, Any]] | None:
         """The newest step usable on every rank and this rank's state for it, or ``None``."""
 
     @abc.abstractmethod
-    def latest_any_world(self, gather: Gather | None = None) -> tuple[int, dict[str, Any], bool] | None:
+    def latest_any_world(self, gather: Gather | None = None, *,
+                         sharded: Template | None = None) -> tuple[int, dict[str, Any], bool] | None:
         """Elastic ``latest``: any world size; the flag says the state is not this rank's own."""
+
+    def _no_sharded(self, sharded: object) -> None:
+        """Refuse a sharded state in a format that cannot keep one."""
+        if sharded is not None:
+            raise CheckpointError(
+                f"checkpoint format {self.name!r} keeps each rank's state whole, not a state sharded over the "
+                "ranks (fsdp's and zero1's model and optimizer). Fix: use training.checkpoint.format: dcp")
 
     @abc.abstractmethod
     def wait(self) -> None:

@@ -19,6 +19,14 @@ on disk (``fsync``ed), and rank 0 writes the manifest (size and SHA-256 of every
 on the training thread (PyTorch's staging) and writes in its own thread; rank 0 commits when that
 finishes. The next save waits for the previous one.
 
+A state sharded over the ranks (``save(..., sharded=items)``: ``fsdp``'s and ``zero1``'s model and
+optimizer, ``hpoflow.train.strategies._sharded_state``) goes under ``sharded.<name>``: DCP writes each
+``DTensor`` shard from its rank and each other name once, with its whole shape; no skeleton (the
+names are the structure). A load reads it into the template the caller gives
+(``latest(..., sharded=template)``: the tensors at this rank's sharding now, by name), so each rank
+reads only what it holds, from whichever files hold it: a checkpoint written by 2 ranks resumes on 1
+or on 4 (elastic trials), the shards cut anew.
+
 Loading: rank 0 verifies the newest committed directory against its manifest (sizes, SHA-256; DCP's
 ``.metadata`` is read by an unpickler that builds DCP's metadata classes and nothing else), the ranks
 agree on a step, and each rank reads every ``state.*`` tensor (the whole model: it is replicated) and
@@ -52,6 +60,7 @@ from hpoflow.train.checkpoint._base import (
     CheckpointFormat,
     CorruptCheckpoint,
     Gather,
+    Template,
     UnsafeCheckpoint,
 )
 from hpoflow.train.checkpoint._file import FORMAT_VERSION, read_checkpoint, write_checkpoint
@@ -65,6 +74,7 @@ MANIFEST = "hpoflow-manifest.pt"
 _FINAL = re.compile(r"^dcp-(\d{8})-(\d+)$")
 _TEMP = re.compile(r"^\.dcp-(\d{8})-(\d+)\.tmp$")
 _SKELETON = "hpoflow.skeleton"
+_SHARDED = "sharded."
 # DCP says so on every save and load of a single process (``no_dist``), from its own threads too
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
@@ -150,6 +160,7 @@ class DcpCheckpointer(CheckpointFormat):
 
     name = "dcp"
     shared_state = True
+    sharded_state = True
 
     def __init__(self, directory: Path, rank: int = 0, world_size: int = 1, keep: int = 2,
                  background: bool = True, elastic: bool = False, options: Options | None = None) -> None:
@@ -182,7 +193,8 @@ class DcpCheckpointer(CheckpointFormat):
         return value
 
     # -- saving -----------------------------------------------------------------------------------
-    def save(self, state: Mapping[str, Any], step: int, private: Mapping[str, Any] | None = None) -> None:
+    def save(self, state: Mapping[str, Any], step: int, private: Mapping[str, Any] | None = None, *,
+             sharded: Mapping[str, Any] | None = None) -> None:
         """Every rank, at the same step (collective); see the module docstring."""
         from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
@@ -191,7 +203,8 @@ class DcpCheckpointer(CheckpointFormat):
         t0 = time.perf_counter()
         tensors, skeleton = flatten(state, "state")
         own, own_skeleton = flatten(dict(private or {}), f"rank{self.rank}")
-        items: dict[str, Any] = {**tensors, **own, f"rank{self.rank}.skeleton": json_tensor(own_skeleton)}
+        items: dict[str, Any] = {**tensors, **own, f"rank{self.rank}.skeleton": json_tensor(own_skeleton),
+                                 **{f"{_SHARDED}{name}": t for name, t in (sharded or {}).items()}}
         if self.rank == 0:
             items[_SKELETON] = json_tensor({"format": FORMAT_VERSION, "step": step, "world_size": self.world_size,
                                             "torch": str(torch.__version__), "time": time.time(), "state": skeleton})
@@ -330,14 +343,16 @@ class DcpCheckpointer(CheckpointFormat):
         return None
 
     # -- resuming -----------------------------------------------------------------------------------
-    def latest(self, gather: Gather | None = None) -> tuple[int, dict[str, Any]] | None:
-        found = self._latest(gather)
+    def latest(self, gather: Gather | None = None, *,
+               sharded: Template | None = None) -> tuple[int, dict[str, Any]] | None:
+        found = self._latest(gather, sharded)
         return None if found is None else found[:2]
 
-    def latest_any_world(self, gather: Gather | None = None) -> tuple[int, dict[str, Any], bool] | None:
-        return self._latest(gather)
+    def latest_any_world(self, gather: Gather | None = None, *,
+                         sharded: Template | None = None) -> tuple[int, dict[str, Any], bool] | None:
+        return self._latest(gather, sharded)
 
-    def _latest(self, gather: Gather | None) -> tuple[int, dict[str, Any], bool] | None:
+    def _latest(self, gather: Gather | None, sharded: Template | None) -> tuple[int, dict[str, Any], bool] | None:
         self.wait()
         newest = self._newest_per_step()
         if self.rank == 0:
@@ -363,7 +378,7 @@ class DcpCheckpointer(CheckpointFormat):
             return None
         step = max(common)
         try:
-            return self._load(step, newest[step])
+            return self._load(step, newest[step], sharded)
         except (CheckpointError, OSError, KeyError, RuntimeError, ValueError) as exc:
             warnings.warn(f"hpoflow: rank {self.rank}: could not read checkpoint {newest[step]}: {exc}; starting "
                           "from scratch", RuntimeWarning, stacklevel=3)
@@ -374,7 +389,7 @@ class DcpCheckpointer(CheckpointFormat):
 
         load(template, storage_reader=_reader_class()(str(path)), no_dist=True)
 
-    def _load(self, step: int, path: Path) -> tuple[int, dict[str, Any], bool] | None:
+    def _load(self, step: int, path: Path, sharded: Template | None) -> tuple[int, dict[str, Any], bool] | None:
         metadata = read_metadata(path).state_dict_metadata
         head = {_SKELETON: torch.empty(metadata[_SKELETON].size, dtype=torch.uint8)}
         self._read(path, head)
@@ -392,8 +407,15 @@ class DcpCheckpointer(CheckpointFormat):
         foreign = f"{own}skeleton" not in metadata
         template = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in metadata.items()
                     if name.startswith("state.") or (not foreign and name.startswith(own))}
+        if sharded is not None:  # this rank's part, read into the caller's tensors at their sharding now
+            wanted = {f"{_SHARDED}{name}": t for name, t in sharded().items()}
+            missing = sorted(name for name in wanted if name not in metadata)
+            if missing:
+                raise CorruptCheckpoint(f"{path}: it holds no {', '.join(missing[:3])} (written by another model, "
+                                        "optimizer or strategy)")
+            template.update(wanted)
         self._read(path, template)
-        state = unflatten(info["state"], template)
+        state = unflatten(info["state"], {k: v for k, v in template.items() if not k.startswith(_SHARDED)})
         private = {} if foreign else unflatten(from_json_tensor(template[f"{own}skeleton"], str(path)), template)
         self.last_step = step
         return step, {**state, **private}, foreign

@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import torch
 
 from hpoflow.registry import Options
-from hpoflow.train.checkpoint._base import CheckpointError, CheckpointFormat, Gather
+from hpoflow.train.checkpoint._base import CheckpointError, CheckpointFormat, Gather, Template
 from hpoflow.train.checkpoint._file import FORMAT_VERSION, read_checkpoint, snapshot, write_checkpoint
 
 log = logging.getLogger("hpoflow.train.checkpoint")
@@ -114,9 +114,11 @@ class Checkpointer(CheckpointFormat):
         return read_checkpoint(path)
 
     # -- saving -----------------------------------------------------------------------------------
-    def save(self, state: Mapping[str, Any], step: int, private: Mapping[str, Any] | None = None) -> None:
+    def save(self, state: Mapping[str, Any], step: int, private: Mapping[str, Any] | None = None, *,
+             sharded: Mapping[str, Any] | None = None) -> None:
         """Checkpoint ``state`` as ``step``: waits for the previous write, copies ``state`` now,
         writes it now or in the background. A failed write warns and is counted (training goes on)."""
+        self._no_sharded(sharded)
         self.wait()
         payload = {"format": FORMAT_VERSION, "step": int(step), "rank": self.rank, "world_size": self.world_size,
                    "torch": str(torch.__version__), "time": time.time(), **self._payload(state, private or {})}
@@ -276,10 +278,12 @@ class Checkpointer(CheckpointFormat):
                               f"{exc}", RuntimeWarning, stacklevel=3)
         return found
 
-    def latest_any_world(self, gather: Gather | None = None) -> tuple[int, dict[str, Any], bool] | None:
+    def latest_any_world(self, gather: Gather | None = None, *,
+                         sharded: Template | None = None) -> tuple[int, dict[str, Any], bool] | None:
         """Elastic ``latest``: the newest step usable on every rank, this rank's state for it, and
         whether that state is rank 0's (this rank did not exist when it was written: its RNG states
         are not its own)."""
+        self._no_sharded(sharded)
         self.wait()
         self._remove_temp_files()
         found = self._scan_elastic()
@@ -290,7 +294,8 @@ class Checkpointer(CheckpointFormat):
         state, foreign = found[chosen]
         return chosen, state, foreign
 
-    def latest(self, gather: Gather | None = None) -> tuple[int, dict[str, Any]] | None:
+    def latest(self, gather: Gather | None = None, *,
+               sharded: Template | None = None) -> tuple[int, dict[str, Any]] | None:
         """The newest step valid on every rank and this rank's state for it, or ``None``.
 
         ``gather(my_valid_steps)`` returns every rank's list (a collective in a distributed trial);
@@ -298,6 +303,7 @@ class Checkpointer(CheckpointFormat):
         abandoned future of a crashed run) and stale temporary files are deleted; a warning says
         when files exist but none is usable.
         """
+        self._no_sharded(sharded)
         self.wait()
         self._remove_temp_files()
         found = self._scan()

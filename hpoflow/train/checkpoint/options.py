@@ -15,9 +15,12 @@ __all__ = ["DcpOptions", "FormatOptions", "Rank0Options", "ReplicaOptions", "Saf
 class FormatOptions(Options):
     """Base of a format's options. ``shared_state``: the format keeps one copy of the state for every
     rank, which holds only where every rank has the same state (the built-in trainer: strategy
-    ``allreduce``); the spec refuses it with other strategies."""
+    ``allreduce``); the spec refuses it with the replicated strategies that keep per-rank state.
+    ``sharded_state``: it also keeps a state sharded over the ranks (``fsdp``, ``zero1``: their model
+    and optimizer); the spec refuses a format without it for them."""
 
     shared_state: ClassVar[bool] = False
+    sharded_state: ClassVar[bool] = False
 
 
 class ReplicaOptions(FormatOptions):
@@ -39,6 +42,7 @@ class DcpOptions(FormatOptions):
     default: ``training.checkpoint.async``) and ``thread_count`` (writer threads, and files, per rank)."""
 
     shared_state: ClassVar[bool] = True
+    sharded_state: ClassVar[bool] = True
 
     async_save: bool | None = None
     thread_count: int = Field(default=1, ge=1, le=64)

@@ -3,9 +3,14 @@
 A ``Strategy`` decides how the ranks of one trial combine their work. The trainer drives it, and
 every rank makes the same calls in the same order (each call may be a collective):
 
-1. ``wrap(model) -> nn.Module`` once, before the optimizer exists. It makes the ranks' models
-   identical (broadcast from rank 0 or DDP's own) and returns the module to run forward/backward on
-   (a ``DistributedDataParallel`` for ``allreduce``, the model itself otherwise).
+1. ``build(builder) -> nn.Module`` once, before the optimizer exists: the model from ``builder()``
+   (the caller seeds torch alike on every rank first), wrapped. The default builds the whole model on
+   the CPU, moves it to the rank's device and calls ``wrap(model)``, which makes the ranks' models
+   identical (broadcast from rank 0, one tensor at a time, or DDP's own) and returns the module to
+   run forward/backward on (a ``DistributedDataParallel`` for ``allreduce``, the model itself
+   otherwise); ``self.model`` is the model. ``fsdp`` builds only this rank's shard of each tensor
+   instead (``_sharded_init``: the values a replica's build gives them). ``wrap(model)`` alone takes
+   a model built already.
 2. ``build_optimizer(params, optimizer_class, **defaults)`` once, after ``wrap``: the optimizer
    over ``model.parameters()`` (``optimizer_class(params, **defaults)``; ``zero1`` shards its state
    in a ``ZeroRedundancyOptimizer``); then ``prepare_optimizer(optimizer)`` once.
@@ -25,8 +30,12 @@ every rank makes the same calls in the same order (each call may be a collective
    state or a different configuration with ``ValueError``. The model's and the optimizer's state
    go through ``training_state(model, optimizer)`` / ``load_training_state(state, model,
    optimizer)``: ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}`` for a
-   replicated model; this rank's shards for ``zero1`` and ``fsdp`` (``_sharded_state``). These two
-   may be collectives (every rank calls them at the same point).
+   replicated model. A strategy whose ``sharded`` is true (``zero1``, ``fsdp``) keeps them sharded
+   over the ranks instead: ``training_state`` is empty, and a checkpoint takes this rank's part by
+   name from ``sharded_state(model, optimizer)`` and reads a resumed one into
+   ``sharded_template(model, optimizer)`` (``_sharded_state``: DCP's state dicts, at any world size),
+   through a checkpoint format that keeps sharded state (``dcp``). These may be collectives (every
+   rank calls them at the same point).
 6. ``close()`` in ``finally``: releases what the strategy owns. Strategies create no process
    groups of their own (they use the trial's default group, which ``runner.run_rank`` destroys).
 
@@ -50,13 +59,16 @@ import abc
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from hpoflow.train.strategies._sharded_state import ShardedTemplate
 
 __all__ = ["CommMeter", "OptimizerLike", "Strategy", "StrategyEnv", "read_bytes_sent"]
 
@@ -220,6 +232,9 @@ class Strategy(abc.ABC):
     """One data-parallel strategy; see the module docstring for the contract."""
 
     name: ClassVar[str] = "strategy"
+    #: the model and the optimizer are sharded over the ranks: checkpoints take them through
+    #: ``sharded_state`` / ``sharded_template`` (module docs, 5)
+    sharded: ClassVar[bool] = False
 
     def __init__(self, options: Mapping[str, Any], env: StrategyEnv) -> None:
         self.options = dict(options)
@@ -242,14 +257,25 @@ class Strategy(abc.ABC):
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def _broadcast_params(self) -> None:
-        """Make every rank start from rank 0's parameters (not counted as step traffic)."""
+        """Make every rank start from rank 0's parameters (not counted as step traffic): one tensor at a
+        time, in place, so no rank holds a second copy of the model."""
         if not self.distributed or not self.params:
             return
-        flat = flat_params(self.params)
-        dist.broadcast(flat, src=0)
-        load_flat(self.params, flat)
+        with torch.no_grad():
+            for p in self.params:
+                t = p.detach()
+                buf = t if t.is_contiguous() else t.contiguous()
+                dist.broadcast(buf, src=0)
+                if buf is not t:
+                    t.copy_(buf)
 
     # -- the contract ---------------------------------------------------------------------------
+    def build(self, builder: Callable[[], nn.Module]) -> nn.Module:
+        """The model of ``builder()``, on this rank's device and wrapped (``wrap``'s result); the
+        caller has seeded torch alike on every rank. Builds the whole model; a sharded strategy may
+        build only its shard."""
+        return self.wrap(builder().to(self.env.device))
+
     @abc.abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
         """Attach to ``model``, make the ranks identical, return the module to train through."""
@@ -318,6 +344,14 @@ class Strategy(abc.ABC):
         """Restore ``training_state``'s output (after ``wrap`` and ``build_optimizer``)."""
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """This rank's part of the sharded model's and optimizer's state, by name (``sharded`` only)."""
+        raise NotImplementedError(f"{self.name} keeps a replica of the model: its state is in training_state")
+
+    def sharded_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedTemplate:
+        """What a resumed sharded state is read into, at this rank's sharding now (``sharded`` only)."""
+        raise NotImplementedError(f"{self.name} keeps a replica of the model: its state is in training_state")
 
     def make_grad_scaler(self) -> torch.amp.GradScaler:
         """The loss scaler of an fp16 trial: its decision to skip a step (an inf or NaN gradient) must

@@ -23,14 +23,23 @@ once more per backward for a block resharded after forward; the reduce-scatter o
 all-gather and reduce-scatter goes through a timed communication object (``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``).
 
-Checkpoints hold this rank's shards (``_sharded_state``: DCP's ``get_state_dict`` / ``set_state_dict``).
+Sharded from the start (``build``, what the built-in trainer calls): the model is built with only this
+rank's rows of each tensor, a replica's values for the trial's seed (``_sharded_init``), sharded on the
+meta device, and each shard handed its rows: no rank holds the whole model (with ``cpu_offload`` the
+shards go to host memory directly). ``wrap(model)`` shards a model built whole (broadcast from rank 0
+first, one tensor at a time), as does ``build`` where the builder needs whole tensors (with a warning).
+
+Checkpoints take this rank's shards by name (``sharded``: ``_sharded_state``, DCP's ``get_state_dict`` /
+``set_state_dict``), written and read by ``torch.distributed.checkpoint`` (the ``dcp`` format) at any
+world size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +49,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from hpoflow.train.strategies._base import CommMeter, OptimizerLike, Strategy
-from hpoflow.train.strategies._sharded_state import check_same_world, load_sharded_state, sharded_state
+from hpoflow.train.strategies._sharded_init import NotShardable, build_sharded
+from hpoflow.train.strategies._sharded_state import ShardedTemplate, sharded_items
 
 __all__ = ["FSDP", "fsdp_units"]
 
@@ -103,6 +113,7 @@ class FSDP(Strategy):
     (fp32 | bf16 | fp16), ``cpu_offload``."""
 
     name = "fsdp"
+    sharded = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -130,16 +141,47 @@ class FSDP(Strategy):
             return None
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
 
+    def build(self, builder: Callable[[], nn.Module]) -> nn.Module:
+        """Sharded from the start: the model is built with this rank's rows of each tensor only
+        (``_sharded_init``, a replica's values), on the meta device, then sharded, and each shard takes
+        its rows (in host memory with ``cpu_offload``). A builder that
+        needs more than the rows (``NotShardable``) gets the whole model built, with a warning."""
+        if not self.distributed:
+            return super().build(builder)
+        self._check_offload()
+        try:
+            built = build_sharded(builder, self.env.world_size, self.env.rank)
+        except NotShardable as exc:
+            warnings.warn(f"fsdp: the model cannot be built shard by shard ({exc}): every rank builds it whole "
+                          "and then shards it, so its start-up holds the whole model", RuntimeWarning, stacklevel=2)
+            return super().build(builder)
+        model = built.model
+        self._attach(model)
+        self._shard(model)
+        built.load_into(model, torch.device("cpu") if self.options.get("cpu_offload") else self.env.device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        return model
+
     def wrap(self, model: nn.Module) -> nn.Module:
+        """Shard a model built whole (every rank starts from rank 0's parameters, broadcast first)."""
         self._attach(model)
         if not self.distributed:
             return model
-        world = self.env.world_size
+        self._check_offload()
+        self._broadcast_params()  # every rank shards the same full parameters
+        self._shard(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        return model
+
+    def _check_offload(self) -> None:
         if self.options.get("cpu_offload") and self.env.device.type == "cpu":
             raise ValueError("fsdp: cpu_offload needs an accelerator: FSDP2's CPUOffloadPolicy keeps the shards "
                              "in host memory and computes on the device (torch refuses it without one), and this "
                              "rank trains on the CPU. Fix: set cpu_offload: false, or give the trial GPUs")
-        self._broadcast_params()  # every rank shards the same full parameters
+
+    def _shard(self, model: nn.Module) -> None:
+        """``fully_shard`` on each unit and the root, every collective timed."""
+        world = self.env.world_size
         self._backend = str(dist.get_backend())
         kw: dict[str, Any] = {}
         policy = self.mp_policy()
@@ -162,8 +204,6 @@ class FSDP(Strategy):
                 module.set_custom_all_gather(_TimedAllGather(self.meter))
                 module.set_custom_reduce_scatter(_TimedReduceScatter(self.meter, factor))
         self._root = root
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        return model
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         return self._no_sync() if self._root is not None else contextlib.nullcontext()
@@ -203,24 +243,18 @@ class FSDP(Strategy):
 
         return ShardedGradScaler(self.env.device.type)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ranks": self.env.world_size}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        check_same_world("fsdp", state, self.env.world_size)
-
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._root is None:
-            return super().training_state(model, optimizer)
-        return sharded_state(model, optimizer)
+        return {}  # sharded: sharded_state
 
     def load_training_state(self, state: Mapping[str, Any], model: nn.Module,
                             optimizer: torch.optim.Optimizer) -> None:
-        if self._root is None:
-            super().load_training_state(state, model, optimizer)
-            return
-        load_sharded_state(state, model, optimizer)
+        """Nothing: the model and the optimizer came through ``sharded_template``."""
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        return sharded_items(model, optimizer)
+
+    def sharded_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedTemplate:
+        return ShardedTemplate(model, optimizer)
 
 
 def _padded_bytes(p: nn.Parameter, world: int) -> int:

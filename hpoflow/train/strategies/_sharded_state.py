@@ -1,19 +1,24 @@
-"""This rank's shard of a sharded model and optimizer, as plain tensors for a per-rank checkpoint.
+"""A sharded model's and optimizer's state for a checkpoint: ``fsdp`` and ``zero1`` through
+``torch.distributed.checkpoint`` (DCP; the ``dcp`` checkpoint format writes and reads it).
 
-``fsdp`` keeps parameters, gradients and optimizer state as ``DTensor`` shards. Its checkpoint state
-comes from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded, not gathered:
-``full_state_dict=False``), with every ``DTensor`` replaced by its local shard (``to_local()``), so it
-is plain tensors keyed by parameter name that ``hpoflow.train.checkpoint`` writes into this rank's
-file and reads back with ``torch.load(weights_only=True)``. Loading takes the state the model and
-optimizer have now as the template (``get_state_dict`` again: it also creates the optimizer's state
-if no step has run), rebuilds each ``DTensor`` from the saved shard with the template's mesh,
-placements, shape and stride, and hands the result to ``set_state_dict``. A shard whose shape is not
-the template's (another world size, another model) is refused with ``ValueError``.
+``sharded_items(model, optimizer)`` is this rank's part of the state as one flat mapping of names to
+tensors: ``model.<fqn>`` (``fsdp``: ``DTensor`` shards; ``zero1``: the replicated tensors, the same on
+every rank) and ``optimizer.<fqn>.<key>`` (each parameter's optimizer state under the parameter's name,
+``step`` included: ``fsdp``'s ``DTensor`` shards; ``zero1``: the parameters of this rank's share only),
+from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (``full_state_dict=False``). DCP
+writes each name once (a name several ranks hold from one of them; a ``DTensor`` each shard from its
+rank) with its whole shape, so a load may split it otherwise.
 
-Both functions are collectives where DCP's are (every rank calls them at the same point). A
-checkpoint format that writes DCP itself (``torch.distributed.checkpoint.save``) can take
-``get_state_dict``'s output directly: these two are the only places the trainer's sharded state goes
-through.
+``ShardedTemplate(model, optimizer)`` is what a resume reads into: the same names at this rank's
+sharding now (another world size reshards: DCP reads the part of each saved chunk that overlaps each
+local one), built on the first ``items()`` call with the optimizer's state created if no step has run
+(``get_state_dict``'s zero-gradient step at lr 0); ``apply()`` hands what was read to
+``set_state_dict``, and ``discard()`` drops a created optimizer state again when no checkpoint was read
+after all. The optimizer's parameter groups (learning rate, betas ...) are not saved: the built-in
+trainer sets them from the config at every epoch and step.
+
+These functions are local (no collective): the same calls work on 1 rank, where the model and the
+optimizer are plain ones, so a checkpoint of any world size resumes on any other.
 """
 
 from __future__ import annotations
@@ -24,63 +29,59 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
-__all__ = ["check_same_world", "load_sharded_state", "sharded_state"]
+__all__ = ["ShardedTemplate", "sharded_items"]
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
-def _local(tree: Any) -> Any:
-    """``tree`` with every DTensor replaced by this rank's shard."""
-    if isinstance(tree, DTensor):
-        return tree.to_local()
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_local(v) for v in tree)
-    return tree
+def _flat(tree: Mapping[str, Any], prefix: str, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of ``tree`` by dotted path (what is not a tensor is left out)."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            _flat(value, f"{prefix}{key}.", out)
+        elif isinstance(value, torch.Tensor):
+            out[f"{prefix}{key}"] = value
+    return out
 
 
-def _rebuild(saved: Any, template: Any, where: str) -> Any:
-    """``saved`` (local shards) as the template's DTensors; plain values as saved."""
-    if isinstance(template, DTensor):
-        if not isinstance(saved, torch.Tensor):
-            raise ValueError(f"checkpoint: {where} is {type(saved).__name__}, expected this rank's tensor shard")
-        local = template.to_local()
-        if tuple(saved.shape) != tuple(local.shape):
-            raise ValueError(
-                f"checkpoint: the shard of {where} has shape {tuple(saved.shape)}, but this rank's shard is "
-                f"{tuple(local.shape)} (written on another number of ranks or by another model). Fix: resume "
-                "with the same resources.processes and model, or delete the checkpoint directory to start over")
-        return DTensor.from_local(saved.to(local.device, local.dtype), template.device_mesh, template.placements,
-                                  run_check=False, shape=template.shape, stride=template.stride())
-    if isinstance(template, Mapping) and isinstance(saved, Mapping):
-        missing = sorted(str(k) for k in template if k not in saved)
-        if missing and all(isinstance(template[k], DTensor) for k in missing):
-            raise ValueError(f"checkpoint: {where} lacks {', '.join(missing[:5])}: written by another model")
-        return {k: _rebuild(v, template.get(k), f"{where}.{k}") for k, v in saved.items()}
-    return saved
+def _items(model_state: Mapping[str, Any], optim_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    out = _flat(model_state, "model.", {})
+    return _flat(optim_state.get("state", {}), "optimizer.", out)
 
 
-def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}``: this rank's shards, plain tensors keyed by parameter name."""
-    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
-    return {"model": _local(msd), "optimizer": _local(osd)}
+def sharded_items(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's part of the model's and the optimizer's state, flat by name (module docs)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    return _items(model_state, optim_state)
 
 
-def load_sharded_state(state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Restore ``sharded_state``'s output into the same sharding of the same model."""
-    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
-    set_state_dict(model, optimizer, model_state_dict=_rebuild(state["model"], msd, "model"),
-                   optim_state_dict=_rebuild(state["optimizer"], osd, "optimizer"), options=_OPTIONS)
+class ShardedTemplate:
+    """What a resume reads into, at this rank's current sharding (module docs)."""
 
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self._state: tuple[dict[str, Any], Any] | None = None
+        self._created = False
 
-def check_same_world(strategy: str, state: Mapping[str, Any], world: int) -> None:
-    """``ValueError`` (rule, values, fix) when a strategy state saved with ``"ranks"`` (its shards' world
-    size) is loaded into a trial of another world size."""
-    if int(state.get("ranks", world)) != world:
-        raise ValueError(
-            f"checkpoint: {strategy} state was sharded over {state.get('ranks')} ranks, but this trial has "
-            f"{world}. Fix: resume with the same resources.processes, or delete the checkpoint directory to "
-            "start over")
+    def items(self) -> dict[str, torch.Tensor]:
+        """The tensors to read, by name; reading into them (in place) fills the template."""
+        if self._state is None:
+            self._created = not self.optimizer.state
+            self._state = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        return _items(*self._state)
+
+    def apply(self) -> None:
+        """Load what was read into the model and the optimizer."""
+        if self._state is None:
+            raise RuntimeError("ShardedTemplate.apply() before items(): nothing was read")
+        model_state, optim_state = self._state
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=_OPTIONS)
+        self._created = False
+
+    def discard(self) -> None:
+        """No checkpoint was read: forget the optimizer state ``items()`` created (a fresh start)."""
+        if self._created:
+            self.optimizer.state.clear()
+        self._state, self._created = None, False

@@ -12,7 +12,9 @@ gradients are fp32 and all-reduced in fp32; ``reduce_dtype: bf16 | fp16`` all-re
 dtype instead (DDP's ``bf16_compress_hook`` / ``fp16_compress_hook``, as ``allreduce``'s
 ``compression``: ``r·2(p-1)/p·M`` with ``r`` the dtype's size over 4).
 
-Checkpoints hold the replicated model and this rank's local optimizer (its share's state).
+Checkpoints take the replicated model and this rank's share of the optimizer state by parameter name
+(``sharded``: ``_sharded_state``), written and read by ``torch.distributed.checkpoint`` (the ``dcp``
+format): at another world size each rank reads the state of its new share.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hpoflow.train.strategies._allreduce import AllReduce
-from hpoflow.train.strategies._sharded_state import check_same_world
+from hpoflow.train.strategies._sharded_state import ShardedTemplate, sharded_items
 
 __all__ = ["ZeRO1"]
 
@@ -35,6 +37,7 @@ class ZeRO1(AllReduce):
     """Options: ``bucket_cap_mb`` (DDP's buckets), ``reduce_dtype`` (fp32 | bf16 | fp16)."""
 
     name = "zero1"
+    sharded = True
 
     @property
     def compression(self) -> str:
@@ -74,23 +77,20 @@ class ZeRO1(AllReduce):
             return 0.0
         return super().theoretical_bytes_per_step() + self._broadcast_bytes(self._zero)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ranks": self.env.world_size}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        check_same_world("zero1", state, self.env.world_size)
+    def _local(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer over this rank's share (ZeRO's inner one), or ``optimizer`` on one rank."""
+        return self._zero.optim if self._zero is not None else optimizer
 
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The model (replicated) and this rank's local optimizer: the state of its share only."""
-        if self._zero is None:
-            return super().training_state(model, optimizer)
-        return {"model": model.state_dict(), "optimizer": self._zero.optim.state_dict()}
+        return {}  # sharded: sharded_state
 
     def load_training_state(self, state: Mapping[str, Any], model: nn.Module,
                             optimizer: torch.optim.Optimizer) -> None:
-        if self._zero is None:
-            super().load_training_state(state, model, optimizer)
-            return
-        model.load_state_dict(state["model"])
-        self._zero.optim.load_state_dict(state["optimizer"])
+        """Nothing: the model and the optimizer came through ``sharded_template``."""
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """The model (the same on every rank) and the optimizer state of this rank's share, by name."""
+        return sharded_items(model, self._local(optimizer))
+
+    def sharded_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedTemplate:
+        return ShardedTemplate(model, self._local(optimizer))
