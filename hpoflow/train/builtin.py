@@ -68,7 +68,7 @@ from hpoflow.train.precision import Precision
 from hpoflow.train.strategies import OptimizerLike, Strategy, StrategyEnv, make_strategy
 
 if TYPE_CHECKING:
-    from hpoflow.train.strategies._sharded_state import ShardedTemplate
+    from hpoflow.train.strategies import ShardedTemplate
 
 log = logging.getLogger(__name__)
 

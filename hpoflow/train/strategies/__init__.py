@@ -24,6 +24,7 @@ from hpoflow.train.strategies._parameter_server import ParameterServer
 
 if TYPE_CHECKING:
     from hpoflow.train.strategies._fsdp import FSDP
+    from hpoflow.train.strategies._sharded_state import ShardedTemplate
     from hpoflow.train.strategies._zero1 import ZeRO1
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "LocalSGD",
     "OptimizerLike",
     "ParameterServer",
+    "ShardedTemplate",
     "Strategy",
     "StrategyEnv",
     "ZeRO1",
@@ -42,7 +44,8 @@ __all__ = [
     "strategy_names",
 ]
 
-_LAZY = {"ZeRO1": "hpoflow.train.strategies._zero1", "FSDP": "hpoflow.train.strategies._fsdp"}
+_LAZY = {"ZeRO1": "hpoflow.train.strategies._zero1", "FSDP": "hpoflow.train.strategies._fsdp",
+         "ShardedTemplate": "hpoflow.train.strategies._sharded_state"}
 
 
 def __getattr__(name: str) -> Any:
