@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,22 @@ def kill_run_when(proc: subprocess.Popen[bytes], run_dir: Path, name: str, ready
 @pytest.fixture
 def tiny_spec() -> dict[str, Any]:
     return copy.deepcopy(TINY)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``mnt`` (made here) with ``options``, unmounted afterwards whatever happened;
+    skips the test where mounting is refused (not root, no CAP_SYS_ADMIN)."""
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True,
+                       check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def descendants() -> set[int]:

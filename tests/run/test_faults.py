@@ -24,6 +24,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from tests.conftest import mounted_tmpfs
 from tests.infra.postgres import PostgresServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,17 +156,8 @@ def test_an_outage_longer_than_storage_retry_s_stops_cleanly_and_the_resume_comp
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs (a file system that can fill), unmounted afterwards whatever happened; skips where
     mounting is refused (not root, no CAP_SYS_ADMIN)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mnt)], capture_output=True,
-                       text=True, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "size=4m,mode=0755") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def _fill(path: Path) -> None:

@@ -19,6 +19,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from hpoflow.run.storage import open_storage
+from tests.conftest import mounted_tmpfs
 
 
 def test_waiting_index_answers_like_optunas_scan(tmp_path: Path) -> None:
@@ -105,17 +106,8 @@ def _one_line(r: subprocess.CompletedProcess[str], code: int = 2) -> str:
 @pytest.fixture
 def read_only_dir(tmp_path: Path) -> Iterator[Path]:
     """A read-only tmpfs, unmounted afterwards; skips where mounting is refused (not root)."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True,
-                       text=True, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip() or r.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 @pytest.mark.parametrize("kind", ["directory", "device", "proc file", "read-only file system"])
