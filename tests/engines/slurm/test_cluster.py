@@ -131,20 +131,26 @@ def test_jobs_mode_runs_each_trial_as_its_own_batch_job_from_the_login_node(
         assert not list(trial_dir.rglob("*.store"))
 
 
+def _launched_study(cluster: SlurmCluster, spec: Path, data: dict[str, Any]) -> tuple[optuna.Study, str]:
+    """Write ``data`` to ``spec``, run it with ``hpoflow launch --nodes 2`` into ``run`` beside it, and
+    wait for the job, which must complete: the study and the job's output."""
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    run_dir = spec.parent / "run"
+    job = launch(cluster, spec, run_dir, "--nodes", "2")
+    info = wait_job(cluster, job)
+    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", out
+    return _study(run_dir), out
+
+
 def test_the_digits_example_runs_in_steps_mode(slurm_cluster: SlurmCluster) -> None:
     shared = slurm_cluster.shared_dir / "digits"
     data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     data["engine"] = "slurm"
     data["search"]["n_trials"] = 4
     data["training"]["epochs"] = 3
-    spec = shared / "digits.yaml"
-    shared.mkdir(parents=True, exist_ok=True)
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
-    job = launch(slurm_cluster, spec, shared / "run", "--nodes", "2")
-    info = wait_job(slurm_cluster, job)
-    out = (shared / "run" / "launch" / f"slurm-{job}.out").read_text()
-    assert info["JobState"] == "COMPLETED", out
-    study = _study(shared / "run")
+    study, out = _launched_study(slurm_cluster, shared / "digits.yaml", data)
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 4, out
     assert all(t.value is not None and t.value > 0.5 for t in study.trials)  # it learnt
     assert (shared / "run" / "trials.csv").exists() and (shared / "run" / "best.yaml").exists()
@@ -160,14 +166,7 @@ def test_the_plain_torchrun_script_runs_as_a_2_node_command_trial_in_steps_mode(
     data["training"]["command"][1] = str(ROOT / "examples" / "scripts" / "train_ddp.py")
     data["training"]["command"][-1] = "2"  # --epochs
     data["resources"]["nodes"] = 2
-    spec = shared / "ddp.yaml"
-    shared.mkdir(parents=True, exist_ok=True)
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
-    job = launch(slurm_cluster, spec, shared / "run", "--nodes", "2")
-    info = wait_job(slurm_cluster, job)
-    out = (shared / "run" / "launch" / f"slurm-{job}.out").read_text()
-    assert info["JobState"] == "COMPLETED", out
-    study = _study(shared / "run")
+    study, out = _launched_study(slurm_cluster, shared / "ddp.yaml", data)
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE], out
     trial_dir = shared / "run" / "trials" / "0"
     hosts = _rank_hosts(trial_dir)
