@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
     n = spec.search.n_trials
     ranks = f"{r.processes}-{r.elastic.max} process(es) per trial (elastic, {r.elastic.policy})" \
         if r.elastic is not None else f"{r.processes} process(es) per trial"
+    if 0 < r.gpus_per_process < 1:
+        ranks += f", each on a {r.gpus_per_process:g} share of a GPU"
     print(f"{args.spec}: valid — study {spec.study.name!r}, {len(spec.space)} parameters, "
           f"{spec.search.algorithm}, {n if n is not None else 'all grid'} trials, {ranks}, engine {spec.engine}")
     return 0

@@ -88,7 +88,7 @@ class TaskShape:
             raise ValueError(
                 f"resources.gpus_per_process: {gpus_per_process} shares a GPU between trials, but COMPSs gives a "
                 "task whole GPUs (its constraints count GPUs, and two tasks never share one). Fix: set "
-                "gpus_per_process: 1, or share GPUs with the local or slurm engine")
+                "gpus_per_process: 1, or share GPUs on one machine with the local engine")
         ppn = processes // nodes
         units, gpus = ppn * cpus_per_process, ppn * int(gpus_per_process)
         for need, have, what, key, per_node in ((units, node_cpus, "computing units", "cpus_per_process", "cpus"),
