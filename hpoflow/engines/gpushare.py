@@ -19,6 +19,7 @@ Standard library only: the local engine calls it for each rank it starts.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import stat
 import subprocess
@@ -49,8 +50,10 @@ def mps_running(environ: Mapping[str, str]) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=64)
 def gpu_memory_mib(gpu: GpuId) -> int | None:
-    """The GPU's memory in MiB as NVML reports it (``nvidia-smi``), or None where it cannot be read."""
+    """The GPU's memory in MiB as NVML reports it (``nvidia-smi``), or None where it cannot be read; asked
+    once per GPU (a driver's GPUs do not change their memory)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None

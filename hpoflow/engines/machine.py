@@ -70,8 +70,12 @@ def gpus_needed(request: TrialRequest) -> int:
 def check_fits(request: TrialRequest, n_cores: int, n_gpus: int, n_mig: int = 0) -> None:
     """Raise ``EngineError`` naming the numbers if a trial of this shape can never run here (``n_mig``: how
     many of the ``n_gpus`` are MIG instances, which a share of a GPU cannot use)."""
-    from hpoflow.spec import shares_per_gpu
+    from hpoflow.spec import share_error, shares_per_gpu
 
+    why = share_error(request.gpus_per_process)
+    if why:  # a request built in code, not from a spec (the spec refuses it first, at its key)
+        raise EngineError(f"resources.gpus_per_process {why}, but got {request.gpus_per_process}. Fix: use 0, a "
+                          "whole number, or a share 0.5, 0.25, 0.125, ...")
     need_c = request.processes * request.cpus_per_process
     need_g = gpus_needed(request)
     if need_c > n_cores:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hpoflow.spec._command import UNBOUNDED_EPOCHS, program, warm_target
 from hpoflow.spec._fingerprint import study_fingerprint
-from hpoflow.spec._gpus import shares_per_gpu
+from hpoflow.spec._gpus import share_error, shares_per_gpu
 from hpoflow.spec._load import (
     BUILTIN_MEASURES,
     BUILTIN_METRICS,
@@ -74,6 +74,7 @@ __all__ = [
     "program",
     "resolve_training",
     "search_dirs",
+    "share_error",
     "shares_per_gpu",
     "spec_from_mapping",
     "study_fingerprint",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from hpoflow.engines.compss.shape import TaskShape
-from hpoflow.engines.gpushare import mps_running, share_env
+from hpoflow.engines.gpushare import gpu_memory_mib, mps_running, share_env
 from hpoflow.engines.local import LocalEngine, plan_placement
 from hpoflow.engines.local._slots import all_free, give_back, take
 from hpoflow.engines.machine import check_fits
@@ -95,6 +95,8 @@ def test_capacity_checks_and_mig_instances_stay_whole() -> None:
         engine.close()
     with pytest.raises(EngineError, match=r"needs 3 different GPUs \(ranks of one trial never share a GPU\), but 2"):
         check_fits(shape(3, 0.5), 8, 2)
+    with pytest.raises(EngineError, match=r"gpus_per_process below 1 must be a share 1/k of one GPU .* but got 0.3"):
+        check_fits(shape(1, 0.3), 8, 2)
     with pytest.raises(EngineError, match=r"MIG instances, which stay whole.*Fix: set gpus_per_process: 1"):
         check_fits(shape(1, 0.5), 8, 1, n_mig=1)
     assert plan_placement(shape(1, 0.5), [0], [MIG]) is None
@@ -124,10 +126,12 @@ def test_with_an_mps_daemon_a_share_caps_threads_and_memory(mps_dir: Path, tmp_p
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     old = os.environ["PATH"]
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{old}"
+    gpu_memory_mib.cache_clear()  # asked once per GPU: this test's stand-in answers
     try:
         capped = share_env(0, Fraction(1, 4), env)
     finally:
         os.environ["PATH"] = old
+        gpu_memory_mib.cache_clear()
     assert capped == {"HPOFLOW_GPU_SHARE": "0.25", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
                       "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20389M"}
     assert share_env(0, Fraction(1, 4), {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) == {"HPOFLOW_GPU_SHARE": "0.25"}
