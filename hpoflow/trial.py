@@ -22,10 +22,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-__all__ = ["Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus",
-           "Verdict", "aggregate_usage", "describe_exit", "imports_torch", "needs_torch", "result_from_ranks"]
+__all__ = ["GPU_SHARE_ENV", "Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest",
+           "TrialResult", "TrialStatus", "Verdict", "aggregate_usage", "describe_exit", "imports_torch", "needs_torch",
+           "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
+
+GPU_SHARE_ENV = "HPOFLOW_GPU_SHARE"
+"""Set by an engine for a rank that shares its GPU with ranks of other trials: the share it may use
+(``0.25``; ``hpoflow.engines.gpushare``); the rank caps itself to it (``hpoflow.train.runner``)."""
 # How one rank ended: ok / pruned / error (an exception, sent by the rank itself), resized (an elastic
 # trial left at an epoch boundary, checkpointed, to be restarted by its engine with another number of
 # ranks), paused (the engine asked the trial to stop soon, e.g. before a walltime: it stopped at a step
@@ -47,7 +52,7 @@ class TrialRequest:
     trial_dir: str
     processes: int = 1
     cpus_per_process: int = 1
-    gpus_per_process: int = 0
+    gpus_per_process: float = 0  # a whole number, or a share 1/k of one GPU (hpoflow.spec.shares_per_gpu)
     nodes: int = 1
     timeout: float | None = None
     attempt: int = 0
@@ -84,7 +89,7 @@ class TrialRequest:
         return self.elastic_sizes[0] if self.elastic_sizes else self.processes
 
     @classmethod
-    def shape(cls, processes: int, cpus_per_process: int, gpus_per_process: int, nodes: int = 1, *,
+    def shape(cls, processes: int, cpus_per_process: int, gpus_per_process: float, nodes: int = 1, *,
               memory_gb: float = 0.0) -> TrialRequest:
         """A request that only describes a trial's resource shape (for capacity and fit checks)."""
         return cls(-1, {}, {}, "", "", "", processes, cpus_per_process, gpus_per_process, nodes, memory_gb=memory_gb)
@@ -102,7 +107,7 @@ class TrialRequest:
         return cls(**data)
 
 
-def needs_torch(function: str | None, processes: int, gpus_per_process: int,
+def needs_torch(function: str | None, processes: int, gpus_per_process: float,
                 python_path: tuple[str, ...] | list[str] = (), *, command: bool = False, warm: bool = False) -> bool:
     """Whether a trial's ranks want a worker with torch already imported: the built-in trainer
     (``function`` None), a process group (several ranks), a GPU, or a user function whose code will

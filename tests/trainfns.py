@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,6 +81,27 @@ def env_probe(ctx: TrialContext) -> dict[str, float]:
     )
     if ctx.distributed:
         dist.barrier()
+    return {"ok": 1.0}
+
+
+def share_probe(ctx: TrialContext) -> dict[str, float]:
+    """Four trials sharing a GPU meet: each writes ``arrived<trial>`` into ``options.meet`` and waits (up to
+    ``options.wait_s``) until ``options.trials`` have arrived, so it only finishes if they all ran at once;
+    then writes ``share.json`` (its GPU environment and how many it saw arrive) in its trial directory."""
+    import json
+
+    meet = Path(str(ctx.options["meet"]))
+    (meet / f"arrived{ctx.trial_number}").write_text(str(time.time()))
+    want, deadline = int(ctx.options.get("trials", 4)), time.monotonic() + float(ctx.options.get("wait_s", 90))
+    while len(list(meet.glob("arrived*"))) < want:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(meet.glob('arrived*')))} of {want} trials ran at once")
+        time.sleep(0.05)
+    info: dict[str, Any] = {k: os.environ.get(k) for k in (
+        "CUDA_VISIBLE_DEVICES", "HPOFLOW_GPU_SHARE", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")}
+    info["arrived"] = len(list(meet.glob("arrived*")))
+    (ctx.trial_dir / "share.json").write_text(json.dumps(info))
     return {"ok": 1.0}
 
 

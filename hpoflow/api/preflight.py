@@ -3,15 +3,17 @@ and writing nothing, so ``hpoflow validate`` says what ``hpoflow run`` would ref
 
 from __future__ import annotations
 
+import itertools
+
 from hpoflow.engines import check_fit
 from hpoflow.errors import Issue, SpecError
 from hpoflow.run.open import study_url
 from hpoflow.run.storage import check_storage_path
 from hpoflow.search.preflight import check_search
-from hpoflow.spec import StudySpec, env_int, key_lines, resolve_training
+from hpoflow.spec import StudySpec, env_int, extremes, key_lines, placeholders, resolve_training, shares_per_gpu
 from hpoflow.trial import TrialRequest
 
-__all__ = ["check_runnable"]
+__all__ = ["check_runnable", "check_share"]
 
 
 def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, engine: bool = True) -> None:
@@ -41,3 +43,41 @@ def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, e
             raise SpecError([Issue("oracle.cluster", str(exc).replace("--cluster", "it"),
                                    lines.get(("oracle", "cluster")), source)]) from None
     check_search(spec, source, lines)
+
+
+_MAX_SHARE_CHECKS = 64  # trials the oracle judges for validate's share check (the extremes of the parameters)
+
+
+def check_share(spec: StudySpec, text: str = "", source: str = "<spec>") -> None:
+    """``hpoflow validate``'s check of a GPU share (a run leaves it to the oracle's precheck, which judges each
+    trial in its own process: the driver imports no torch). With a share ``1/k`` of a GPU per rank
+    (``resources.gpus_per_process: 0.25``) and the oracle on, some trial of the study must fit the share:
+    the oracle judges the trials at the extremes of the parameters the training config uses (its precheck
+    then refuses each trial that does not fit, as it runs). A ``SpecError`` at
+    ``resources.gpus_per_process`` when none fits. Built-in trainer only."""
+    lines = key_lines(text) if text and source != "<spec>" else {}
+    r = spec.resources
+    if not spec.oracle.enabled or not shares_per_gpu(r.gpus_per_process):
+        return
+    if not resolve_training(spec.training, {}).builtin:
+        return
+    from hpoflow.oracle import check_trial, load_cluster
+
+    cluster = load_cluster(spec.oracle.cluster) if spec.oracle.cluster else None
+    used = sorted({name for _, name in placeholders(dict(spec.training)) if name in spec.space})
+    smallest: tuple[float, str] | None = None
+    for values in itertools.islice(itertools.product(*(extremes(spec.space[n]) for n in used)), _MAX_SHARE_CHECKS):
+        try:
+            config = resolve_training(spec.training, dict(zip(used, values, strict=True))).model_dump(mode="json")
+        except ValueError:  # a combination the spec's own checks refuse: no trial is made of it
+            continue
+        verdict = check_trial({k: v for k, v in config.items() if v is not None}, r.processes, r.gpus_per_process,
+                              cluster)
+        if verdict.feasible:
+            return
+        need = float(verdict.predicted.get("memory_per_device_bytes") or 0.0)
+        if smallest is None or need < smallest[0]:
+            smallest = (need, verdict.reason)
+    if smallest is not None:
+        raise SpecError([Issue("resources.gpus_per_process", f"no trial of this study fits its share of a GPU; "
+                               f"the smallest: {smallest[1]}", lines.get(("resources", "gpus_per_process")), source)])

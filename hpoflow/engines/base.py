@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -61,11 +62,13 @@ __all__ = [
 @dataclass(frozen=True)
 class Placement:
     """Where one rank of a trial runs on this machine: cores and GPUs it may use (GPU indices or UUIDs, as
-    ``CUDA_VISIBLE_DEVICES`` names them: ``hpoflow.engines.machine.GpuId``)."""
+    ``CUDA_VISIBLE_DEVICES`` names them: ``hpoflow.engines.machine.GpuId``); ``share``: the part of its one
+    GPU the rank may use when it shares the GPU with ranks of other trials (None: its GPUs are whole)."""
 
     rank: int
     cores: tuple[int, ...]
     gpus: tuple[GpuId, ...] = ()
+    share: Fraction | None = None
 
 
 class Engine(abc.ABC):

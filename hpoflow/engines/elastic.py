@@ -20,6 +20,7 @@ Built in (HyperSched's idea, SoCC 2019: give the idle resources to the trial mos
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -156,7 +157,7 @@ class ElasticBook:
         epochs = None if request.train.get("function") else request.train.get("epochs")
         self.add(request.number, request.elastic_sizes, request.cpus_per_process, request.elastic_policy,
                  request.processes, epochs if isinstance(epochs, int) else None, now, nodes=request.nodes,
-                 gpus_per_rank=request.gpus_per_process)
+                 gpus_per_rank=math.ceil(request.gpus_per_process))  # a share of a GPU: a GPU of its own
 
     def remove(self, number: int) -> None:
         self._trials.pop(number, None)

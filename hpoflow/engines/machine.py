@@ -1,6 +1,7 @@
 """What this machine offers a trial: its usable CPU cores and GPUs, and whether a trial shape fits.
 
-Standard library only (no torch import): the driver, ``hpoflow validate``, the local engine and the
+Standard library only (no torch import; ``hpoflow.spec``, for what a GPU share is, only once a trial's
+shape is checked): the driver, ``hpoflow validate``, the local engine and the
 COMPSs node launcher all detect the machine through this one module.
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from hpoflow.errors import EngineError
 from hpoflow.trial import TrialRequest
 
-__all__ = ["GpuId", "check_fits", "detect_gpus", "machine_cores", "parse_visible_devices"]
+__all__ = ["GpuId", "check_fits", "detect_gpus", "gpus_needed", "machine_cores", "parse_visible_devices"]
 
 GpuId = int | str
 """A GPU as ``CUDA_VISIBLE_DEVICES`` names it: an index (``0``), or a GPU or MIG instance UUID (``GPU-...``,
@@ -57,19 +58,49 @@ def machine_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def check_fits(request: TrialRequest, n_cores: int, n_gpus: int) -> None:
-    """Raise ``EngineError`` naming the numbers if a trial of this shape can never run here."""
+def gpus_needed(request: TrialRequest) -> int:
+    """Distinct GPUs a trial takes: ``processes x gpus_per_process``; with a share ``1/k`` of a GPU per rank,
+    one GPU per rank (the ranks of one trial never share a GPU: NCCL refuses two ranks on one device)."""
+    from hpoflow.spec import shares_per_gpu
+
+    return request.processes if shares_per_gpu(request.gpus_per_process) else \
+        request.processes * int(request.gpus_per_process)
+
+
+def check_fits(request: TrialRequest, n_cores: int, n_gpus: int, n_mig: int = 0) -> None:
+    """Raise ``EngineError`` naming the numbers if a trial of this shape can never run here (``n_mig``: how
+    many of the ``n_gpus`` are MIG instances, which a share of a GPU cannot use)."""
+    from hpoflow.spec import share_error, shares_per_gpu
+
+    why = share_error(request.gpus_per_process)
+    if why:  # a request built in code, not from a spec (the spec refuses it first, at its key)
+        raise EngineError(f"resources.gpus_per_process {why}, but got {request.gpus_per_process}. Fix: use 0, a "
+                          "whole number, or a share 0.5, 0.25, 0.125, ...")
     need_c = request.processes * request.cpus_per_process
-    need_g = request.processes * request.gpus_per_process
+    need_g = gpus_needed(request)
     if need_c > n_cores:
         raise EngineError(
             f"resources: a trial needs processes x cpus_per_process = {request.processes} x "
             f"{request.cpus_per_process} = {need_c} cores, but this machine gives {n_cores}. "
             "Fix: lower resources.processes or resources.cpus_per_process"
         )
+    if not shares_per_gpu(request.gpus_per_process):
+        if need_g > n_gpus:
+            raise EngineError(
+                f"resources: a trial needs processes x gpus_per_process = {request.processes} x "
+                f"{request.gpus_per_process} = {need_g} GPUs, but {n_gpus} are visible here. Fix: lower "
+                "resources.gpus_per_process, or set it to 0 to train on CPUs"
+            )
+        return
+    if n_mig:
+        raise EngineError(
+            f"resources.gpus_per_process: {request.gpus_per_process} shares a GPU, but {n_mig} of the GPUs here are "
+            "MIG instances, which stay whole (a MIG instance is a partition of a GPU already). Fix: set "
+            "gpus_per_process: 1 to give each rank one MIG instance, or share GPUs that are not partitioned"
+        )
     if need_g > n_gpus:
         raise EngineError(
-            f"resources: a trial needs processes x gpus_per_process = {request.processes} x "
-            f"{request.gpus_per_process} = {need_g} GPUs, but {n_gpus} are visible here. Fix: lower "
-            "resources.gpus_per_process, or set it to 0 to train on CPUs"
+            f"resources: a trial of {request.processes} ranks with a share ({request.gpus_per_process}) of a GPU "
+            f"each needs {need_g} different GPUs (ranks of one trial never share a GPU), but {n_gpus} are visible "
+            "here. Fix: lower resources.processes, or set gpus_per_process to 0 to train on CPUs"
         )

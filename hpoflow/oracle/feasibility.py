@@ -20,6 +20,7 @@ from hpoflow.oracle.facts import ModelFacts, model_facts
 from hpoflow.oracle.model import Plan, Prediction, predict
 from hpoflow.oracle.plan import CHECKPOINTING
 from hpoflow.registry import STRATEGIES, PluginError
+from hpoflow.spec import shares_per_gpu
 from hpoflow.train import data
 from hpoflow.trial import Verdict
 
@@ -51,17 +52,18 @@ def _checkpointing(train: Mapping[str, Any]) -> str:
     return str(value) if str(value) in CHECKPOINTING else "none"
 
 
-def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
+def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: float,
                 cluster: ClusterSpec | None) -> Verdict:
     """Judge a trial of the built-in trainer (keys ``model``, ``model_options``, ``dataset``,
     ``val_fraction``, ``batch_size`` per rank, ``optimizer``, ``momentum``, ``epochs``, ``strategy``,
     ``strategy_options``, ``precision``, ``activation_checkpointing``) on ``processes`` ranks.
 
     With no cluster, the ``laptop`` preset is used. Infeasible when the memory per device exceeds
-    the device's memory. A sharded trial (``zero1``, ``fsdp``) that fits only because it is sharded
-    is feasible and the reason says so, with what a replicated copy would need. A trial the oracle
-    cannot model (user model without shape, unknown dataset) is reported feasible with the reason,
-    so the oracle never blocks what it can't judge.
+    the device's memory, or, for a rank given a share ``1/k`` of a GPU (``gpus_per_process: 0.25``),
+    that share of the device's memory (the cap the rank runs under). A sharded trial (``zero1``,
+    ``fsdp``) that fits only because it is sharded is feasible and the reason says so, with what a
+    replicated copy would need. A trial the oracle cannot model (user model without shape, unknown
+    dataset) is reported feasible with the reason, so the oracle never blocks what it can't judge.
     """
     spec = cluster or load_cluster(PRESETS["laptop"])
     model = str(train.get("model", "mlp"))
@@ -70,7 +72,8 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
         strategy = strategy_plan(str(train.get("strategy", "allreduce")), train.get("strategy_options") or {})
     except (ValueError, TypeError, PluginError) as exc:
         return Verdict(True, f"not checked: {exc}")
-    ranks = max(1, processes) * max(1, gpus_per_process)
+    share = 1 / shares_per_gpu(gpus_per_process) if shares_per_gpu(gpus_per_process) else 1.0
+    ranks = max(1, processes) * max(1, int(gpus_per_process))
     try:
         plan = Plan(batch_size=int(train.get("batch_size", 32)),
                     devices=min(ranks, spec.total_devices),
@@ -85,6 +88,18 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
     except OracleError as exc:
         return Verdict(True, f"not checked: {exc}")
     per_device = f"{pred.memory_per_device_bytes / _GIB:.3f} GiB of {pred.memory_available_bytes / _GIB:.2f} GiB"
+    if share < 1 and pred.fits and pred.memory_per_device_bytes > share * pred.memory_available_bytes:
+        return Verdict(
+            False,
+            f"memory per rank must fit its share of the GPU: trial needs {_size(pred.memory_per_device_bytes)} "
+            f"per rank for model {model!r} at batch_size {plan.batch_size}, but a {gpus_per_process:g} share "
+            f"(gpus_per_process) of {spec.device.name} is {_size(share * pred.memory_available_bytes)} of "
+            f"{_size(pred.memory_available_bytes)}. Fix: give each rank a larger share or a whole GPU, or a "
+            "smaller batch or model",
+            pred.to_dict(),
+        )
+    if share < 1:
+        per_device += f" ({gpus_per_process:g} share: {_size(share * pred.memory_available_bytes)})"
     if not pred.fits:
         return Verdict(
             False,
@@ -105,6 +120,11 @@ def check_trial(train: Mapping[str, Any], processes: int, gpus_per_process: int,
                              f"(allreduce) it would need {replicated.memory_per_device_bytes / _GIB:.2f} GiB",
                        pred.to_dict())
     return Verdict(True, f"fits: {per_device} per device", pred.to_dict())
+
+
+def _size(n: float) -> str:
+    """Bytes for a message: GiB, or MiB below one GiB (a share of a small device)."""
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.1f} MiB"
 
 
 def _replicated(facts: ModelFacts, cluster: ClusterSpec, plan: Plan) -> Prediction | None:

@@ -85,7 +85,7 @@ class OraclePrecheck:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
-    def _ask(self, train: dict[str, Any], processes: int, gpus: int) -> Verdict:
+    def _ask(self, train: dict[str, Any], processes: int, gpus: float) -> Verdict:
         while self._broken is None:
             if self._stopping:
                 return Verdict(True, "not checked: the study is stopping", {})

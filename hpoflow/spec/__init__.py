@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from hpoflow.spec._command import UNBOUNDED_EPOCHS, program, warm_target
 from hpoflow.spec._fingerprint import study_fingerprint
+from hpoflow.spec._gpus import share_error, shares_per_gpu
 from hpoflow.spec._load import (
     BUILTIN_MEASURES,
     BUILTIN_METRICS,
     env_int,
+    extremes,
     import_plugins,
     key_lines,
     load_spec,
@@ -60,6 +62,7 @@ __all__ = [
     "TrackingSpec",
     "TrainConfig",
     "env_int",
+    "extremes",
     "import_plugins",
     "in_memory_storage",
     "key_lines",
@@ -71,6 +74,8 @@ __all__ = [
     "program",
     "resolve_training",
     "search_dirs",
+    "share_error",
+    "shares_per_gpu",
     "spec_from_mapping",
     "study_fingerprint",
     "unprintable",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hpoflow.spec._load import _candidates, resolve_training
+from hpoflow.spec._load import extremes, resolve_training
 from hpoflow.spec._models import StudySpec, parse_constraint, placeholders
 
 __all__ = ["study_fingerprint"]
@@ -57,13 +57,13 @@ def study_fingerprint(spec: StudySpec) -> dict[str, Any]:
 
 def _training(spec: StudySpec) -> dict[str, Any]:
     """``training``'s settings, with the keys that depend on the trial's parameters as written. Each
-    parameter used takes each of the values the spec's validation tried (``_candidates``) in turn."""
+    parameter used takes each of the values the spec's validation tried (``extremes``) in turn."""
     written = spec.training
-    base = {name: _candidates(p)[0] for name, p in spec.space.items()}
+    base = {name: extremes(p)[0] for name, p in spec.space.items()}
     first = resolve_training(written, base).settings()
     varies = {str(path[0]) for path, _ in placeholders(written)}
     for name in dict.fromkeys(n for _, n in placeholders(written)):
-        for value in _candidates(spec.space[name])[1:]:
+        for value in extremes(spec.space[name])[1:]:
             other = resolve_training(written, {**base, name: value}).settings()
             varies.update(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
     out = {k: v for k, v in first.items() if k not in varies}

@@ -40,6 +40,7 @@ __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
     "env_int",
+    "extremes",
     "import_plugins",
     "key_lines",
     "load_spec",
@@ -177,8 +178,9 @@ def resolve_training(training: Mapping[str, Any], params: Mapping[str, Any]) -> 
     return TrainConfig.model_validate(out)
 
 
-def _candidates(param: Param) -> list[Any]:
-    """Values a parameter can take at its extremes: enough to type-check where it is used."""
+def extremes(param: Param) -> list[Any]:
+    """Values a parameter can take at its extremes: enough to type-check where it is used (and to find the
+    smallest trial of a study: ``hpoflow validate``'s check of a GPU share)."""
     if isinstance(param, CategoricalParam):
         return list(param.choices)
     return [param.low, param.high]
@@ -246,7 +248,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
             continue
         used.setdefault(pname, []).append(path)
     if not any(i.path.startswith("training") for i in issues):
-        base: dict[str, Any] = {n: _candidates(p)[0] for n, p in spec.space.items()}
+        base: dict[str, Any] = {n: extremes(p)[0] for n, p in spec.space.items()}
         try:
             resolve_training(spec.training, base)
         except ValidationError as exc:
@@ -261,7 +263,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
         else:
             # The base values fit; now each used parameter's other extreme, one at a time.
             for pname in used:
-                for value in _candidates(spec.space[pname])[1:]:
+                for value in extremes(spec.space[pname])[1:]:
                     try:
                         resolve_training(spec.training, {**base, pname: value})
                     except ValidationError as exc:
@@ -271,7 +273,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
                         break
     if issues:
         return issues
-    train = resolve_training(spec.training, {n: _candidates(p)[0] for n, p in spec.space.items()})
+    train = resolve_training(spec.training, {n: extremes(p)[0] for n, p in spec.space.items()})
     if train.command is not None:
         for loc, msg in _command_problems(spec, train.command):
             add(loc, msg)

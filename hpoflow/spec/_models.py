@@ -33,6 +33,7 @@ from hpoflow.registry import (
     is_class_path,
 )
 from hpoflow.spec._command import UNBOUNDED_EPOCHS, command_argv
+from hpoflow.spec._gpus import share_error
 from hpoflow.spec._yaml import MAX_ITEMS as MAX_CHOICES
 
 __all__ = [
@@ -734,7 +735,11 @@ class ResourcesSpec(_Strict):
     elastic: ElasticRange | None = Field(
         default=None, description="Set from processes: {min, max}: the elastic sizes and policy.")
     cpus_per_process: int = Field(default=1, ge=1)
-    gpus_per_process: int = Field(default=0, ge=0)
+    gpus_per_process: int | float = Field(
+        default=0, description="GPUs per rank: 0 (CPU ranks), a whole number, or a share 1/k of one GPU (0.5, "
+                               "0.25, ...: k ranks of different trials share the GPU, each capped to its share; "
+                               "the ranks of one trial are on different GPUs). Local and slurm (gres/shard) "
+                               "engines; MIG instances are never shared.")
     nodes: int = Field(default=1, ge=1, description="Nodes one trial spans (compss and slurm engines).")
     memory_gb: float | None = Field(
         default=None, gt=0, description="Host memory per rank in GB. The slurm engine asks each step for it "
@@ -763,6 +768,18 @@ class ResourcesSpec(_Strict):
                                           "max: 8} (optional policy)", {"at": at, "msg": err["msg"]}) from None
             data = {**data, "processes": rng.min, "elastic": rng}
         return data
+
+    @field_validator("gpus_per_process")
+    @classmethod
+    def _check_gpus(cls, v: int | float) -> int | float:
+        why = share_error(v)
+        if why:
+            k = round(1 / v) if 0 < v < 1 else 0
+            fix = (f"use 1/{k} = {1 / k:.4g}, or a whole number" if 1 < k <= 64
+                   else "use 0, a whole number, or a share 0.5, 0.25, 0.125, ... (at least 1/64)")
+            raise PydanticCustomError("bad_gpus", "gpus_per_process {why}, but got {v}. Fix: {fix}",
+                                      {"why": why, "v": v, "fix": fix})
+        return int(v) if float(v).is_integer() else v
 
     @model_validator(mode="after")
     def _elastic_matches(self) -> ResourcesSpec:

@@ -41,7 +41,7 @@ from hpoflow.spec import TrainConfig, import_plugins
 from hpoflow.train.context import PauseRequest, TrialContext, metric_dict, real_number
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.train.usage import UsageSampler
-from hpoflow.trial import RankJob, RankOutcome, TrialRequest
+from hpoflow.trial import GPU_SHARE_ENV, RankJob, RankOutcome, TrialRequest
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,38 @@ def _usage(sampler: UsageSampler, req: TrialRequest, rank: int) -> dict[str, flo
     return summary
 
 
+def _cap_gpu_share(req: TrialRequest, rank: int, use_cuda: bool) -> None:
+    """A rank that shares its GPU with ranks of other trials (its engine set ``HPOFLOW_GPU_SHARE``)
+    keeps to its share: where MPS limits its memory (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, set by the
+    engine) that is the cap; otherwise torch's caching allocator is capped to the share of device 0 (the
+    rank's one GPU). Without CUDA in this process (a CPU stand-in GPU) nothing is applied. What was
+    applied goes to the rank log and to ``gpu_share_rank<r>.json`` in the trial directory."""
+    text = os.environ.get(GPU_SHARE_ENV)
+    if not text:
+        return
+    share = float(text)
+    mps_memory = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    if mps_memory:
+        applied = "mps"
+    elif use_cuda:
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(share, 0)
+        applied = "torch"
+    else:
+        applied = "none: CUDA is not available in this process"
+    record = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "share": share,
+              "memory_fraction": None if mps_memory else share, "applied": applied,
+              "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+              "mps_pinned_device_mem_limit": mps_memory}
+    log.info("rank %d: a %g share of GPU %s, capped by %s", rank, share, record["cuda_visible_devices"], applied)
+    try:
+        Path(req.trial_dir).mkdir(parents=True, exist_ok=True)
+        (Path(req.trial_dir) / f"gpu_share_rank{rank}.json").write_text(json.dumps(record))
+    except OSError as exc:
+        log.warning("rank %d: gpu_share_rank%d.json not written: %s", rank, rank, exc)
+
+
 def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     """Run one rank to the end. Exceptions in training become an ``error`` outcome."""
     log_to_stderr()
@@ -206,6 +238,8 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     pause = PauseRequest()
     old_usr1 = _on_pause_signal(pause)
     try:
+        if not command:  # a command trial's program gets only the engine's MPS limits (its environment)
+            _cap_gpu_share(req, job.rank, use_cuda)
         failed = import_plugins(req.plugins, req.python_path)
         if failed:
             raise ImportError(failed[0][1])

@@ -8,6 +8,7 @@ joins its arguments into a command line) quotes every element with ``shlex.quote
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import socket
@@ -365,7 +366,8 @@ def launcher_argv(launcher: str, hosts: Sequence[str], ppn: int, request: TrialR
     if launcher not in LAUNCHERS:
         raise ValueError(LAUNCHERS.unknown(launcher))
     args = {"srun": srun_args, "mpirun": mpirun_args, "ssh": ssh_args}.get(launcher, ())
-    job = LaunchJob(tuple(hosts), ppn * request.cpus_per_process, ppn * request.gpus_per_process,
+    # (cluster engines give whole GPUs: slurm and compss refuse a share of one before a trial starts)
+    job = LaunchJob(tuple(hosts), ppn * request.cpus_per_process, ppn * math.ceil(request.gpus_per_process),
                     python or sys.executable, job_path, tuple(args), pythonpath)
     argv: list[list[str]] = LAUNCHERS.get(launcher)(job)
     return argv

@@ -71,20 +71,26 @@ class TaskShape:
             raise ValueError(f"TaskShape.memory_gb must be >= 1, but got {self.memory_gb}")
 
     @classmethod
-    def of(cls, processes: int, cpus_per_process: int, gpus_per_process: int, nodes: int,
+    def of(cls, processes: int, cpus_per_process: int, gpus_per_process: float, nodes: int,
            timeout: float | None, *, time_out_grace_s: float = 0.0, memory_gb: int | None = None,
            node_cpus: int | None = None, node_gpus: int | None = None) -> TaskShape:
         """The shape of a trial with these resources. ``node_cpus``/``node_gpus``: one worker's computing
         units and GPUs, when known: a node's share must fit them, and a multi-node trial asks for all of
         a worker's computing units on each of its nodes (see the module docstring). ``ValueError`` if the
-        processes do not split over the nodes or a node's share does not fit a worker."""
+        processes do not split over the nodes, a node's share does not fit a worker, or a rank asks for a share
+        of a GPU (COMPSs constraints are whole GPUs)."""
         if nodes < 1 or processes % nodes:
             raise ValueError(
                 f"resources.processes must be a multiple of resources.nodes (each node runs the same "
                 f"number of ranks), but got processes={processes}, nodes={nodes}. Fix: set processes to "
                 f"{nodes * max(1, processes // max(1, nodes))} or change nodes")
+        if not float(gpus_per_process).is_integer():
+            raise ValueError(
+                f"resources.gpus_per_process: {gpus_per_process} shares a GPU between trials, but COMPSs gives a "
+                "task whole GPUs (its constraints count GPUs, and two tasks never share one). Fix: set "
+                "gpus_per_process: 1, or share GPUs on one machine with the local engine")
         ppn = processes // nodes
-        units, gpus = ppn * cpus_per_process, ppn * gpus_per_process
+        units, gpus = ppn * cpus_per_process, ppn * int(gpus_per_process)
         for need, have, what, key, per_node in ((units, node_cpus, "computing units", "cpus_per_process", "cpus"),
                                                 (gpus, node_gpus, "GPUs", "gpus_per_process", "gpus")):
             if have is not None and need > have:

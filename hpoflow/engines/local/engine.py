@@ -6,7 +6,10 @@ no fork per trial) and reset what a trial may change in between (see ``_worker``
 for trials that need no torch while the preload is not done yet.
 Placement: CPU cores and GPU ids are slots; a trial takes ``processes * cpus_per_process`` cores
 and ``processes * gpus_per_process`` GPUs, each rank pinned to its cores with its own
-``CUDA_VISIBLE_DEVICES`` and thread count. Nothing is oversubscribed.
+``CUDA_VISIBLE_DEVICES`` and thread count. Nothing is oversubscribed. A share ``1/k`` of a GPU per rank
+(``gpus_per_process: 0.25``) is a slot too: ``k`` ranks of different trials share one GPU, each capped to
+its share (``hpoflow.engines.gpushare``); the ranks of one trial are on different GPUs, and MIG
+instances are never shared.
 Robustness: each worker leads its own process group; a rank that raises, dies (signal, OOM kill) or
 outlives the trial's timeout fails the whole trial; workers of ranks that did not finish are killed
 with their whole tree and replaced.
@@ -32,16 +35,17 @@ from typing import Any
 
 from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.elastic import ElasticBook, Segments
+from hpoflow.engines.gpushare import is_mig, share_env
 from hpoflow.engines.local._pool import Worker, WorkerPool
 from hpoflow.engines.local._slots import RunningTrial as _Trial
-from hpoflow.engines.local._slots import give_back, plan_placement
+from hpoflow.engines.local._slots import all_free, give_back, plan_placement, take
 from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.logcap import LogPump, cap_bytes
-from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, machine_cores
+from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, gpus_needed, machine_cores
 from hpoflow.engines.proc import describe_exit, tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
-from hpoflow.spec import warm_target
+from hpoflow.spec import shares_per_gpu, warm_target
 from hpoflow.train.rendezvous import private_dir, remove_private_dir, store_path, sweep_private_dirs
 from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
 
@@ -97,7 +101,7 @@ class LocalEngine(Engine):
         self.cores = machine_cores() if cores is None else list(cores)
         self.gpus: list[GpuId] = detect_gpus() if gpus is None else list(gpus)
         self.free_cores = list(self.cores)
-        self.free_gpus = list(self.gpus)
+        self.free_gpus = all_free(self.gpus)  # how much of each GPU is free (shares of a GPU: fractions)
         self.pg_timeout_s = pg_timeout_s
         try:
             cap = cap_bytes()
@@ -120,9 +124,14 @@ class LocalEngine(Engine):
         if request.nodes > 1:  # one machine
             return 0
         need_c = request.processes * request.cpus_per_process
-        need_g = request.processes * request.gpus_per_process
+        need_g = gpus_needed(request)
         by_cpu = len(self.cores) // need_c
-        by_gpu = len(self.gpus) // need_g if need_g else by_cpu
+        k = shares_per_gpu(request.gpus_per_process)
+        if k:  # each rank a share of a different GPU: k shares of each GPU, spread over the trials
+            shareable = sum(1 for g in self.gpus if not is_mig(g))
+            by_gpu = shareable * k // request.processes if shareable >= request.processes else 0
+        else:
+            by_gpu = len(self.gpus) // need_g if need_g else by_cpu
         return min(by_cpu, by_gpu)
 
     @classmethod
@@ -140,7 +149,7 @@ class LocalEngine(Engine):
                        "visible GPUs, from CUDA_VISIBLE_DEVICES or else the NVIDIA driver")
         cores = options.cores if options.cores is not None else usable
         gpus = options.gpus if options.gpus is not None else visible
-        check_fits(request, len(cores), len(gpus))
+        check_fits(request, len(cores), len(gpus), sum(1 for g in gpus if is_mig(g)))
         try:
             cap_bytes()  # the engine refuses to start with a rank log cap it cannot read
         except ValueError as exc:
@@ -149,11 +158,11 @@ class LocalEngine(Engine):
     def submit(self, request: TrialRequest) -> None:
         if self._closed:
             raise EngineError("the engine is closed")
-        check_fits(request, len(self.cores), len(self.gpus))
+        check_fits(request, len(self.cores), len(self.gpus), sum(1 for g in self.gpus if is_mig(g)))
         placement = plan_placement(request, self.free_cores, self.free_gpus)
         if placement is None:
             if request.processes * request.cpus_per_process <= len(self.free_cores) + self._lent_cores() \
-                    and request.processes * request.gpus_per_process <= len(self.free_gpus):
+                    and plan_placement(replace(request, cpus_per_process=0), [], self.free_gpus) is not None:
                 self._queued.append(request)  # elastic trials give the cores back at their next epoch end
                 return
             raise EngineError(
@@ -174,8 +183,7 @@ class LocalEngine(Engine):
         for p in placement:
             for c in p.cores:
                 self.free_cores.remove(c)
-            for g in p.gpus:
-                self.free_gpus.remove(g)
+        take(self.free_gpus, placement)
         trial_dir = Path(request.trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
         if request.processes > 1 and not self._rendezvous:
@@ -221,6 +229,8 @@ class LocalEngine(Engine):
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.gpus)
                     if p.gpus:
                         w.gpus = p.gpus
+                    if p.share is not None:  # shared with ranks of other trials: capped to its share
+                        env.update(share_env(p.gpus[0], p.share, os.environ))
                 job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", 0, threads,
                               self.pg_timeout_s, store)
                 w.trial, w.rank = request.number, p.rank

@@ -269,7 +269,7 @@ class Allocation:
         for i, cpus in enumerate(self.cpus):
             shares = [cpus // (ppn * rank_cpus)]
             if request.gpus_per_process:
-                shares.append(self.gpus_per_node // (ppn * request.gpus_per_process))
+                shares.append(self.gpus_per_node // (ppn * math.ceil(request.gpus_per_process)))
             if self.memory_mb and rank_mb:
                 shares.append(self.memory_mb[i] // (ppn * rank_mb))
             per_node.append(min(shares))

@@ -620,6 +620,11 @@ def _check_shape(request: TrialRequest) -> None:
         processes_per_node(request)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
+    if not float(request.gpus_per_process).is_integer():
+        raise EngineError(
+            f"resources.gpus_per_process: {request.gpus_per_process} shares a GPU between trials, but the slurm "
+            "engine gives each rank whole GPUs (it does not ask SLURM for gres/shard). Fix: set gpus_per_process: "
+            "1, or share GPUs on one machine with the local engine")
 
 
 def _fresh_attempt_dir(files: TrialFiles) -> None:
