@@ -42,6 +42,7 @@ __all__ = [
     "objective_names",
     "pareto_front",
     "status_dict",
+    "study_energy_kwh",
     "trials_table",
     "write_best_yaml",
     "write_trials_csv",
@@ -251,9 +252,24 @@ def status_dict(study: optuna.Study, storage_label: str, budget: int | None = No
         "best_value": None if best is None else best.value,
         "best_params": None if best is None else best.params,
         "best_trial": None if best is None else best.number,
+        "energy_kwh": study_energy_kwh(trials),
         **extra,
         "drivers": lease_rows(study, running),
     }
+
+
+def _energy_j(t: FrozenTrial) -> float | None:
+    """A trial's measured energy (``system_energy_j``, docs/energy.md), None where not measured."""
+    system = t.user_attrs.get("system")
+    value = system.get("energy_j") if isinstance(system, dict) else None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def study_energy_kwh(trials: list[FrozenTrial]) -> float | None:
+    """The measured energy of the finished ``trials``, in kWh (what ``search.energy_budget_kwh`` counts);
+    None where no trial has one (no readable counter: docs/energy.md)."""
+    values = [e for t in trials if t.state.is_finished() and (e := _energy_j(t)) is not None]
+    return sum(values) / 3.6e6 if values else None
 
 
 def fmt(v: Any) -> str:
@@ -280,20 +296,33 @@ def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> d
         names = objective_names(study)
         front = pareto_front(study)[:top]
         params = sorted({k for f in front for k in f["params"]})
-        return {"title": title or f"Pareto front of {study.study_name}", "columns": ["trial", *names, *params],
+        trials = study.get_trials(deepcopy=False)
+        by_number = {t.number: t for t in trials}
+        energy = ("system_energy_j" not in names
+                  and any(_energy_j(by_number[f["number"]]) is not None for f in front if f["number"] in by_number))
+        return {"title": title or f"Pareto front of {study.study_name}",
+                "columns": ["trial", *names, *params, *(["energy J"] if energy else [])],
                 "rows": [[str(f["number"]), *[fmt(f["values"].get(n)) for n in names],
-                          *[fmt(f["params"].get(p, "-")) for p in params]] for f in front]}
+                          *[fmt(f["params"].get(p, "-")) for p in params],
+                          *([_fmt_energy(by_number.get(f["number"]))] if energy else [])] for f in front]}
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     rev = study.direction == optuna.study.StudyDirection.MAXIMIZE
     done.sort(key=lambda t: t.value if t.value is not None else 0.0, reverse=rev)
     params = sorted({k for t in done for k in t.params})
+    energy = any(_energy_j(t) is not None for t in done[:top])
     rows = []
     for t in done[:top]:
         dur = _timings(t).get("duration_s")
         rows.append([str(t.number), fmt(t.value), *[fmt(t.params.get(p, "-")) for p in params],
-                     "" if dur is None else f"{dur:.1f}"])
-    return {"title": title or f"best trials of {study.study_name}", "columns": ["trial", "value", *params, "time s"],
-            "rows": rows}
+                     "" if dur is None else f"{dur:.1f}", *([_fmt_energy(t)] if energy else [])])
+    return {"title": title or f"best trials of {study.study_name}",
+            "columns": ["trial", "value", *params, "time s", *(["energy J"] if energy else [])], "rows": rows}
+
+
+def _fmt_energy(t: FrozenTrial | None) -> str:
+    """A table cell: the trial's energy in J, empty where it was not measured (never an estimate)."""
+    value = None if t is None else _energy_j(t)
+    return "" if value is None else fmt(value)
 
 
 def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -> Table:
