@@ -53,6 +53,9 @@ _WHY = {"cpu": "no RAPL package counter is readable (/sys/class/powercap/intel-r
                "only on Linux >= 5.10)",
         "gpu": "no NVML energy counter is readable (pynvml not installed, no driver, or a GPU without the counter)"}
 
+_FIX = {"cpu": "make the RAPL energy_uj files readable where site policy allows (a udev rule, chmod a+r)",
+        "gpu": "install nvidia-ml-py (pip install hpoflow[nvml]) on a GPU that has the counter (Volta or newer)"}
+
 
 def check_energy(spec: StudySpec, source: str = "<spec>",
                  lines: Mapping[tuple[str | int, ...], int] | None = None) -> None:
@@ -71,10 +74,10 @@ def check_energy(spec: StudySpec, source: str = "<spec>",
     for i, (name, _) in enumerate(spec.study.objectives):
         lacking = missing(name)
         if lacking:
+            fixes = " and ".join(_FIX[s] for s in lacking)
             raise SpecError([Issue(f"study.metrics[{i}].name", f"objective {name!r} needs energy counters this "
                                    f"machine does not let hpoflow read: {'; '.join(_WHY[s] for s in lacking)}. Fix: "
-                                   "run where they are readable (e.g. chmod a+r the RAPL energy_uj files, install "
-                                   "nvidia-ml-py), or drop the objective (docs/energy.md)",
+                                   f"{fixes}, or drop the objective (docs/energy.md)",
                                    lines.get(("study", "metrics", i, "name"), lines.get(("study", "metrics"))),
                                    source)])
     log = logging.getLogger("hpoflow")

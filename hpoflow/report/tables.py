@@ -38,6 +38,7 @@ __all__ = [
     "best_line",
     "best_rows",
     "best_trial",
+    "energy_split",
     "fmt",
     "objective_names",
     "pareto_front",
@@ -118,13 +119,14 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
     metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - set(_TIMING_KEYS))
     timings = sorted({k for t in trials for k in _timings(t)} - {"duration_s"})
     system = sorted({k for t in trials for k in (t.user_attrs.get("system") or {})})
+    split = any(k.endswith("_energy_share") for k in system)
     sched = any(ATTR_RUNGS in t.user_attrs for t in trials)
     pbt = any(isinstance(t.user_attrs.get(ATTR_LINEAGE), dict) for t in trials)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
                 *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings],
-                *[f"system_{k}" for k in system], "driver", "error",
+                *[f"system_{k}" for k in system], *(["energy_split"] if split else []), "driver", "error",
                 *(["rungs", "pauses", "paused_at"] if sched else []),
                 *(["member", "interval", "parent"] if pbt else [])])
     for t in trials:
@@ -134,8 +136,8 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
         w.writerow([t.number, t.state.name, t.values[0] if t.values and len(t.values) == 1 else "",
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], *[sy.get(k, "") for k in system],
-                    _driver_label(_driver(t), leases), t.user_attrs.get("error", ""), *(_sched(t) if sched else []),
-                    *(_lineage_cols(t) if pbt else [])])
+                    *([energy_split(sy)] if split else []), _driver_label(_driver(t), leases),
+                    t.user_attrs.get("error", ""), *(_sched(t) if sched else []), *(_lineage_cols(t) if pbt else [])])
     write_atomic(path, buf.getvalue())
 
 
@@ -263,6 +265,18 @@ def _energy_j(t: FrozenTrial) -> float | None:
     system = t.user_attrs.get("system")
     value = system.get("energy_j") if isinstance(system, dict) else None
     return float(value) if isinstance(value, int | float) else None
+
+
+def energy_split(system: Mapping[str, Any]) -> str:
+    """How a trial's energy figures were split from shared counters (docs/energy.md), in words:
+    ``cpu: core_share 0.25; gpu: time_share 0.5`` (``gpu: whole_device`` where it had its GPUs alone)."""
+    parts = []
+    cpu, gpu = system.get("cpu_energy_share"), system.get("gpu_energy_share")
+    if isinstance(cpu, int | float):
+        parts.append(f"cpu: core_share {cpu:.4g}")
+    if isinstance(gpu, int | float):
+        parts.append("gpu: whole_device" if gpu >= 1.0 else f"gpu: time_share {gpu:.4g}")
+    return "; ".join(parts)
 
 
 def study_energy_kwh(trials: list[FrozenTrial]) -> float | None:

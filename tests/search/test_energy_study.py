@@ -6,6 +6,7 @@ constraint (infeasible trials off the front), and ``search.energy_budget_kwh`` s
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import os
@@ -83,12 +84,15 @@ def _spec(**changes: Any) -> dict[str, Any]:
     return spec
 
 
-def _run(tmp_path: Path, spec: dict[str, Any], rapl: _Rapl) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _run(tmp_path: Path, spec: dict[str, Any], rapl: _Rapl,
+         more_env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
     f = tmp_path / "spec.yaml"
     f.write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / "run"
     env = {**RUN_ENV, "HPOFLOW_POWERCAP_ROOT": str(rapl.root)}
-    env.pop("HPOFLOW_NVML_FIXTURE", None)
+    for key in ("HPOFLOW_NVML_FIXTURE", "CUDA_VISIBLE_DEVICES"):
+        env.pop(key, None)
+    env.update(more_env or {})
     r = subprocess.run([sys.executable, "-m", "hpoflow", "run", str(f), "--run-dir", str(run_dir), "--json"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     return r, run_dir
@@ -120,6 +124,7 @@ def test_energy_is_measured_and_infeasible_trials_are_off_the_front(tmp_path: Pa
             pytest.approx(SHARE, abs=1e-4)
         slept = 0.1 + 0.6 * float(row["param_x"])
         measured_s = joules / (MACHINE_W * SHARE)
+        assert row["energy_split"] == f"cpu: core_share {float(row['system_cpu_energy_share']):.4g}"
         assert slept - 0.05 <= measured_s <= float(row["timing_engine_duration_s"]) + 0.05
     study = _study(run_dir)
     front = {f["number"] for f in pareto_front(study)}
@@ -150,6 +155,27 @@ def test_the_energy_budget_stops_new_trials_once_spent(tmp_path: Path, rapl: _Ra
                                        env=RUN_ENV, cwd=ROOT, capture_output=True, text=True,
                                        timeout=60).stdout)
     assert status["energy_kwh"] == pytest.approx(sum(energies) / 3.6e6, rel=1e-6)
+
+
+@pytest.mark.slow  # (a GPU trial imports torch in its worker: ~9 s on 2 cores)
+def test_gpu_energy_from_the_nvml_fixture_on_a_stand_in_gpu(tmp_path: Path, rapl: _Rapl) -> None:
+    """A GPU trial on a stand-in GPU (CUDA_VISIBLE_DEVICES=0; it trains on CPU): its GPU figure is the
+    replayed NVML counter of device 0 over its run, whole (no other process on the device), and its total
+    adds the CPU share."""
+    recording = json.loads((FIXTURE.parent / "nvml_h100.json").read_text())
+    path = tmp_path / "nvml.json"
+    path.write_text(json.dumps({**recording, "t0": time.time()}))  # the recording plays from now on
+    points = recording["devices"][0]["energy_mj"]
+    watts = [(b[1] - a[1]) / 1000 / (b[0] - a[0]) for a, b in itertools.pairwise(points)]
+    spec = _spec(search={"algorithm": "grid", "n_trials": 1}, resources={"gpus_per_process": 1},
+                 space={"x": {"type": "categorical", "choices": [0.5]}})
+    r, run_dir = _run(tmp_path, spec, rapl, {"HPOFLOW_NVML_FIXTURE": str(path), "CUDA_VISIBLE_DEVICES": "0"})
+    assert r.returncode == 0, r.stderr
+    (row,) = _rows(run_dir)
+    gpu = float(row["system_gpu_energy_j"])
+    assert min(watts) * 0.35 <= gpu <= max(watts) * (float(row["timing_engine_duration_s"]) + 0.05)
+    assert float(row["system_gpu_energy_share"]) == 1.0 and row["energy_split"].endswith("; gpu: whole_device")
+    assert float(row["system_energy_j"]) == pytest.approx(gpu + float(row["system_cpu_energy_j"]), abs=2e-3)
 
 
 def _mapping(**study: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hpoflow.report.tables import energy_split
 from hpoflow.train.energy import EnergyMeter, FixtureNvml, Rapl, load_nvml, visible_gpus
 from hpoflow.trial import aggregate_usage
 
@@ -165,6 +166,7 @@ def test_a_shared_gpu_is_split_by_time_share(tmp_path: Path) -> None:
     assert out["gpu_energy_j"] == pytest.approx((alone + shared / 2) / 1000, abs=1e-3)
     assert out["gpu_energy_share"] == pytest.approx((alone + shared / 2) / (alone + shared), abs=1e-4)
     assert out["gpu_energy_share"] < 1.0  # the label: this figure is a time-share split
+    assert energy_split(out) == f"gpu: time_share {out['gpu_energy_share']:.4g}"  # (trials.csv's energy_split)
     assert out["energy_j"] == out["gpu_energy_j"]  # (no CPU counter read by this rank: not its node's rank 0)
 
 
