@@ -3,12 +3,12 @@
 Two sources, each read where it is readable, else left out (its figure stays empty):
 
 - **GPU**: NVML's energy counter, ``nvmlDeviceGetTotalEnergyConsumption`` (mJ since the driver loaded;
-  Volta and newer), through ``pynvml`` (the ``nvidia-ml-py`` package, the ``gpu`` extra) of each GPU the
-  rank was given (``CUDA_VISIBLE_DEVICES``: indices or ``GPU-`` UUIDs; a MIG instance has no counter of
-  its own). A GPU shared with other processes (fractional GPUs) is split by time share: at each sample the
-  energy since the last one is divided by the number of compute processes NVML lists on the device (at
-  least 1). ``gpu_energy_share`` is the part of the devices' energy this rank was given (1.0: whole
-  devices; below 1: the time-share split).
+  Volta and newer), through ``pynvml`` (the ``nvidia-ml-py`` package, the ``nvml`` extra) of each GPU
+  the rank was given (``CUDA_VISIBLE_DEVICES``: indices or ``GPU-`` UUIDs; a MIG instance has no counter
+  of its own). A GPU shared with other processes (fractional GPUs) is split by time share: at each sample
+  the energy since the last one is divided by the number of processes NVML lists on the device (its MPS
+  clients under an MPS daemon, else its compute processes; at least 1). ``gpu_energy_share`` is the part
+  of the devices' energy this rank was given (1.0: whole devices; below 1: the time-share split).
 - **CPU**: the package counters of RAPL (``/sys/class/powercap/intel-rapl:<n>/energy_uj``, µJ, wrapping at
   ``max_energy_range_uj``; subzones such as ``intel-rapl:0:0`` are parts of a package, not added). The
   counter is the whole machine's, shared by every trial running on it: the trial is given its share of the
@@ -125,7 +125,8 @@ class FixtureNvml:
         {"t0": 1764200000.0,                       # wall clock of the recording's time 0 (default: load time)
          "devices": [{"index": 0, "uuid": "GPU-...", "name": "...",
                       "energy_mj": [[0.0, 81234567], [0.5, 81234712], ...],   # (s, counter) pairs, or null
-                      "processes": 1}]}                                        # compute processes listed
+                      "processes": 1,                                          # compute processes listed
+                      "mps_processes": 0}]}                                    # MPS clients listed
 
     The counter at wall time ``t`` is the recording's, linearly between its samples, and past its end
     advancing at the recording's mean rate (a device's counter never stops). ``energy_mj: null`` is a
@@ -162,6 +163,9 @@ class FixtureNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: dict[str, Any]) -> list[int]:
         return list(range(int(handle.get("processes", 1))))
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: dict[str, Any]) -> list[int]:
+        return list(range(int(handle.get("mps_processes", 0))))
 
 
 def _replay(points: list[tuple[float, float]], t: float) -> float:
@@ -239,13 +243,28 @@ class _Nvml:
         for g in self.gpus:
             try:
                 now = float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(g.handle))
-                sharing = len(self.nvml.nvmlDeviceGetComputeRunningProcesses(g.handle))
             except Exception:
                 continue
+            sharing = self._processes(g.handle)
             delta = max(0.0, now - g.last)  # (a driver reload resets it: that interval is lost, not negative)
             g.total_mj += delta
             g.mine_mj += delta / max(1, sharing)
             g.last = now
+
+    def _processes(self, handle: Any) -> int:
+        """The processes using the device now: MPS clients where an MPS daemon runs (NVML then lists the
+        MPS server alone among the compute processes), else the compute processes (those with a CUDA
+        context); 1 where NVML cannot say."""
+        listed = 0
+        for call in ("nvmlDeviceGetMPSComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses"):
+            fn = getattr(self.nvml, call, None)
+            try:
+                listed = len(fn(handle)) if fn is not None else 0
+            except Exception:  # not supported by this driver or device
+                listed = 0
+            if listed:
+                break
+        return max(1, listed)
 
     def joules(self) -> float:
         return sum(g.mine_mj for g in self.gpus) / _MJ_PER_J

@@ -150,8 +150,9 @@ def test_nvml_counters_in_mj_become_joules_of_the_rank_and_a_total_with_the_cpu_
 
 
 def test_a_shared_gpu_is_split_by_time_share(tmp_path: Path) -> None:
-    """Alone on the device for the first interval, sharing it with another process for the second: the
-    rank is given the first interval's energy and half the second's, and says which part it had."""
+    """Alone on the device for the first interval, sharing it with another process for the second, with
+    three more MPS clients for the third: the rank is given the first interval's energy, half the
+    second's and a quarter of the third's, and says which part it had."""
     clock = _Clock(1_764_000_000.0)
     nvml = _nvml(tmp_path, clock)
     meter = EnergyMeter(gpus=["GPU-5c1e7e2a-3f0d-4b7e-9a51-8d0c2f6b1a93"], nvml=nvml).start()
@@ -159,12 +160,17 @@ def test_a_shared_gpu_is_split_by_time_share(tmp_path: Path) -> None:
     meter.sample()
     nvml.devices[0]["processes"] = 2  # another trial's rank started on the same GPU
     clock.t += 2.5
+    meter.sample()
+    nvml.devices[0].update(processes=1, mps_processes=4)  # under MPS: NVML lists the server, and 4 clients
+    clock.t += 1.0
     out = meter.stop()
     rec = tmp_path / "nvml.json"
     alone = _counter(nvml, 1.5, rec) - _counter(nvml, 0.0, rec)
     shared = _counter(nvml, 4.0, rec) - _counter(nvml, 1.5, rec)
-    assert out["gpu_energy_j"] == pytest.approx((alone + shared / 2) / 1000, abs=1e-3)
-    assert out["gpu_energy_share"] == pytest.approx((alone + shared / 2) / (alone + shared), abs=1e-4)
+    mps = _counter(nvml, 5.0, rec) - _counter(nvml, 4.0, rec)
+    mine = alone + shared / 2 + mps / 4
+    assert out["gpu_energy_j"] == pytest.approx(mine / 1000, abs=1e-3)
+    assert out["gpu_energy_share"] == pytest.approx(mine / (alone + shared + mps), abs=1e-4)
     assert out["gpu_energy_share"] < 1.0  # the label: this figure is a time-share split
     assert energy_split(out) == f"gpu: time_share {out['gpu_energy_share']:.4g}"  # (trials.csv's energy_split)
     assert out["energy_j"] == out["gpu_energy_j"]  # (no CPU counter read by this rank: not its node's rank 0)
