@@ -157,7 +157,7 @@ def test_the_energy_budget_stops_new_trials_once_spent(tmp_path: Path, rapl: _Ra
     assert status["energy_kwh"] == pytest.approx(sum(energies) / 3.6e6, rel=1e-6)
 
 
-@pytest.mark.slow  # (a GPU trial imports torch in its worker: ~9 s on 2 cores)
+@pytest.mark.slow  # (a GPU trial imports torch in its worker: 5-9 s on 2 cores)
 def test_gpu_energy_from_the_nvml_fixture_on_a_stand_in_gpu(tmp_path: Path, rapl: _Rapl) -> None:
     """A GPU trial on a stand-in GPU (CUDA_VISIBLE_DEVICES=0; it trains on CPU): its GPU figure is the
     replayed NVML counter of device 0 over its run, whole (no other process on the device), and its total
