@@ -429,16 +429,20 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-_USAGE_MEAN = ("cpu_percent", "rss_mean_mb", "gpu_util_percent")
+_USAGE_MEAN = ("cpu_percent", "rss_mean_mb", "gpu_util_percent", "cpu_energy_share", "gpu_energy_share")
 _USAGE_MAX = ("rss_peak_mb", "gpu_peak_mem_mb")
 
 
 def aggregate_usage(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One trial's usage from its ranks': means of rates and means, maxima of peaks, sums of bytes."""
+    """One trial's usage from its ranks': means of rates, means and energy shares, maxima of peaks, sums
+    of bytes and joules. ``energy_j`` only where every rank reported one (``hpoflow.train.energy``: a
+    rank without it had a source it could not read, and a partial sum is no total)."""
     ranks = [u for u in per_rank if u]
     if not ranks:
         return {}
     keys = sorted({k for u in ranks for k in u})
+    if not all("energy_j" in u for u in ranks):
+        keys = [k for k in keys if k != "energy_j"]
     out: dict[str, float] = {}
     for k in keys:
         vals = [float(u[k]) for u in ranks if k in u]

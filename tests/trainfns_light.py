@@ -143,3 +143,13 @@ def nap(ctx: Any) -> dict[str, float]:
     x = float(ctx.params["x"])
     time.sleep(float(ctx.options.get("seconds", 0.3)))
     return {"value": 1.0 - (x - 0.5) ** 2}
+
+
+def energy_nap(ctx: Any) -> dict[str, float]:
+    """Sleeps 0.1 + 0.6 * x seconds (the energy a counter sees grows with x) and returns ``1 - x``: lower
+    values cost more energy, a trade-off for a study that minimises both."""
+    import time
+
+    x = float(ctx.params["x"])
+    time.sleep(0.1 + 0.6 * x)
+    return {"value": 1.0 - x}

@@ -90,7 +90,7 @@ def _optimize(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str], run_
             down = isinstance(sys.exc_info()[1], StorageUnavailable) or getattr(summary, "stopped_by", "") == "storage"
             if not down:  # (a storage that stopped answering has nothing to write them from)
                 write_outputs(study, parsed, text, rd, label, journal=url is None)
-        if stop.reason == "signal" and summary.stopped_by in ("budget", "timeout", "grid_exhausted"):
+        if stop.reason == "signal" and summary.stopped_by in ("budget", "timeout", "energy_budget", "grid_exhausted"):
             summary.stopped_by = "signal"  # after its last trial, but interrupted all the same (exit 130)
         return StudyResult(rd, study, summary, label)
 

@@ -4,16 +4,27 @@ and writing nothing, so ``hpoflow validate`` says what ``hpoflow run`` would ref
 from __future__ import annotations
 
 import itertools
+import logging
+from collections.abc import Mapping
 
 from hpoflow.engines import check_fit
 from hpoflow.errors import Issue, SpecError
 from hpoflow.run.open import study_url
 from hpoflow.run.storage import check_storage_path
 from hpoflow.search.preflight import check_search
-from hpoflow.spec import StudySpec, env_int, extremes, key_lines, placeholders, resolve_training, shares_per_gpu
+from hpoflow.spec import (
+    StudySpec,
+    env_int,
+    extremes,
+    key_lines,
+    parse_constraint,
+    placeholders,
+    resolve_training,
+    shares_per_gpu,
+)
 from hpoflow.trial import TrialRequest
 
-__all__ = ["check_runnable", "check_share"]
+__all__ = ["check_energy", "check_runnable", "check_share"]
 
 
 def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, engine: bool = True) -> None:
@@ -43,6 +54,8 @@ def check_runnable(spec: StudySpec, text: str = "", source: str = "<spec>", *, e
             raise SpecError([Issue("oracle.cluster", str(exc).replace("--cluster", "it"),
                                    lines.get(("oracle", "cluster")), source)]) from None
     check_search(spec, source, lines)
+    if engine and spec.engine == "local":  # trials run on this machine: its counters are theirs
+        check_energy(spec, source, lines)
 
 
 _MAX_SHARE_CHECKS = 64  # trials the oracle judges for validate's share check (the extremes of the parameters)
@@ -81,3 +94,48 @@ def check_share(spec: StudySpec, text: str = "", source: str = "<spec>") -> None
     if smallest is not None:
         raise SpecError([Issue("resources.gpus_per_process", f"no trial of this study fits its share of a GPU; "
                                f"the smallest: {smallest[1]}", lines.get(("resources", "gpus_per_process")), source)])
+
+
+_ENERGY_SOURCES = {"system_energy_j": ("cpu", "gpu"), "system_cpu_energy_j": ("cpu",), "system_gpu_energy_j": ("gpu",)}
+_WHY = {"cpu": "no RAPL package counter is readable (/sys/class/powercap/intel-rapl:*/energy_uj: absent, or root "
+               "only on Linux >= 5.10)",
+        "gpu": "no NVML energy counter is readable (pynvml not installed, no driver, or a GPU without the counter)"}
+
+_FIX = {"cpu": "make the RAPL energy_uj files readable where site policy allows (a udev rule, chmod a+r)",
+        "gpu": "install nvidia-ml-py (pip install hpoflow[nvml]) on a GPU that has the counter (Volta or newer)"}
+
+
+def check_energy(spec: StudySpec, source: str = "<spec>",
+                 lines: Mapping[tuple[str | int, ...], int] | None = None) -> None:
+    """Energy (docs/energy.md) on a machine whose counters cannot be read: an objective that needs one is
+    refused (``SpecError``: no trial could be told its value); a constraint (every trial infeasible) or
+    ``search.energy_budget_kwh`` (never reached) is run with a warning."""
+    from hpoflow.train.energy import probe
+
+    lines = lines or {}
+    gpus = spec.resources.gpus_per_process > 0
+    readable = probe(gpus)
+
+    def missing(name: str) -> list[str]:
+        return [s for s in _ENERGY_SOURCES.get(name, ()) if not readable.get(s, s == "gpu" and not gpus)]
+
+    for i, (name, _) in enumerate(spec.study.objectives):
+        lacking = missing(name)
+        if lacking:
+            fixes = " and ".join(_FIX[s] for s in lacking)
+            raise SpecError([Issue(f"study.metrics[{i}].name", f"objective {name!r} needs energy counters this "
+                                   f"machine does not let hpoflow read: {'; '.join(_WHY[s] for s in lacking)}. Fix: "
+                                   f"{fixes}, or drop the objective (docs/energy.md)",
+                                   lines.get(("study", "metrics", i, "name"), lines.get(("study", "metrics"))),
+                                   source)])
+    log = logging.getLogger("hpoflow")
+    for text in spec.study.constraints:
+        name = parse_constraint(text)[0]
+        lacking = missing(name)
+        if lacking:
+            log.warning("study.constraints: %r: %s, so no trial has %s and every trial counts as infeasible "
+                        "(docs/energy.md)", text, "; ".join(_WHY[s] for s in lacking), name)
+    lacking = missing("system_energy_j")
+    if spec.search.energy_budget_kwh is not None and lacking:
+        log.warning("search.energy_budget_kwh: %s, so no trial has a measured energy and the budget is never "
+                    "spent: the study runs to its other limits (docs/energy.md)", "; ".join(_WHY[s] for s in lacking))

@@ -272,7 +272,8 @@ def _system(study: optuna.Study, ctx: Mapping[str, Any]) -> Panel:
     from plotly.subplots import make_subplots
 
     keys = (("cpu_percent", "CPU % (mean over ranks)"), ("rss_peak_mb", "peak RSS MB (max over ranks)"),
-            ("net_sent_mb", "MB sent (sum)"), ("net_recv_mb", "MB received (sum)"))
+            ("net_sent_mb", "MB sent (sum)"), ("net_recv_mb", "MB received (sum)"),
+            ("energy_j", "energy J (CPU share + GPU; docs/energy.md)"))
     rows = [(t.number, t.user_attrs["system"]) for t in study.get_trials(deepcopy=False)
             if isinstance(t.user_attrs.get("system"), dict)]
     present = [(k, label) for k, label in keys if any(k in s for _, s in rows)]

@@ -38,10 +38,12 @@ __all__ = [
     "best_line",
     "best_rows",
     "best_trial",
+    "energy_split",
     "fmt",
     "objective_names",
     "pareto_front",
     "status_dict",
+    "study_energy_kwh",
     "trials_table",
     "write_best_yaml",
     "write_trials_csv",
@@ -117,13 +119,14 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
     metrics = sorted({k for t in trials for k in (t.user_attrs.get("metrics") or {})} - set(_TIMING_KEYS))
     timings = sorted({k for t in trials for k in _timings(t)} - {"duration_s"})
     system = sorted({k for t in trials for k in (t.user_attrs.get("system") or {})})
+    split = any(k.endswith("_energy_share") for k in system)
     sched = any(ATTR_RUNGS in t.user_attrs for t in trials)
     pbt = any(isinstance(t.user_attrs.get(ATTR_LINEAGE), dict) for t in trials)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["number", "state", "value", *[f"param_{p}" for p in params],
                 *[f"metric_{m}" for m in metrics], "duration_s", *[f"timing_{k}" for k in timings],
-                *[f"system_{k}" for k in system], "driver", "error",
+                *[f"system_{k}" for k in system], *(["energy_split"] if split else []), "driver", "error",
                 *(["rungs", "pauses", "paused_at"] if sched else []),
                 *(["member", "interval", "parent"] if pbt else [])])
     for t in trials:
@@ -133,8 +136,8 @@ def write_trials_csv(study: optuna.Study, path: Path) -> None:
         w.writerow([t.number, t.state.name, t.values[0] if t.values and len(t.values) == 1 else "",
                     *[t.params.get(p, "") for p in params], *[m.get(k, "") for k in metrics],
                     tm.get("duration_s", ""), *[tm.get(k, "") for k in timings], *[sy.get(k, "") for k in system],
-                    _driver_label(_driver(t), leases), t.user_attrs.get("error", ""), *(_sched(t) if sched else []),
-                    *(_lineage_cols(t) if pbt else [])])
+                    *([energy_split(sy)] if split else []), _driver_label(_driver(t), leases),
+                    t.user_attrs.get("error", ""), *(_sched(t) if sched else []), *(_lineage_cols(t) if pbt else [])])
     write_atomic(path, buf.getvalue())
 
 
@@ -251,9 +254,36 @@ def status_dict(study: optuna.Study, storage_label: str, budget: int | None = No
         "best_value": None if best is None else best.value,
         "best_params": None if best is None else best.params,
         "best_trial": None if best is None else best.number,
+        "energy_kwh": study_energy_kwh(trials),
         **extra,
         "drivers": lease_rows(study, running),
     }
+
+
+def _energy_j(t: FrozenTrial) -> float | None:
+    """A trial's measured energy (``system_energy_j``, docs/energy.md), None where not measured."""
+    system = t.user_attrs.get("system")
+    value = system.get("energy_j") if isinstance(system, dict) else None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def energy_split(system: Mapping[str, Any]) -> str:
+    """How a trial's energy figures were split from shared counters (docs/energy.md), in words:
+    ``cpu: core_share 0.25; gpu: time_share 0.5`` (``gpu: whole_device`` where it had its GPUs alone)."""
+    parts = []
+    cpu, gpu = system.get("cpu_energy_share"), system.get("gpu_energy_share")
+    if isinstance(cpu, int | float):
+        parts.append(f"cpu: core_share {cpu:.4g}")
+    if isinstance(gpu, int | float):
+        parts.append("gpu: whole_device" if gpu >= 1.0 else f"gpu: time_share {gpu:.4g}")
+    return "; ".join(parts)
+
+
+def study_energy_kwh(trials: list[FrozenTrial]) -> float | None:
+    """The measured energy of the finished ``trials``, in kWh (what ``search.energy_budget_kwh`` counts);
+    None where no trial has one (no readable counter: docs/energy.md)."""
+    values = [e for t in trials if t.state.is_finished() and (e := _energy_j(t)) is not None]
+    return sum(values) / 3.6e6 if values else None
 
 
 def fmt(v: Any) -> str:
@@ -280,20 +310,33 @@ def best_rows(study: optuna.Study, top: int = 10, title: str | None = None) -> d
         names = objective_names(study)
         front = pareto_front(study)[:top]
         params = sorted({k for f in front for k in f["params"]})
-        return {"title": title or f"Pareto front of {study.study_name}", "columns": ["trial", *names, *params],
+        trials = study.get_trials(deepcopy=False)
+        by_number = {t.number: t for t in trials}
+        energy = ("system_energy_j" not in names
+                  and any(_energy_j(by_number[f["number"]]) is not None for f in front if f["number"] in by_number))
+        return {"title": title or f"Pareto front of {study.study_name}",
+                "columns": ["trial", *names, *params, *(["energy J"] if energy else [])],
                 "rows": [[str(f["number"]), *[fmt(f["values"].get(n)) for n in names],
-                          *[fmt(f["params"].get(p, "-")) for p in params]] for f in front]}
+                          *[fmt(f["params"].get(p, "-")) for p in params],
+                          *([_fmt_energy(by_number.get(f["number"]))] if energy else [])] for f in front]}
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     rev = study.direction == optuna.study.StudyDirection.MAXIMIZE
     done.sort(key=lambda t: t.value if t.value is not None else 0.0, reverse=rev)
     params = sorted({k for t in done for k in t.params})
+    energy = any(_energy_j(t) is not None for t in done[:top])
     rows = []
     for t in done[:top]:
         dur = _timings(t).get("duration_s")
         rows.append([str(t.number), fmt(t.value), *[fmt(t.params.get(p, "-")) for p in params],
-                     "" if dur is None else f"{dur:.1f}"])
-    return {"title": title or f"best trials of {study.study_name}", "columns": ["trial", "value", *params, "time s"],
-            "rows": rows}
+                     "" if dur is None else f"{dur:.1f}", *([_fmt_energy(t)] if energy else [])])
+    return {"title": title or f"best trials of {study.study_name}",
+            "columns": ["trial", "value", *params, "time s", *(["energy J"] if energy else [])], "rows": rows}
+
+
+def _fmt_energy(t: FrozenTrial | None) -> str:
+    """A table cell: the trial's energy in J, empty where it was not measured (never an estimate)."""
+    value = None if t is None else _energy_j(t)
+    return "" if value is None else fmt(value)
 
 
 def trials_table(study: optuna.Study, top: int = 10, title: str | None = None) -> Table:

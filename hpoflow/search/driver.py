@@ -63,6 +63,7 @@ from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, Verdict
 __all__ = ["Driver", "DriverListener", "DriverSummary", "Precheck"]
 
 _log = logging.getLogger("hpoflow")
+_J_PER_KWH = 3.6e6
 _IDLE_S = 0.25  # how often a driver with nothing in flight looks at the study again
 
 
@@ -116,6 +117,7 @@ class Driver:
                                          memory_gb=r.memory_gb or 0.0)  # the study's trial shape
         self._inflight: dict[int, _InFlight] = {}
         self._failures = 0
+        self._energy_j: dict[int, float] = {}  # measured energy of the study's finished trials, by number
         pbt = spec.search.scheduler.type == "pbt"
         self.shared = SharedStudy(study, run_dir, spec.search.lease_s, on_finished=self._on_finished, pbt=pbt)
         self.tally = self.shared.tally  # the whole study, every driver's trials, as of the last read
@@ -177,6 +179,9 @@ class Driver:
                     summary.stopped_by = "timeout"
                     summary.reason = f"search.timeout ({self.spec.search.timeout:g} s) ran out"
                     deadline = None
+                if summary.stopped_by == "budget" and self._stop_reason is None and self._energy_spent():
+                    summary.stopped_by = "energy_budget"  # no new trial; the running ones finish
+                    summary.reason = self._energy_reason()
                 if self._stop_reason is not None and not cancelling:
                     cancelling = True
                     # a walltime warning pauses the running trials (a checkpoint at their next step);
@@ -298,6 +303,25 @@ class Driver:
             self._update_best(t.values[0])
         if t.state == TrialState.FAIL:
             self._failures = max(self._failures, self.tally.n_failed)
+        self._note_energy(t.number, t.user_attrs.get("system"))
+
+    def _note_energy(self, number: int, system: Any) -> None:
+        """Count a finished trial's measured energy (``system_energy_j``) against ``search.energy_budget_kwh``."""
+        value = system.get("energy_j") if isinstance(system, dict) else None
+        if isinstance(value, int | float) and math.isfinite(value):
+            self._energy_j[number] = float(value)
+
+    def _energy_spent(self, more_j: float = 0.0) -> bool:
+        """Whether the finished trials' energy (plus ``more_j``) reached ``search.energy_budget_kwh``."""
+        kwh = self.spec.search.energy_budget_kwh
+        return kwh is not None and sum(self._energy_j.values()) + more_j >= kwh * _J_PER_KWH
+
+    def _energy_reason(self) -> str:
+        kwh = self.spec.search.energy_budget_kwh or 0.0
+        spent = sum(self._energy_j.values())
+        return (f"search.energy_budget_kwh ({kwh:g} kWh) is spent: the {len(self._energy_j)} finished trial(s) with "
+                f"a measured energy used {spent / _J_PER_KWH:.6g} kWh ({spent:.6g} J); no new trial was started, "
+                "the running ones finished. Fix: raise search.energy_budget_kwh and rerun the same command to go on")
 
     def _tick(self, now: float) -> None:
         """Every beat interval: rerun the RUNNING trials of drivers found dead (``SharedStudy``), from
@@ -488,7 +512,9 @@ class Driver:
         the study (``max_failures``), and a pause is the scheduler's (which asks nothing ahead)."""
         freed = sum(1 for ev in events if isinstance(ev, TrialResult) and ev.number in self._inflight
                     and ev.status in ("complete", "pruned"))
-        if freed and len(self._inflight) - freed < slots and self._room(0):
+        ending_j = sum(float(ev.system.get("energy_j", 0.0)) for ev in events if isinstance(ev, TrialResult)
+                       and ev.number in self._inflight and ev.status != "cancelled")
+        if freed and not self._energy_spent(ending_j) and len(self._inflight) - freed < slots and self._room(0):
             self._start_one()
 
     def _on_result(self, res: TrialResult) -> None:
@@ -549,6 +575,7 @@ class Driver:
             self.shared.interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
         summary = self.summary
+        self._note_energy(trial.number, res.system)
         for key, violation in constraint_values(self.spec, res).items():
             trial.set_constraint(key, violation)
         if res.status == "complete" and values is not None:

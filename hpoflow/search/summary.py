@@ -14,10 +14,10 @@ import optuna
 
 from hpoflow.fileio import write_atomic
 from hpoflow.run.ledger import ATTR_ENQUEUED
-from hpoflow.spec import StudySpec, parse_constraint
+from hpoflow.spec import SYSTEM_PREFIX, StudySpec, parse_constraint
 from hpoflow.trial import TrialRequest, TrialResult
 
-__all__ = ["DriverListener", "DriverSummary", "constraint_values", "enqueue_known", "median_recent",
+__all__ = ["DriverListener", "DriverSummary", "constraint_values", "enqueue_known", "measured", "median_recent",
            "objective_values", "write_result"]
 
 
@@ -50,7 +50,8 @@ class DriverSummary:
     n_complete: int = 0
     n_pruned: int = 0
     n_failed: int = 0
-    # budget | timeout | max_failures | fail_fast | signal | preempted | grid_exhausted | storage | capacity
+    # budget | timeout | energy_budget | max_failures | fail_fast | signal | preempted | grid_exhausted | storage
+    # | capacity
     stopped_by: str = "budget"
     reason: str = ""  # why the study stopped early, in one line
     errors: list[str] = field(default_factory=list)  # the first distinct errors of failed trials
@@ -92,7 +93,7 @@ class DriverSummary:
             return f"no trial completed ({self.n_failed} failed, {self.n_pruned} pruned){why}{errors}"
         if self.stopped_by == "max_failures":
             return f"stopped: search.max_failures reached{errors}"
-        if self.stopped_by == "fail_fast":
+        if self.stopped_by in ("fail_fast", "energy_budget"):
             return f"stopped: {self.reason}"
         return ""
 
@@ -116,14 +117,20 @@ class DriverSummary:
         return self.n_complete + self.n_pruned + self.n_failed
 
 
+def measured(res: TrialResult) -> dict[str, float]:
+    """A trial's figures by the names objectives and constraints use: its metrics, and its system
+    usage as ``system_<figure>`` (``system_energy_j``, ``system_rss_peak_mb``)."""
+    return {**res.metrics, **{f"{SYSTEM_PREFIX}{k}": v for k, v in res.system.items()}}
+
+
 def constraint_values(spec: StudySpec, res: TrialResult) -> dict[str, float]:
     """``study.constraints`` of a finished trial as Optuna's constraint values (<= 0: feasible), from
     its metrics and ``system_`` usage; a figure the trial did not measure counts as infeasible."""
-    measured = {**res.metrics, **{f"system_{k}": v for k, v in res.system.items()}}
+    measured_ = measured(res)
     out = {}
     for text in spec.study.constraints:
         name, op, bound = parse_constraint(text)
-        value = measured.get(name)
+        value = measured_.get(name)
         if value is None or not math.isfinite(value):
             out[text] = 1.0
         else:
@@ -138,8 +145,12 @@ def objective_values(spec: StudySpec, res: TrialResult) -> tuple[list[float] | N
         ok = res.value is not None and math.isfinite(res.value)
         return ([float(res.value)] if ok and res.value is not None else None), None
     values = []
+    figures = measured(res)
     for name, _ in objectives:
-        v = res.metrics.get(name)
+        v = figures.get(name)
+        if v is None and name.startswith(SYSTEM_PREFIX):
+            return None, (f"objective {name!r} (study.metrics) was not measured for this trial (for energy: "
+                          "no counter of its devices was readable on its node; docs/energy.md)")
         if v is None or not math.isfinite(v):
             return None, (f"objective {name!r} (study.metrics) is {'missing' if v is None else v} in the "
                           f"trial's result; it returned {sorted(res.metrics)}. Fix: return every objective")

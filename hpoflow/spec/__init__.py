@@ -22,6 +22,7 @@ from hpoflow.spec._load import (
 )
 from hpoflow.spec._models import (
     SCHEDULABLE,
+    SYSTEM_PREFIX,
     CategoricalParam,
     CheckpointSpec,
     FloatParam,
@@ -45,6 +46,7 @@ __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
     "SCHEDULABLE",
+    "SYSTEM_PREFIX",
     "UNBOUNDED_EPOCHS",
     "CategoricalParam",
     "CheckpointSpec",

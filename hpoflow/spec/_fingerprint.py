@@ -14,7 +14,8 @@ where their specs agree on
   driver must find its checkpoints in the format it wrote them.
 
 Nothing else is compared: budgets and limits (``n_trials``, ``timeout``, ``max_concurrent``,
-``max_failures``, ``fail_fast``, ``lease_s``, ``storage_retry_s``, ``resources.timeout``/``max_retries``),
+``max_failures``, ``energy_budget_kwh``, ``fail_fast``, ``lease_s``, ``storage_retry_s``,
+``resources.timeout``/``max_retries``),
 the sampler, its options and seed (drivers that find each other reseed anyway), the pruner,
 ``enqueue``, ``warm_start``, ``ask_ahead``, ``resources``, the engine and its options, the storage,
 ``oracle``, ``tracking`` and ``plugins``.

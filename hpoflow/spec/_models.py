@@ -38,6 +38,7 @@ from hpoflow.spec._yaml import MAX_ITEMS as MAX_CHOICES
 
 __all__ = [
     "PLACEHOLDER",
+    "SYSTEM_PREFIX",
     "CategoricalParam",
     "CheckpointSpec",
     "ConditionMap",
@@ -296,6 +297,13 @@ class StudySection(_Strict):
                                       "Fix: drop direction", {"d": self.direction, "f": self.metrics[0].direction})
         for c in self.constraints:
             parse_constraint(c)
+        if self.metric.startswith(SYSTEM_PREFIX):
+            raise PydanticCustomError(
+                "system_first_objective", "study.metric{s}: '{m}' is a system_ figure, measured when a trial ends, "
+                "but the first objective is the one trials report as they run (progress, pruning). Fix: list "
+                "it in study.metrics after a metric the training returns, e.g. metrics: [{{name: val_loss, "
+                "direction: minimize}}, {{name: {m}, direction: minimize}}]",
+                {"m": self.metric, "s": "s[0].name" if self.metrics else ""})
         return self
 
     @property
@@ -307,6 +315,10 @@ class StudySection(_Strict):
     def multi(self) -> bool:
         return len(self.objectives) > 1
 
+
+SYSTEM_PREFIX = "system_"
+"""Objectives and constraints named ``system_<figure>`` read a trial's measured usage (``system_energy_j``,
+``system_rss_peak_mb``: hpoflow.train.usage), not a metric the training returns."""
 
 _CONSTRAINT = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(<=|>=)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 
@@ -417,6 +429,9 @@ class SearchSpec(_Strict):
         default=None, gt=0, description="Wall-clock budget in seconds: no new trial starts after it."
     )
     max_failures: int | None = Field(default=None, ge=1)
+    energy_budget_kwh: float | None = Field(
+        default=None, gt=0, description="Energy budget in kWh (docs/energy.md): once the finished trials' "
+        "measured energy (system_energy_j) adds up to it, no new trial starts; running ones finish.")
     fail_fast: int = Field(
         default=3, ge=0, description="Stop when the first K finished trials all failed with the same error "
                                      "(0: never).")

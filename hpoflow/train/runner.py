@@ -39,6 +39,7 @@ import numpy as np
 from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig, import_plugins
 from hpoflow.train.context import PauseRequest, TrialContext, metric_dict, real_number
+from hpoflow.train.energy import meter_for_rank
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.train.usage import UsageSampler
 from hpoflow.trial import GPU_SHARE_ENV, RankJob, RankOutcome, TrialRequest
@@ -230,7 +231,10 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
 
         use_cuda = torch.cuda.is_available()
     hook = _seed_everything(req.seed, job.threads)
-    usage = UsageSampler(cuda_device=0 if use_cuda else None)
+    # energy (hpoflow.train.energy): the rank's own GPUs, and the node's CPU counter at its local rank 0
+    energy = meter_for_rank(job.local_rank, max(1, job.world_size // max(1, req.nodes)), req.cpus_per_process,
+                            req.gpus_per_process)
+    usage = UsageSampler(cuda_device=0 if use_cuda else None, energy=energy)
     if os.environ.get("HPOFLOW_USAGE", "1") != "0":  # HPOFLOW_USAGE=0: no system usage sampled
         usage.start()
     ctx: TrialContext | None = None

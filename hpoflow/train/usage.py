@@ -14,7 +14,9 @@ has run ``quiet_s``, so a long trial's peak and mean memory are seen while it ru
   traffic (gloo/NCCL pairs, the TCP store), not the machine's;
 - ``disk_write_mb``: bytes the process caused to be written to storage (``/proc/self/io``);
 - ``gpu_peak_mem_mb`` (torch's peak allocation on the rank's device) and ``gpu_util_percent``
-  (NVML's mean utilisation over the samples, where pynvml is installed), on GPU only.
+  (NVML's mean utilisation over the samples, where pynvml is installed), on GPU only;
+- ``energy_j``, ``cpu_energy_j``, ``gpu_energy_j`` and their shares, where an ``EnergyMeter``
+  (``hpoflow.train.energy``) is given: its counters are read at start, at each sample, and at stop.
 
 ``HPOFLOW_USAGE=0`` in the workers' environment turns sampling off.
 ``hpoflow.trial.aggregate_usage`` merges a trial's ranks: CPU and mean RSS averaged, peaks maxed,
@@ -29,7 +31,10 @@ import struct
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpoflow.train.energy import EnergyMeter
 
 __all__ = ["UsageSampler"]
 
@@ -129,8 +134,11 @@ class UsageSampler:
     """Start with ``start()``, end with ``stop()`` (returns the summary; idempotent). ``quiet_s``: no
     sample before the trial has run that long (the one at ``stop`` measures a short trial)."""
 
-    def __init__(self, interval_s: float = 0.5, cuda_device: int | None = None, quiet_s: float = 1.0) -> None:
+    def __init__(self, interval_s: float = 0.5, cuda_device: int | None = None, quiet_s: float = 1.0,
+                 energy: EnergyMeter | None = None) -> None:
         self.interval_s = interval_s
+        self.energy = energy
+        self._energy_lock = threading.Lock()
         self.quiet_s = quiet_s
         self.cuda_device = cuda_device
         self._stop = threading.Event()
@@ -158,6 +166,8 @@ class UsageSampler:
         self._base = _tcp_counters()
         if self.cuda_device is not None:
             self._nvml = _nvml_handle(self.cuda_device)
+        if self.energy is not None:
+            self.energy.start()
         _TICKER.add(self)
         return self
 
@@ -168,6 +178,9 @@ class UsageSampler:
             return 0
 
     def _sample(self) -> None:
+        if self.energy is not None:
+            with self._energy_lock:
+                self.energy.sample()
         try:
             rss = self._proc.memory_info().rss / _MB
         except Exception:  # the process is going away
@@ -200,6 +213,10 @@ class UsageSampler:
         self._stop.set()
         _TICKER.remove(self)
         self._sample()
+        energy: dict[str, float] = {}
+        if self.energy is not None:
+            with self._energy_lock:
+                energy = self.energy.stop()
         wall = max(1e-9, time.monotonic() - self._t0)
         cpu_s = max(0.0, _cpu_s() - self._cpu0)
         with self._lock:
@@ -215,6 +232,7 @@ class UsageSampler:
         torch = sys.modules.get("torch")
         if self.cuda_device is not None and torch is not None and torch.cuda.is_available():
             summary["gpu_peak_mem_mb"] = round(torch.cuda.max_memory_allocated(self.cuda_device) / _MB, 1)
+        summary.update(energy)
         self._summary = summary
         return summary
 
