@@ -148,6 +148,19 @@ def calibration_2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     return spec, write_cluster(spec, tmp_path_factory.mktemp("calibration") / "cal.yaml")
 
 
+def _preload_the_forkserver() -> None:
+    """Ranks a test starts itself (``mp.get_context("forkserver").Process``) fork from a forkserver that
+    preloaded what the local engine's does (torch, the trainer, their warm-up), as the engine's workers do:
+    otherwise each imports torch again (~1.5 CPU-s), or not, depending on whether an engine of the same
+    process started the forkserver first. Nothing starts here: the first fork does."""
+    if os.environ.get("HPOFLOW_TEST_COLD_FORKSERVER") == "1":
+        return
+    from hpoflow.engines.local._forkserver import use_preload
+    from hpoflow.engines.local._pool import _preload_list
+
+    use_preload(_preload_list(None))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Compile hpoflow's and the tests' modules once (``__pycache__``, as Python's imports would) before
     any test: where ``PYTHONDONTWRITEBYTECODE`` is set, every process a test starts (drivers, workers,
@@ -155,6 +168,7 @@ def pytest_configure(config: pytest.Config) -> None:
     keep the test modules it rewrote for its assertions (``__pycache__/*-pytest-*.pyc``): otherwise every
     pytest-xdist worker rewrites all of them again on every run (~7 CPU-s each here)."""
     sys.dont_write_bytecode = False  # this process only; read by pytest's rewriting hook at each import
+    _preload_the_forkserver()
     if hasattr(config, "workerinput"):
         return  # the controller (or a serial run) has done it
     import compileall
