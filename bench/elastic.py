@@ -131,7 +131,7 @@ def main() -> None:
     a = ap.parse_args()
     out: dict[str, Any] = {}
     if not a.no_real:
-        out["real"] = real(1, 3, max_epochs=6) if a.quick else real(a.repeats, 5)
+        out["real"] = real(1, 2, max_epochs=5) if a.quick else real(a.repeats, 5)  # quick: 2 trials, one resize
     if a.no_simulated:
         emit(out)
         return

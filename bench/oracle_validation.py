@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  # what a rank's first optimizer imports (~1 s): once, in the forkserver
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
@@ -87,8 +88,10 @@ def _measure(rank: int, world: int, port: int, name: str, shape: tuple[int, ...]
 def measured_step(name: str, shape: tuple[int, ...] | None, world: int, batch: int,
                   steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_measure, args=(world, free_port(), name, shape, batch, steps, out),
-                 nprocs=world, join=True)
+        # forked from a forkserver that ran this script's imports (torch) once, instead of one interpreter
+        # per rank and case importing torch again: the ranks measure the same steps either way
+        mp.start_processes(_measure, args=(world, free_port(), name, shape, batch, steps, out),
+                           nprocs=world, join=True, start_method="forkserver")
         return max(json.loads(Path(out, f"{r}.json").read_text()) for r in range(world))
 
 
