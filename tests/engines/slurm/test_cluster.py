@@ -406,15 +406,18 @@ def _scheduler_spec(path: Path, scheduler: dict[str, Any], n_trials: int, epochs
     return path
 
 
-def test_promotion_asha_and_pbt_run_their_trials_as_job_steps(slurm_cluster: SlurmCluster) -> None:
-    """search.scheduler on the slurm engine (docs/schedulers.md): promotion ASHA pauses a trial at its
-    rung through the answer file and resumes it from its checkpoint in a later step; PBT starts an
-    interval from a copy of its parent's checkpoint on the shared file system."""
-    from hpoflow.run.ledger import ATTR_LINEAGE, ATTR_SEGMENTS, count_finished, is_counted
+# search.scheduler on the slurm engine (docs/schedulers.md), one test per scheduler
+LEAD = {"lr": 0.05, "momentum": 0.5}  # learns fastest: trial 0 leads its rungs, member 0 its population
+SLOW = [{"lr": 0.0005, "momentum": 0.0}, {"lr": 0.001, "momentum": 0.0}, {"lr": 0.0008, "momentum": 0.0}]
+
+
+def test_promotion_asha_runs_its_trials_as_job_steps(slurm_cluster: SlurmCluster) -> None:
+    """Promotion ASHA pauses a trial at its rung through the answer file and resumes it from its
+    checkpoint in a later step."""
+    from hpoflow.run.ledger import ATTR_SEGMENTS, count_finished
 
     shared = slurm_cluster.shared_dir / "schedulers"
-    lead = {"lr": 0.05, "momentum": 0.5}  # learns fastest: trial 0 leads its rungs, member 0 its population
-    slow = [{"lr": 0.0005, "momentum": 0.0}, {"lr": 0.001, "momentum": 0.0}, {"lr": 0.0008, "momentum": 0.0}]
+    lead, slow = LEAD, SLOW
     asha = _scheduler_spec(shared / "asha.yaml", {"type": "asha", "min_resource": 1, "reduction_factor": 2},
                            n_trials=4, epochs=3, roots=[lead, *slow])
     job = launch(slurm_cluster, asha, shared / "asha-run", "--nodes", "2")
@@ -428,6 +431,13 @@ def test_promotion_asha_and_pbt_run_their_trials_as_job_steps(slurm_cluster: Slu
     first_pause = paused[0].user_attrs[ATTR_SEGMENTS][0]["step"]
     assert max(paused[0].intermediate_values) > first_pause, out  # promoted: a later step trained past it
 
+
+def test_pbt_starts_an_interval_from_its_parents_checkpoint_as_a_job_step(slurm_cluster: SlurmCluster) -> None:
+    """PBT starts an interval from a copy of its parent's checkpoint on the shared file system."""
+    from hpoflow.run.ledger import ATTR_LINEAGE, is_counted
+
+    shared = slurm_cluster.shared_dir / "schedulers"
+    lead, slow = LEAD, SLOW
     pbt = _scheduler_spec(shared / "pbt.yaml", {"type": "pbt", "population": 2, "interval": 1, "quantile": 0.5,
                                                "resample_probability": 0.0, "perturb": [2.0]},
                           n_trials=100, epochs=3, roots=[lead, slow[0]], slots=1)
