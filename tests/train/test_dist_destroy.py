@@ -39,7 +39,7 @@ def _rank(rank: int, port: int, peer_vanishes: bool, out: mp.Queue) -> None:
 
 
 def _run(peer_vanishes: bool) -> dict[int, tuple[float, bool]]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # ranks forked warm (tests/conftest.py preloads torch there)
     out: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, peer_vanishes, out)) for r in range(2)]
