@@ -40,9 +40,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["EnergyMeter", "FixtureNvml", "NvmlUnreadable", "Rapl", "load_nvml", "meter_for_rank", "probe"]
+__all__ = ["EnergyMeter", "FixtureNvml", "NvmlUnreadable", "Rapl", "device_handle", "load_nvml", "meter_for_rank",
+           "probe", "visible_gpus"]
 
 POWERCAP_ROOT = Path("/sys/class/powercap")
 _MJ_PER_J = 1000.0
@@ -120,13 +122,15 @@ def _powercap_root() -> Path:
 
 # -- GPU: NVML --------------------------------------------------------------------------------------------
 class FixtureNvml:
-    """pynvml's calls that ``EnergyMeter`` makes, answered from a recording (``HPOFLOW_NVML_FIXTURE``)::
+    """pynvml's calls that ``EnergyMeter`` and the usage sampler (``hpoflow.train.usage``) make, answered
+    from a recording (``HPOFLOW_NVML_FIXTURE``)::
 
         {"t0": 1764200000.0,                       # wall clock of the recording's time 0 (default: load time)
          "devices": [{"index": 0, "uuid": "GPU-...", "name": "...",
                       "energy_mj": [[0.0, 81234567], [0.5, 81234712], ...],   # (s, counter) pairs, or null
                       "processes": 1,                                          # compute processes listed
-                      "mps_processes": 0}]}                                    # MPS clients listed
+                      "mps_processes": 0,                                      # MPS clients listed
+                      "utilization_gpu": 37}]}                                 # % busy (optional)
 
     The counter at wall time ``t`` is the recording's, linearly between its samples, and past its end
     advancing at the recording's mean rate (a device's counter never stops). ``energy_mj: null`` is a
@@ -160,6 +164,13 @@ class FixtureNvml:
         if not points:
             raise NvmlUnreadable("NVML_ERROR_NOT_SUPPORTED")
         return round(_replay([(float(t), float(v)) for t, v in points], self.clock() - self.t0))
+
+    def nvmlDeviceGetUtilizationRates(self, handle: dict[str, Any]) -> SimpleNamespace:
+        """``.gpu``: the device's ``utilization_gpu`` (%); not supported where the recording has none."""
+        util = handle.get("utilization_gpu")
+        if util is None:
+            raise NvmlUnreadable("NVML_ERROR_NOT_SUPPORTED")
+        return SimpleNamespace(gpu=int(util), memory=0)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: dict[str, Any]) -> list[int]:
         return list(range(int(handle.get("processes", 1))))
@@ -207,6 +218,14 @@ def load_nvml() -> Any:
     return nvml
 
 
+def device_handle(nvml: Any, device: int | str) -> Any:
+    """NVML's handle of one of ``visible_gpus``' devices: by index, else by UUID (raises NVML's error,
+    or the fixture's ``NvmlUnreadable``, where there is no such device)."""
+    if isinstance(device, int):
+        return nvml.nvmlDeviceGetHandleByIndex(device)
+    return nvml.nvmlDeviceGetHandleByUUID(device)
+
+
 @dataclass
 class _Gpu:
     handle: Any
@@ -232,8 +251,7 @@ class _Nvml:
         out = cls(nvml)
         for dev in devices:
             try:
-                handle = (nvml.nvmlDeviceGetHandleByIndex(dev) if isinstance(dev, int)
-                          else nvml.nvmlDeviceGetHandleByUUID(dev))
+                handle = device_handle(nvml, dev)
                 out.gpus.append(_Gpu(handle, float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))))
             except Exception:  # NVMLError (not supported, no such device) or the fixture's
                 return None

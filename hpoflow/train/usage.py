@@ -14,7 +14,8 @@ has run ``quiet_s``, so a long trial's peak and mean memory are seen while it ru
   traffic (gloo/NCCL pairs, the TCP store), not the machine's;
 - ``disk_write_mb``: bytes the process caused to be written to storage (``/proc/self/io``);
 - ``gpu_peak_mem_mb`` (torch's peak allocation on the rank's device) and ``gpu_util_percent``
-  (NVML's mean utilisation over the samples, where pynvml is installed), on GPU only;
+  (NVML's mean utilisation over the samples, where pynvml is installed, of the device that
+  ``CUDA_VISIBLE_DEVICES`` names for the rank: ``hpoflow.train.energy.visible_gpus``), on GPU only;
 - ``energy_j``, ``cpu_energy_j``, ``gpu_energy_j`` and their shares, where an ``EnergyMeter``
   (``hpoflow.train.energy``) is given: its counters are read at start, at each sample, and at stop.
 
@@ -152,7 +153,7 @@ class UsageSampler:
         self._t0 = 0.0
         self._cpu0 = 0.0
         self._io0 = 0
-        self._nvml: Any = None
+        self._nvml: tuple[Any, Any] | None = None  # (NVML, the rank's device handle)
 
     def start(self) -> UsageSampler:
         try:
@@ -188,11 +189,10 @@ class UsageSampler:
         counters = _tcp_counters()
         util = None
         if self._nvml is not None:
+            nvml, handle = self._nvml
             try:
-                import pynvml
-
-                util = float(pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu)
-            except Exception:
+                util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except Exception:  # not supported (a MIG instance, an old GPU): no figure
                 util = None
         with self._lock:
             self._rss.append(rss)
@@ -243,11 +243,17 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
-def _nvml_handle(index: int) -> Any:
-    try:
-        import pynvml
+def _nvml_handle(index: int) -> tuple[Any, Any] | None:
+    """NVML (``load_nvml``) and its handle of the rank's CUDA device ``index`` (``cuda:index``): the
+    device ``CUDA_VISIBLE_DEVICES`` names at that place (an index or a UUID), not NVML's device of that
+    number; None where there is none (no pynvml, no driver, no such device)."""
+    from hpoflow.train.energy import device_handle, load_nvml, visible_gpus
 
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # no pynvml, no driver: utilisation is simply not reported
+    devices = visible_gpus(index + 1)
+    nvml = load_nvml()
+    if nvml is None or index >= len(devices):
+        return None
+    try:
+        return nvml, device_handle(nvml, devices[index])
+    except Exception:  # NVMLError (no such device) or the fixture's: utilisation is simply not reported
         return None

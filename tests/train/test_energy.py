@@ -15,6 +15,7 @@ import pytest
 
 from hpoflow.report.tables import energy_split
 from hpoflow.train.energy import EnergyMeter, FixtureNvml, Rapl, load_nvml, visible_gpus
+from hpoflow.train.usage import UsageSampler
 from hpoflow.trial import aggregate_usage
 
 FIXTURES = Path(__file__).resolve().parent / "energy_fixtures"
@@ -204,3 +205,42 @@ def test_the_test_hooks_pick_the_fixtures(tmp_path: Path, monkeypatch: pytest.Mo
     assert visible_gpus(2) == [1, "GPU-5c1e7e2a-3f0d-4b7e-9a51-8d0c2f6b1a93"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1f5b8a2c-0c1d-5e2b-9a3f-1c2d3e4f5a6b")
     assert EnergyMeter(gpus=visible_gpus(1), nvml=load_nvml()).start().stop() == {}  # a MIG instance: no counter
+
+
+@pytest.mark.parametrize(("visible", "cuda_device", "device"), [
+    ("1", 0, 1), ("1,0", 1, 0), ("GPU-0b7f1d44-9e2a-4c1b-8f3e-6a5d2c1b0e77", 0, 1), (None, 0, 0)],
+    ids=["an-index", "the-second-of-two", "a-uuid", "none-set"])
+def test_gpu_utilisation_is_the_device_cuda_visible_devices_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str | None, cuda_device: int, device: int) -> None:
+    """The usage sampler's ``gpu_util_percent`` of ``cuda:K`` is NVML's device that ``CUDA_VISIBLE_DEVICES``
+    names K-th (as the energy reader resolves it), not NVML's device K."""
+    rec = _recording(0.0)
+    busy = {0: 11, 1: 83}
+    for d in rec["devices"]:  # type: ignore[attr-defined]
+        d["utilization_gpu"] = busy[d["index"]]
+    path = tmp_path / "nvml.json"
+    path.write_text(json.dumps(rec))
+    monkeypatch.setenv("HPOFLOW_NVML_FIXTURE", str(path))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    summary = UsageSampler(cuda_device=cuda_device).start().stop()
+    assert summary["gpu_util_percent"] == busy[device]
+
+
+def test_a_mig_instance_has_no_gpu_utilisation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML finds a MIG instance by its UUID but answers NOT_SUPPORTED for its utilisation: no figure,
+    not the parent GPU's (nor device 0's)."""
+    rec = _recording(0.0)
+    for d in rec["devices"]:  # type: ignore[attr-defined]
+        d["utilization_gpu"] = 50
+    mig = {"uuid": "MIG-1f5b8a2c-0c1d-5e2b-9a3f-1c2d3e4f5a6b", "name": "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
+           "energy_mj": None, "processes": 1}
+    rec["devices"] = [*rec["devices"], mig]  # type: ignore[misc]
+    path = tmp_path / "nvml.json"
+    path.write_text(json.dumps(rec))
+    monkeypatch.setenv("HPOFLOW_NVML_FIXTURE", str(path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1f5b8a2c-0c1d-5e2b-9a3f-1c2d3e4f5a6b")
+    summary = UsageSampler(cuda_device=0).start().stop()
+    assert "gpu_util_percent" not in summary and "cpu_percent" in summary

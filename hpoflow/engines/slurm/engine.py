@@ -115,7 +115,7 @@ class SlurmEngine(Engine):
     def check_fit(cls, options: SlurmOptions, request: TrialRequest) -> None:
         """Fixed-size trials whose ranks split evenly over their nodes; inside an allocation (steps mode),
         a trial that fits the allocation."""
-        _check_shape(request)
+        _check_shape(request, share_site=True)
         if options.resolved_mode(os.environ) == "steps" and os.environ.get("SLURM_JOB_ID"):
             read_allocation(os.environ, options).check_fit(request)
 
@@ -612,7 +612,9 @@ def read_allocation(environ: Mapping[str, str], options: SlurmOptions) -> Alloca
                    max_step_count=int(max_steps) if max_steps.isascii() and max_steps.isdigit() else 0)
 
 
-def _check_shape(request: TrialRequest) -> None:
+def _check_shape(request: TrialRequest, share_site: bool = False) -> None:
+    """``EngineError`` for a shape the engine never runs. ``share_site``: a share of a GPU's refusal says
+    whether this cluster has ``gres/shard`` (one ``scontrol show config``; ``check_fit`` only)."""
     if request.elastic:
         raise EngineError("resources.processes: {min, max} makes trials elastic, which the slurm engine does not "
                           "resize. Fix: give resources.processes a number (or use the local or compss engine)")
@@ -621,10 +623,29 @@ def _check_shape(request: TrialRequest) -> None:
     except ValueError as exc:
         raise EngineError(str(exc)) from None
     if not float(request.gpus_per_process).is_integer():
-        raise EngineError(
-            f"resources.gpus_per_process: {request.gpus_per_process} shares a GPU between trials, but the slurm "
-            "engine gives each rank whole GPUs (it does not ask SLURM for gres/shard). Fix: set gpus_per_process: "
-            "1, or share GPUs on one machine with the local engine")
+        raise EngineError(_share_refusal(request.gpus_per_process, _gres_types() if share_site else None))
+
+
+def _share_refusal(gpus_per_process: float, gres_types: str | None) -> str:
+    """The one line refusing a share of a GPU; ``gres_types``: the cluster's ``GresTypes`` (None: unknown)."""
+    head = f"resources.gpus_per_process: {gpus_per_process} shares a GPU between trials"
+    fix = "Fix: set gpus_per_process: 1 (whole GPUs), or share GPUs on one machine with the local engine"
+    if gres_types is not None and "shard" in gres_types.split(","):
+        return (f"{head}; this cluster has gres/shard (GresTypes={gres_types}), but hpoflow's slurm engine does "
+                f"not ask SLURM for shards yet: it gives each rank whole GPUs. {fix}")
+    where = " (and this cluster declares none)" if gres_types is not None else ""
+    return (f"{head}, but the slurm engine gives each rank whole GPUs: it does not ask SLURM for "
+            f"gres/shard{where}. {fix}")
+
+
+def _gres_types() -> str | None:
+    """This cluster's ``GresTypes`` (``gpu,shard``; ``""`` where it declares none), None where
+    ``scontrol show config`` does not answer."""
+    config = _run_quiet(["scontrol", "show", "config"])
+    if not config:
+        return None
+    value = config_value(config, "GresTypes") or ""
+    return "" if value == "(null)" else value
 
 
 def _fresh_attempt_dir(files: TrialFiles) -> None:

@@ -208,6 +208,33 @@ def test_a_rank_given_another_ranks_gpu_fails_at_once_with_one_line(slurm_site_c
     assert not _probes(run_dir / "trials" / str(trial.number))  # neither rank trained
 
 
+def test_a_share_of_a_gpu_is_refused_in_one_line_where_the_site_has_gres_shard(
+        slurm_site_cluster: SlurmCluster) -> None:
+    """The nodes declare 16 ``gres/shard`` each; the engine does not ask SLURM for shards, so ``hpoflow
+    run`` of a spec with ``gpus_per_process: 0.25`` in an allocation stops before its first step: exit 2,
+    one line that says the site has shards and what to set instead, no step, no trial directory."""
+    nodes = slurm_site_cluster.run(["scontrol", "show", "node", "-o"]).stdout.splitlines()
+    assert len(nodes) == len(slurm_site_cluster.node_names)
+    assert all(re.search(r"\bGres=gpu:4,shard:16\b", line) for line in nodes), nodes
+    shared = slurm_site_cluster.shared_dir / "site-share"
+    spec = _spec(shared / "s.yaml", search={"n_trials": 1, "max_concurrent": 1},
+                 resources={"processes": 1, "gpus_per_process": 0.25})
+    run_dir = shared / "run"
+    r = run_in_salloc(slurm_site_cluster, ["-N1", "-c4", "--gres=gpu:4", "--mem=3000"], spec, run_dir)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if not line.startswith("salloc:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+    (line,) = lines
+    assert line.startswith("hpoflow: error: resources.gpus_per_process: 0.25 shares a GPU"), line
+    assert "this cluster has gres/shard (GresTypes=gpu,shard)" in line and "does not ask SLURM for shards" in line
+    assert "Fix: set gpus_per_process: 1" in line and "local engine" in line, line
+    granted = re.search(r"Granted job allocation (\d+)", r.stderr)
+    assert granted, r.stderr
+    # a slurmd logs "launch task StepId=J.S" for every step it starts: none of the allocation's
+    slurmd_logs = "".join(p.read_text(errors="replace") for p in slurm_site_cluster.log_dir.glob("slurmd-*.log"))
+    assert f"launch task StepId={granted.group(1)}." not in slurmd_logs
+    assert not run_dir.exists()  # refused before the run directory (and any trial's) was made
+
+
 def test_on_nodes_of_two_threads_per_core_the_engine_runs_what_slurm_can_place(
         slurm_site_cluster: SlurmCluster) -> None:
     """``-c4`` is 4 hardware threads: 2 cores. A 1-CPU rank takes a whole core, so 2 trials run at

@@ -15,6 +15,7 @@ import pytest
 
 from hpoflow.engines.cluster.hostlist import HostlistError, expand
 from hpoflow.engines.slurm.allocation import Allocation, cpus_per_node
+from hpoflow.engines.slurm.engine import _share_refusal
 from hpoflow.engines.slurm.launch import SlurmLaunch, batch_script
 from hpoflow.engines.slurm.options import SlurmOptions
 from hpoflow.errors import EngineError
@@ -273,3 +274,17 @@ def test_a_study_whose_steps_approach_max_step_count_is_warned_before_it_starts(
     engine.allocation = replace(engine.allocation, max_step_count=0)  # unknown: nothing to say
     engine.expect_runs(10**6, 10**6)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("gres_types", "says"), [
+    ("gpu,shard", "; this cluster has gres/shard (GresTypes=gpu,shard), but hpoflow's slurm engine does not ask SLURM "
+                  "for shards yet: it gives each rank whole GPUs."),
+    ("gpu", ", but the slurm engine gives each rank whole GPUs: it does not ask SLURM for gres/shard (and this "
+            "cluster declares none)."),
+    (None, ", but the slurm engine gives each rank whole GPUs: it does not ask SLURM for gres/shard.")],
+    ids=["site-has-shards", "site-has-none", "scontrol-silent"])
+def test_a_share_is_refused_in_one_line_that_says_whether_the_cluster_has_gres_shard(
+        gres_types: str | None, says: str) -> None:
+    line = _share_refusal(0.25, gres_types)
+    assert line == ("resources.gpus_per_process: 0.25 shares a GPU between trials" + says + " Fix: set "
+                    "gpus_per_process: 1 (whole GPUs), or share GPUs on one machine with the local engine")
