@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch._dynamo  # noqa: F401  # what a rank's first optimizer imports (~1 s): once, in the forkserver
+import torch._dynamo  # what a rank's first optimizer imports (~1 s): once, in the forkserver
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
