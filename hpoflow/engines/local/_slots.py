@@ -14,7 +14,7 @@ from hpoflow.engines.logcap import LogStream
 from hpoflow.engines.machine import GpuId
 from hpoflow.trial import RankOutcome
 
-__all__ = ["RunningTrial", "give_back", "plan_placement"]
+__all__ = ["RankShare", "RunningTrial", "give_back", "plan_placement"]
 
 
 def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list[GpuId]
@@ -30,6 +30,20 @@ def plan_placement(request: TrialRequest, free_cores: list[int], free_gpus: list
         out.append(Placement(r, tuple(free_cores[c0 : c0 + request.cpus_per_process]),
                              tuple(free_gpus[g0 : g0 + request.gpus_per_process])))
     return out
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """This host's part of a trial whose ranks run on several hosts (a node agent's gang share): ranks
+    ``first_rank`` to ``first_rank + ranks - 1`` of ``world``; the ranks meet at the TCP store the
+    trial's rank 0 holds and announces in the file ``announce`` (``hpoflow.train.dist.announced_store``);
+    ``env``: more environment for its ranks (the network gloo binds)."""
+
+    first_rank: int
+    ranks: int
+    world: int
+    announce: str
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +70,7 @@ class RunningTrial:
     deferred: bool | None = None
     paused_at: float | None = None  # pause(): when the engine asked the ranks to stop at a step
     signalled_at: float = 0.0
+    share: RankShare | None = None  # the ranks of a multi-host trial that run here (a node agent's)
 
     @property
     def done(self) -> bool:
