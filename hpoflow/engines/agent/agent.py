@@ -40,6 +40,22 @@ def _log(msg: str) -> None:
     print(f"hpoflow-agent[{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
 
 
+def _slots() -> list[int]:
+    """The CPU slots of this agent: the CPUs it may run on (its affinity), as many as SLURM gave its task
+    (``SLURM_CPUS_PER_TASK``). Where SLURM binds no task to its CPUs (``TaskPlugin=task/none``) and the
+    node declares more CPUs than the affinity holds, the CPUs are listed again (a slot per CPU SLURM
+    counts, sharing the cores), so the agent runs what the driver planned with SLURM's count."""
+    from hpoflow.engines.machine import machine_cores
+
+    cores = machine_cores()
+    given = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    want = int(given) if given.isascii() and given.isdigit() else len(cores)
+    if want > len(cores):
+        _log(f"SLURM gives this task {want} CPUs but its affinity holds {len(cores)} ({cores}): slots share them")
+        return [cores[i % len(cores)] for i in range(want)]
+    return cores
+
+
 class _Agent:
     def __init__(self, link: Link, pg_timeout_s: float, socket_ifname: str) -> None:
         from hpoflow.engines.cluster.node import gloo_interface
@@ -47,7 +63,8 @@ class _Agent:
 
         self.link = link
         self.node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
-        self.engine = LocalEngine(pg_timeout_s=pg_timeout_s)  # the warm pool starts preloading now
+        os.environ["HPOFLOW_AGENT_NODE"] = self.node  # its ranks' logs say where they ran (the pool inherits it)
+        self.engine = LocalEngine(cores=_slots(), pg_timeout_s=pg_timeout_s)  # the warm pool starts preloading now
         ifname, self.gloo_why = gloo_interface({"socket_ifname": socket_ifname}, 2, os.environ)
         self.gloo_env = {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
         self.warm_s: float | None = None

@@ -60,7 +60,7 @@ from hpoflow.train.transport import TrialFiles
 if TYPE_CHECKING:
     from hpoflow.engines.machine import GpuId
 
-__all__ = ["gloo_interface", "main"]
+__all__ = ["gloo_interface", "host_addresses", "main"]
 
 _WATCH_S = 0.2
 _PEER_GRACE_S = 3.0
@@ -354,7 +354,7 @@ def _step(args: argparse.Namespace) -> int:
             sys.stderr.flush()
             os._exit(1)
     _log(f"rank {rank} of {world} (local rank {local}) on node {node_name} "
-         f"({_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
+         f"({host_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
          f"{env.get('SLURM_STEP_ID')}, gloo interface {os.environ.get('GLOO_SOCKET_IFNAME', 'default')} ({why})")
     # the ranks meet without a file lock on the shared file system: a trial on one node through a file
     # store on the node's own memory file system, one on several through a TCP store its rank 0 holds
@@ -477,7 +477,7 @@ def _supervise_step(child: int, pump: LogPump, stream: LogStream) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _addresses(ifname: str | None) -> str:
+def host_addresses(ifname: str | None) -> str:
     """This host's IPv4 addresses (of ``ifname`` when given), for the rank log."""
     try:
         import psutil

@@ -56,7 +56,7 @@ _START_TIMEOUT_S = 600.0  # an agent not connected by then (its node never start
 class _Agent:
     node: str
     link: Link
-    cpus: int  # what the driver plans with: the allocation's CPUs on the node, at most the agent's own
+    cpus: int  # what the driver plans with: the allocation's CPUs on the node (at most the agent's slots)
     gpus: int
     last_seen: float
     trials: set[int] = field(default_factory=set)
@@ -108,7 +108,7 @@ class AgentFleet:
         argv = ["srun", f"--job-name={name}", f"--nodes={len(a.hosts)}", f"--ntasks={len(a.hosts)}",
                 "--ntasks-per-node=1", f"--cpus-per-task={min(a.cpus)}",
                 f"--gres=gpu:{a.gpus_per_node}" if a.gpus_per_node else "--gres=none", "--mem=0",
-                "--kill-on-bad-exit=0", "--input=none", f"--output={self.dir / 'agent-%N.out'}"]
+                "--kill-on-bad-exit=0", "--input=none", f"--output={self.dir / 'agent-%n.out'}"]
         if not any(x == "--mpi" or x.startswith("--mpi=") for x in options.srun_args):
             argv.append("--mpi=none")
         argv += [*options.srun_args, python, "-m", "hpoflow.engines.agent", "--port", str(self.port),
@@ -244,7 +244,7 @@ class AgentFleet:
                 continue
             i = self.allocation.hosts.index(node)
             cores, gpus = list(hello.get("cores") or []), list(hello.get("gpus") or [])
-            self.agents[node] = _Agent(node, link, min(self.allocation.cpus[i], len(cores) or self.allocation.cpus[i]),
+            self.agents[node] = _Agent(node, link, min(self.allocation.cpus[i], len(cores)),
                                        min(self.allocation.gpus_per_node, len(gpus)), time.monotonic())
             if len(self.agents) == len(self.allocation.hosts):
                 print(f"hpoflow: {len(self.agents)} node agent(s) up {time.monotonic() - self.started_at:.1f} s after "

@@ -114,6 +114,7 @@ class SlurmEngine(Engine):
     """Runs each trial as a SLURM job step or batch job; see the module docstring."""
 
     name = "slurm"
+    fleet: AgentFleet | None = None  # the node agents trials run on (engine_options.agents), else None
 
     @classmethod
     def from_options(cls, options: SlurmOptions, run_dir: Path | None = None) -> SlurmEngine:
@@ -145,7 +146,6 @@ class SlurmEngine(Engine):
         self._queued: dict[str, str] = {}  # job id -> state, from the last squeue
         self._overlap = False  # steps run with --overlap (after a multi-node step lost a node: _result)
         self._closed = False
-        self.fleet: AgentFleet | None = None
         if self.allocation is not None and self.options.resolved_agents(env):
             from hpoflow.engines.slurm.agents import AgentFleet
 
