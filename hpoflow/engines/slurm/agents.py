@@ -44,6 +44,7 @@ from hpoflow.engines.cluster.layout import default_pythonpath, processes_per_nod
 from hpoflow.engines.proc import tail
 from hpoflow.engines.slurm.allocation import Allocation
 from hpoflow.engines.slurm.options import SlurmOptions
+from hpoflow.fileio import write_json_atomic
 from hpoflow.train.transport import TrialFiles
 
 __all__ = ["AgentFleet"]
@@ -70,6 +71,7 @@ class _Trial:
     request: TrialRequest
     files: TrialFiles
     submitted: float
+    submitted_wall: float
     nodes: list[str] = field(default_factory=list)  # its agents, rank 0's first; empty while waiting
     cpus: int = 0  # taken on each of its nodes
     gpus: int = 0
@@ -115,6 +117,7 @@ class AgentFleet:
                  "--pg-timeout-s", str(options.pg_timeout_s), "--socket-ifname", options.socket_ifname]
         self.started_at = time.monotonic()
         self.warm_at: float | None = None  # when every agent said its warm pool is up
+        self._record: dict[str, float] = {"step_started": time.time()}  # agents.json: the agents' start
         with open(self.dir / "srun.log", "ab") as log:
             log.write((shlex.join(argv) + "\n").encode())
             log.flush()
@@ -153,7 +156,7 @@ class AgentFleet:
         files.dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             (files.dir / "rendezvous.addr").unlink()  # a rerun's rank 0 announces anew
-        self._trials[request.number] = _Trial(request, files, time.monotonic())
+        self._trials[request.number] = _Trial(request, files, time.monotonic(), time.time())
         self._dispatch()
 
     def poll(self, timeout: float | None) -> list[Event]:
@@ -247,6 +250,7 @@ class AgentFleet:
             self.agents[node] = _Agent(node, link, min(self.allocation.cpus[i], len(cores)),
                                        min(self.allocation.gpus_per_node, len(gpus)), time.monotonic())
             if len(self.agents) == len(self.allocation.hosts):
+                self._note("connected")
                 print(f"hpoflow: {len(self.agents)} node agent(s) up {time.monotonic() - self.started_at:.1f} s after "
                       "their step started", file=sys.stderr, flush=True)
 
@@ -261,6 +265,7 @@ class AgentFleet:
                 if self.warm_at is None and all(a.warm_s is not None for a in self.agents.values()) \
                         and len(self.agents) == len(self.allocation.hosts):
                     self.warm_at = time.monotonic()
+                    self._note("warm")
                     print(f"hpoflow: node agents warm (torch preloaded, workers forked) "
                           f"{self.warm_at - self.started_at:.1f} s after their step started", file=sys.stderr,
                           flush=True)
@@ -313,6 +318,12 @@ class AgentFleet:
                 continue
             t.lost = t.lost or f"its node agent on {node} was lost ({why})"
             self._share_ended(agent, number, None)
+
+    def _note(self, what: str) -> None:
+        """Record when the agents reached a stage of their start (``agents/agents.json``, wall clock)."""
+        self._record[what] = time.time()
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.dir / "agents.json", self._record)
 
     def _send(self, node: str, msg: dict[str, Any]) -> None:
         agent = self.agents.get(node)
@@ -373,6 +384,9 @@ class AgentFleet:
         result = failures[0] if failures else chief
         if result is None:  # lost, but cancelled meanwhile
             return TrialResult(n, "cancelled", error=t.cancel_reason, timings={"duration_s": duration})
+        timings = {**result.timings, "engine_duration_s": duration}
+        if "started_at" in timings:  # from the driver's submit (the agent's own count starts when it got it)
+            timings["launch_s"] = timings["started_at"] - t.submitted_wall
         return TrialResult(n, result.status, result.value, result.metrics, result.error, result.stderr_tail,
-                           {**result.timings, "engine_duration_s": duration}, result.retryable, result.system)
+                           timings, result.retryable, result.system)
 
