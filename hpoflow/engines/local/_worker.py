@@ -176,7 +176,8 @@ def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[i
         ifname = os.environ.get("GLOO_SOCKET_IFNAME")
         node = os.environ.get("HPOFLOW_AGENT_NODE") or os.uname().nodename
         print(f"hpoflow: rank {job.rank} of {job.world_size} (local rank {job.local_rank}) on node {node} "
-              f"({host_addresses(ifname)}) in its node agent's warm worker, gloo interface {ifname or 'default'}",
+              f"({host_addresses(ifname)}) in its node agent's worker (pid {os.getpid()}), gloo interface "
+              f"{ifname or 'default'}",
               file=sys.stderr, flush=True)
     channel = PipeChannel(conn) if job.rank == 0 else NullChannel()
     return run_rank(job, channel)

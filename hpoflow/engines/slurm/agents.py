@@ -110,7 +110,7 @@ class AgentFleet:
         argv = ["srun", f"--job-name={name}", f"--nodes={len(a.hosts)}", f"--ntasks={len(a.hosts)}",
                 "--ntasks-per-node=1", f"--cpus-per-task={min(a.cpus)}",
                 f"--gres=gpu:{a.gpus_per_node}" if a.gpus_per_node else "--gres=none", "--mem=0",
-                "--kill-on-bad-exit=0", "--input=none", f"--output={self.dir / 'agent-%n.out'}"]
+                "--kill-on-bad-exit=0", "--no-kill", "--input=none", f"--output={self.dir / 'agent-%n.out'}"]
         if not any(x == "--mpi" or x.startswith("--mpi=") for x in options.srun_args):
             argv.append("--mpi=none")
         argv += [*options.srun_args, python, "-m", "hpoflow.engines.agent", "--port", str(self.port),

@@ -70,7 +70,7 @@ class SlurmOptions(Options):
     kill_grace_s: float = Field(default=5.0, gt=0)
     pg_timeout_s: float = Field(default=120.0, gt=0)
     answer_timeout_s: float = Field(default=600.0, gt=0)
-    agents: Literal["auto", "on", "off"] = "off"
+    agents: Literal["auto", "on", "off"] = "auto"
     agent_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("partition", "account", "qos", "constraint")

@@ -43,7 +43,7 @@ def _steps_launched(cluster: SlurmCluster, job: str) -> dict[str, list[str]]:
 def test_agents_run_2_node_ddp_trials_in_one_step_per_node_whose_ranks_meet_across_the_veth(
         slurm_cluster: SlurmCluster) -> None:
     shared = slurm_cluster.shared_dir / "agents-ddp"
-    spec = _spec(shared / "ddp.yaml", engine_options=AGENTS, search={"n_trials": 4, "max_concurrent": 2})
+    spec = _spec(shared / "ddp.yaml", engine_options=AGENTS, search={"n_trials": 6, "max_concurrent": 2})
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
     # a peer without the run's secret, on the driver's agents port, is dropped, and the study goes on
@@ -56,7 +56,7 @@ def test_agents_run_2_node_ddp_trials_in_one_step_per_node_whose_ranks_meet_acro
     out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED", out
     study = _study(run_dir)
-    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4, out
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 6, out
     addresses = set((slurm_cluster.fabric_addresses or slurm_cluster.node_addresses).values())
     for t in study.trials:
         hosts = _rank_hosts(run_dir / "trials" / str(t.number))
@@ -64,6 +64,12 @@ def test_agents_run_2_node_ddp_trials_in_one_step_per_node_whose_ranks_meet_acro
         assert {a for _, a in hosts.values()} == addresses  # the all-reduce crosses the veth, on the fabric
         metrics = t.user_attrs["metrics"]
         assert metrics["world"] == 2.0 and metrics["weight_spread"] == 0.0 and metrics["moved"] > 0  # DDP in sync
+    # the ranks ran in the agents' warm workers (torch imported once per agent, by its forkserver), not in
+    # a fresh interpreter per trial: 12 ranks (6 trials, a rank on each node) in fewer worker processes (4 per
+    # agent at most: a worker per CPU slot)
+    pids = [re.findall(r"in its node agent's worker \(pid (\d+)\)", p.read_text())[-1]
+            for p in run_dir.glob("trials/*/rank*.log")]
+    assert len(pids) == 12 and len(set(pids)) <= 8, pids
     assert "dropped a connection to the agents' port" in out, out
     # one step for the whole study: the agents', one task on each node; no step per trial
     assert _steps_launched(slurm_cluster, job) == {"0": ["n1", "n2"]}, out
@@ -75,9 +81,8 @@ def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_c
     from hpoflow.train.checkpoint import checkpoint_name
 
     shared = slurm_cluster.shared_dir / "agents-kill"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=12, processes=2, nodes=1)  # a node each
-    data = spec.read_text() + "engine_options:\n  agents: 'on'\n"
-    spec.write_text(data)
+    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=12, engine_options=AGENTS, processes=2,
+                        nodes=1)  # a node each
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
 

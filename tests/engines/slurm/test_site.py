@@ -39,7 +39,8 @@ def _spec(path: Path, **extra: Any) -> Path:
         "training": {"function": "trainfns:site_probe", "epochs": 1},
         "resources": {"processes": 1},
         "engine": "slurm",
-        "engine_options": {"poll_interval_s": 0.1},
+        # each trial a job step: these tests are about how SLURM places a step (its CPUs, GPUs, memory)
+        "engine_options": {"poll_interval_s": 0.1, "agents": "off"},
     }
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
