@@ -69,7 +69,12 @@ class _Agent:
         self.gloo_env = {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
         self.warm_s: float | None = None
         self._t0 = time.monotonic()
+        self._done = threading.Event()
         threading.Thread(target=self._wait_warm, name="hpoflow-agent-warm", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._done.is_set() and self.link.send({"kind": "heartbeat"}):
+            self._done.wait(HEARTBEAT_S)
 
     def _wait_warm(self) -> None:
         if self.engine.wait_warm(None):
@@ -80,6 +85,10 @@ class _Agent:
         self.link.send({"kind": "hello", "node": self.node, "pid": os.getpid(), "cores": list(e.cores),
                         "gpus": [str(g) for g in e.gpus], "gloo": self.gloo_env.get("GLOO_SOCKET_IFNAME", ""),
                         "gloo_why": self.gloo_why})
+        # heartbeats (after the hello: the driver's first message from an agent must be it) from a thread
+        # of their own: the serving loop may wait seconds for a warm worker (a torch trial sent while the
+        # forkserver still preloads), and the agent is alive meanwhile
+        threading.Thread(target=self._beat, name="hpoflow-agent-heartbeat", daemon=True).start()
 
     def handle(self, msg: dict[str, Any]) -> bool:
         """Act on one message from the driver; False when told to exit."""
@@ -112,7 +121,6 @@ class _Agent:
     def serve(self) -> None:
         from hpoflow.engines.base import TrialReport
 
-        next_beat = 0.0
         warm_sent = False
         while True:
             for msg in self.link.read():
@@ -121,16 +129,10 @@ class _Agent:
             if self.link.closed:
                 _log("the driver's connection closed: stopping")
                 return
-            now = time.monotonic()
-            if now >= next_beat:
-                self.link.send({"kind": "heartbeat", "running": self.engine.running()})
-                next_beat = now + HEARTBEAT_S
             if not warm_sent and self.warm_s is not None:
                 warm_sent = True
                 self.link.send({"kind": "warm", "seconds": self.warm_s})
-            wait_s = max(0.0, next_beat - now)
-            if not warm_sent:
-                wait_s = min(wait_s, 0.1)
+            wait_s = 1.0 if warm_sent else 0.1
             if self.engine.running():
                 events = self.engine.poll(wait_s, wake=[self.link.sock])
             else:
@@ -144,6 +146,7 @@ class _Agent:
                     self.link.send({"kind": "result", "number": e.number, "result": e.to_dict()})
 
     def close(self) -> None:
+        self._done.set()
         self.engine.close()
         self.link.close()
 

@@ -100,8 +100,8 @@ def test_a_connection_without_the_runs_secret_is_refused_before_any_message() ->
 def test_an_agent_runs_trials_on_its_warm_pool_and_forwards_reports_and_results(
         agent: tuple[Link, subprocess.Popen[bytes]], tmp_path: Path) -> None:
     link, _ = agent
-    hello = _until(link, "hello")
-    assert hello["cores"] and hello["pid"]
+    hello = link.recv_one(WAIT_S)  # the first message: the driver knows the agent's node by it
+    assert hello is not None and hello["kind"] == "hello" and hello["cores"] and hello["pid"], hello
     link.send({"kind": "start", "request": _request(tmp_path, 0, value=0.75, reports=2).to_json(),
                "share": None})
     link.send({"kind": "start", "request": _request(tmp_path, 1, mode="raise").to_json(), "share": None})
