@@ -265,11 +265,15 @@ def test_the_ranks_of_a_2_node_trial_meet_without_a_file_store_over_the_fabric(
         assert sent[(i, "eth0")] < 0.1 * volume, sent  # ...and not over management (SLURM's own traffic only)
 
 
+@pytest.mark.parametrize("agents", ["off", "on"])
 def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_two_nodes_left(
-        slurm_site_cluster: SlurmCluster) -> None:
+        slurm_site_cluster: SlurmCluster, agents: str) -> None:
+    """Each trial a step (agents off), or on node agents (on: the agent of the node taken down is lost,
+    the rerun's two shares go to the agents of the two nodes left)."""
     cluster = slurm_site_cluster
-    shared = cluster.shared_dir / "site-node-loss-3"
-    spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
+    shared = cluster.shared_dir / f"site-node-loss-3-{agents}"
+    spec = _digits_spec(shared / "s.yaml", 1, 8, engine_options={"agents": agents}, processes=2, nodes=2)
+    run_dir = shared / "run"
     proc, victim, out = _study_losing_a_node(cluster, ["-N3", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 0, out
     (trial,) = _study(run_dir).trials
@@ -278,6 +282,9 @@ def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_
     assert trial.user_attrs["metrics"]["resumed_from_epoch"] >= 2, trial.user_attrs  # from its checkpoint
     rerun = _nodes_of(run_dir / "trials" / "0")
     assert len(set(rerun.values())) == 2 and victim not in rerun.values(), (victim, rerun)  # the two nodes left
+    if agents == "on":
+        assert f"node agent on {victim} lost" in out, out
+        return
     assert f"node(s) {victim} left the allocation" in out, out
     # SLURM 22.05 keeps the surviving node of the failed step busy: the rerun needed --overlap to start
     assert "--overlap" in (run_dir / "trials" / "0" / "attempt-1" / "srun.log").read_text()
@@ -287,7 +294,8 @@ def test_with_one_node_left_a_2_node_trial_stops_as_interrupted_keeps_its_retrie
         slurm_site_cluster: SlurmCluster) -> None:
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-node-loss-2"
-    spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
+    spec = _digits_spec(shared / "s.yaml", 1, 8, engine_options={"agents": "off"}, processes=2, nodes=2)
+    run_dir = shared / "run"
     proc, _victim, out = _study_losing_a_node(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 1 and "Traceback" not in out, out
     stopped = [line for line in out.splitlines() if line.startswith("hpoflow: stopped:")]
