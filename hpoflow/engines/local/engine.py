@@ -80,6 +80,11 @@ def _check_ids(key: str, given: list[int] | None, usable: Sequence[GpuId], what:
                               f"machine ({where}: {_ids(usable) or 'none'}). Fix: {fix}")
 
 
+def _rank_of(t: _Trial, w: Worker) -> int:
+    """The trial's rank number of what ``w`` runs (a node agent's share numbers its ranks from its first)."""
+    return w.rank + (t.share.first_rank if t.share is not None else 0)
+
+
 class LocalEngine(Engine):
     """Runs trials as ranks on warm worker processes of this machine; see the module docstring.
 
@@ -442,7 +447,7 @@ class LocalEngine(Engine):
                 elif kind == "outcome":
                     outcome = t.outcomes[w.rank] = RankOutcome.from_dict(payload)
                     if outcome.status == "error" and t.failure is None:
-                        t.failure = f"rank {w.rank}: {outcome.error}"
+                        t.failure = f"rank {_rank_of(t, w)}: {outcome.error}"
                         t.retryable = outcome.retryable
                         self._kill_unfinished(t)
         except (EOFError, OSError):
@@ -458,7 +463,7 @@ class LocalEngine(Engine):
         if t is not None and w.rank not in t.outcomes:
             t.outcomes[w.rank] = RankOutcome("lost")
             if t.failure is None and t.cancel_reason is None:
-                t.failure = f"rank {w.rank} {describe_exit(code)} before it finished"
+                t.failure = f"rank {_rank_of(t, w)} {describe_exit(code)} before it finished"
                 t.retryable = True
                 self._kill_unfinished(t)
 

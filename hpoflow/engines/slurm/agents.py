@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,7 @@ class _Trial:
     gpus: int = 0
     ended: dict[str, TrialResult | None] = field(default_factory=dict)  # node -> its share's result (None: lost)
     lost: str | None = None
+    failed_first: str | None = None  # the node whose ranks failed first
     cancel_reason: str | None = None
     pending_answer: bool = False
 
@@ -367,6 +368,8 @@ class AgentFleet:
         agent.used_cpus -= t.cpus
         agent.used_gpus -= t.gpus
         failed = result is None or result.status == "failed"
+        if failed and t.failed_first is None and result is not None:
+            t.failed_first = agent.node
         if failed and len(t.ended) < len(t.nodes):  # the other nodes' ranks would wait in a collective
             self._to_shares(t, {"kind": "cancel", "number": number,
                                 "reason": f"the trial's ranks on {agent.node} ended ({t.lost or 'failed'})"})
@@ -380,8 +383,10 @@ class AgentFleet:
         chief = t.ended.get(t.nodes[0])
         if t.lost is not None and t.cancel_reason is None and (chief is None or chief.status != "complete"):
             return TrialResult(n, "failed", error=t.lost, retryable=True, timings={"duration_s": duration})
-        failures = [r for r in (t.ended[node] for node in t.nodes) if r is not None and r.status == "failed"]
-        result = failures[0] if failures else chief
+        failed = t.ended.get(t.failed_first) if t.failed_first is not None else None
+        if failed is not None and len(t.nodes) > 1:  # which node's ranks failed first (the others followed)
+            failed = replace(failed, error=f"{failed.error} (on {t.failed_first})")
+        result = failed or chief
         if result is None:  # lost, but cancelled meanwhile
             return TrialResult(n, "cancelled", error=t.cancel_reason, timings={"duration_s": duration})
         timings = {**result.timings, "engine_duration_s": duration}

@@ -110,3 +110,23 @@ def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_c
     assert {h for h, _ in _rank_hosts(run_dir / "trials" / str(victim)).values()} == {"n1"}  # on the node left
     assert "node agent on n2 lost" in out, out
     assert _steps_launched(slurm_cluster, job) == {"0": ["n1", "n2"]}, out  # the rerun needed no new step
+
+
+def test_a_rank_that_dies_in_a_2_node_trial_fails_its_trial_only_and_the_agents_stay(
+        slurm_cluster: SlurmCluster) -> None:
+    """Rank 1 (on the second node) SIGKILLs itself while rank 0 waits in an all-reduce: the trial fails
+    with rank 1's death, on its node, at once (its rank 0 on the other agent is cancelled, not left to
+    its process-group timeout), and neither agent is lost."""
+    shared = slurm_cluster.shared_dir / "agents-crash"
+    spec = _spec(shared / "crash.yaml", engine_options=AGENTS, training={"function": "trainfns:crash_rank1"},
+                 search={"n_trials": 1, "max_concurrent": 1}, resources={"processes": 2, "nodes": 2, "max_retries": 0})
+    run_dir = shared / "run"
+    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
+    wait_job(slurm_cluster, job)
+    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
+    (trial,) = _study(run_dir).trials
+    assert trial.state == optuna.trial.TrialState.FAIL, out
+    error = str(trial.user_attrs.get("error", ""))
+    assert re.search(r"rank 1 .*SIGKILL.* before it finished \(on n\d\)", error), (error, out)
+    assert "node agent on" not in out, out  # the agents outlived the rank
+    assert trial.user_attrs["timings"]["duration_s"] < 60, trial.user_attrs  # not the 120 s pg timeout
