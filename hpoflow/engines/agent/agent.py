@@ -34,6 +34,7 @@ from hpoflow.engines.agent.protocol import SECRET_ENV, AuthError, Link, connect
 __all__ = ["main"]
 
 HEARTBEAT_S = 1.0
+MEMORY_WATCH_S = 0.5  # how often the agent looks at its ranks' memory
 
 
 def _log(msg: str) -> None:
@@ -68,6 +69,8 @@ class _Agent:
         ifname, self.gloo_why = gloo_interface({"socket_ifname": socket_ifname}, 2, os.environ)
         self.gloo_env = {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
         self.warm_s: float | None = None
+        self.memory_mb: dict[int, int] = {}  # trial -> the memory each of its ranks may hold here (0: no limit)
+        self._next_watch = 0.0
         self._t0 = time.monotonic()
         self._done = threading.Event()
         threading.Thread(target=self._wait_warm, name="hpoflow-agent-warm", daemon=True).start()
@@ -105,6 +108,7 @@ class _Agent:
                                                  str(s["announce"]), {**self.gloo_env})
             try:
                 self.engine.start(request, share)
+                self.memory_mb[request.number] = int(msg.get("memory_mb") or 0)
             except EngineError as exc:
                 self.link.send({"kind": "result", "number": request.number,
                                 "result": TrialResult(request.number, "failed", error=str(exc)).to_dict()})
@@ -138,12 +142,33 @@ class _Agent:
             else:
                 wait([self.link.sock], wait_s)
                 events = []
+            self._watch_memory()
             for e in events:
                 if isinstance(e, TrialReport):
                     self.link.send({"kind": "report", "number": e.number, "step": e.step, "metrics": e.metrics,
                                     "wants": e.wants_answer})
                 else:
+                    self.memory_mb.pop(e.number, None)
                     self.link.send({"kind": "result", "number": e.number, "result": e.to_dict()})
+
+    def _watch_memory(self) -> None:
+        """Every ``MEMORY_WATCH_S``: a rank whose private memory is over its trial's share (what a step
+        of its own would have asked SLURM for) fails its trial, as a step's cgroup would have killed it;
+        the agent and the other trials go on."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + MEMORY_WATCH_S
+        for number, limit in list(self.memory_mb.items()):
+            if not limit:
+                continue
+            for rank, used in self.engine.private_memory_mb(number).items():
+                if used > limit:
+                    self.engine.fail(number, f"rank {rank} on {self.node} held {used:.0f} MB of memory, more than "
+                                     f"the {limit} MB a rank of this trial may (resources.memory_gb, else its CPUs' "
+                                     "share of the node's memory): stopped by its node agent. Fix: raise "
+                                     "resources.memory_gb, or lower what a rank holds")
+                    break
 
     def close(self) -> None:
         self._done.set()

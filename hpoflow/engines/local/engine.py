@@ -407,6 +407,40 @@ class LocalEngine(Engine):
     def running(self) -> list[int]:
         return sorted([*self._trials, *(r.number for r in self._queued)])
 
+    def private_memory_mb(self, number: int) -> dict[int, float]:
+        """Rank -> the private memory (resident, not shared: torch's preloaded pages are the forkserver's)
+        of each unfinished rank of trial ``number`` and what it started, in MB; a node agent's watchdog."""
+        import psutil
+
+        t = self._trials.get(number)
+        if t is None:
+            return {}
+        out: dict[int, float] = {}
+        for w in t.workers:
+            if w.rank in t.outcomes or w.proc.pid is None:
+                continue
+            try:
+                top = psutil.Process(w.proc.pid)
+                procs = [top, *top.children(recursive=True)]
+            except psutil.Error:
+                continue
+            total = 0
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    info = p.memory_info()
+                    total += max(0, info.rss - getattr(info, "shared", 0))
+            out[_rank_of(t, w)] = total / 2**20
+        return out
+
+    def fail(self, number: int, reason: str, retryable: bool = False) -> None:
+        """End trial ``number`` as failed with ``reason`` (a node agent's memory watchdog): its unfinished
+        ranks are killed, as for a timeout."""
+        t = self._trials.get(number)
+        if t is None or t.done or t.failure is not None or t.cancel_reason is not None:
+            return
+        t.failure, t.retryable = reason, retryable
+        self._kill_unfinished(t)
+
     def interrupt(self) -> None:
         """A stop has begun: start no worker and no forkserver from now on (``WorkerPool.interrupt``)."""
         self._pool.interrupt()

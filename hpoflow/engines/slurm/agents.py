@@ -357,7 +357,8 @@ class AgentFleet:
                 share = None if req.nodes == 1 else {
                     "first_rank": i * ppn, "ranks": ppn, "world": req.processes,
                     "announce": str(t.files.dir / "rendezvous.addr")}
-                self._send(agent.node, {"kind": "start", "request": req.to_json(), "share": share})
+                self._send(agent.node, {"kind": "start", "request": req.to_json(), "share": share,
+                                        "memory_mb": self.allocation.rank_memory_mb(req)})
 
     def _share_ended(self, agent: _Agent, number: int, result: TrialResult | None) -> None:
         t = self._trials.get(number)

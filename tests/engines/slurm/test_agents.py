@@ -130,3 +130,24 @@ def test_a_rank_that_dies_in_a_2_node_trial_fails_its_trial_only_and_the_agents_
     assert re.search(r"rank 1 .*SIGKILL.* before it finished \(on n\d\)", error), (error, out)
     assert "node agent on" not in out, out  # the agents outlived the rank
     assert trial.user_attrs["timings"]["duration_s"] < 60, trial.user_attrs  # not the 120 s pg timeout
+
+
+def test_a_rank_over_its_memory_share_fails_its_trial_and_its_agent_goes_on(slurm_cluster: SlurmCluster) -> None:
+    """The agent's memory watchdog stands in for the cgroup a step of its own would have had: a rank
+    holding 400 MB where its trial may hold 256 MB per rank (``resources.memory_gb: 0.25``) is stopped
+    within its 20 s hold, its trial fails with one line, and the agent is not lost."""
+    shared = slurm_cluster.shared_dir / "agents-memory"
+    spec = _spec(shared / "mem.yaml", engine_options=AGENTS,
+                 training={"function": "trainfns:hog_memory", "options": {"mb": 400, "hold_s": 20}},
+                 search={"n_trials": 1, "max_concurrent": 1},
+                 resources={"processes": 1, "nodes": 1, "memory_gb": 0.25, "max_retries": 0})
+    run_dir = shared / "run"
+    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
+    wait_job(slurm_cluster, job)
+    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
+    (trial,) = _study(run_dir).trials
+    assert trial.state == optuna.trial.TrialState.FAIL, out
+    error = str(trial.user_attrs.get("error", ""))
+    assert re.search(r"rank 0 on n\d held \d+ MB of memory, more than the 256 MB", error), (error, out)
+    assert trial.user_attrs["timings"]["duration_s"] < 20, trial.user_attrs  # stopped, not left to finish
+    assert "node agent on" not in out, out
