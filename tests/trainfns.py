@@ -61,6 +61,15 @@ def crash_rank1(ctx: TrialContext) -> float:
     return 1.0
 
 
+def hog_memory(ctx: TrialContext) -> float:
+    """Holds ``options.mb`` MB of private memory (every page written) for ``options.hold_s`` seconds."""
+    size = int(ctx.options["mb"]) * 2**20
+    block = bytearray(size)
+    block[::4096] = b"\x01" * len(range(0, size, 4096))  # write each page: calloc'd pages are not yet held
+    time.sleep(float(ctx.options["hold_s"]))
+    return float(len(block) > 0)
+
+
 def sleepy(ctx: TrialContext) -> float:
     time.sleep(float(ctx.options.get("seconds", 30)))
     return 1.0

@@ -753,8 +753,9 @@ class ResourcesSpec(_Strict):
     gpus_per_process: int | float = Field(
         default=0, description="GPUs per rank: 0 (CPU ranks), a whole number, or a share 1/k of one GPU (0.5, "
                                "0.25, ...: k ranks of different trials share the GPU, each capped to its share; "
-                               "the ranks of one trial are on different GPUs). Local engine only (the slurm and compss "
-                               "engines refuse a share: they give whole GPUs); MIG instances are never shared.")
+                               "the ranks of one trial are on different GPUs). The local engine, and the slurm "
+                               "engine's node agents (a step per trial and the compss engine refuse a share: they "
+                               "give whole GPUs); MIG instances are never shared.")
     nodes: int = Field(default=1, ge=1, description="Nodes one trial spans (compss and slurm engines).")
     memory_gb: float | None = Field(
         default=None, gt=0, description="Host memory per rank in GB. The slurm engine asks each step for it "

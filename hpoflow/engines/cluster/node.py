@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ from hpoflow.train.transport import TrialFiles
 if TYPE_CHECKING:
     from hpoflow.engines.machine import GpuId
 
-__all__ = ["main"]
+__all__ = ["gloo_interface", "host_addresses", "main"]
 
 _WATCH_S = 0.2
 _PEER_GRACE_S = 3.0
@@ -354,7 +354,7 @@ def _step(args: argparse.Namespace) -> int:
             sys.stderr.flush()
             os._exit(1)
     _log(f"rank {rank} of {world} (local rank {local}) on node {node_name} "
-         f"({_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
+         f"({host_addresses(os.environ.get('GLOO_SOCKET_IFNAME'))}), step {env.get('SLURM_JOB_ID')}."
          f"{env.get('SLURM_STEP_ID')}, gloo interface {os.environ.get('GLOO_SOCKET_IFNAME', 'default')} ({why})")
     # the ranks meet without a file lock on the shared file system: a trial on one node through a file
     # store on the node's own memory file system, one on several through a TCP store its rank 0 holds
@@ -477,7 +477,7 @@ def _supervise_step(child: int, pump: LogPump, stream: LogStream) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _addresses(ifname: str | None) -> str:
+def host_addresses(ifname: str | None) -> str:
     """This host's IPv4 addresses (of ``ifname`` when given), for the rank log."""
     try:
         import psutil
@@ -489,35 +489,39 @@ def _addresses(ifname: str | None) -> str:
     return ", ".join(found) or "no address"
 
 
-def _choose_gloo_interface(job: dict[str, Any], world: int) -> str:
-    """Set ``GLOO_SOCKET_IFNAME`` for a step rank of a multi-rank trial; why it is what it is (for the
-    rank log). The site's ``GLOO_SOCKET_IFNAME`` stands; else its ``NCCL_SOCKET_IFNAME`` when that names
-    interfaces (not a ``^`` exclusion or ``=`` exact-match form), as a site module sets it for its
-    fabric; else, with ``socket_ifname: auto``, the interface that routes to the launch node (the
-    one the step's hosts share; never all of them)."""
-    env = os.environ
+def gloo_interface(job: Mapping[str, Any], world: int, env: Mapping[str, str]) -> tuple[str | None, str]:
+    """The ``GLOO_SOCKET_IFNAME`` a rank of a multi-rank trial on several nodes should get here (None:
+    leave it as it is) and why (for the rank log). The site's ``GLOO_SOCKET_IFNAME`` stands; else its
+    ``NCCL_SOCKET_IFNAME`` when that names interfaces (not a ``^`` exclusion or ``=`` exact-match form),
+    as a site module sets it for its fabric; else, with ``socket_ifname: auto``, the interface that
+    routes to the launch node (the one the step's hosts share; never all of them)."""
     if "GLOO_SOCKET_IFNAME" in env:
-        return "GLOO_SOCKET_IFNAME was set"
+        return None, "GLOO_SOCKET_IFNAME was set"
     if world <= 1:
-        return "one rank"
+        return None, "one rank"
     nccl = env.get("NCCL_SOCKET_IFNAME", "").strip()
     if nccl and not nccl.startswith(("^", "=")):
-        env["GLOO_SOCKET_IFNAME"] = nccl
-        return "from NCCL_SOCKET_IFNAME"
+        return nccl, "from NCCL_SOCKET_IFNAME"
     target = env.get("SLURM_LAUNCH_NODE_IPADDR") or str(job.get("master_addr") or "")
     if job.get("socket_ifname") == "auto" and target:
         ifname = choose_ifname(target)
         others = fabric_candidates(exclude=ifname)
         if ifname and len(others) == 1:
-            env["GLOO_SOCKET_IFNAME"] = others[0]
-            return (f"the one other network besides {ifname}, which routes to the launch node {target} (a site's "
-                    "management network)")
+            return others[0], (f"the one other network besides {ifname}, which routes to the launch node {target} "
+                               "(a site's management network)")
         if ifname:
-            env["GLOO_SOCKET_IFNAME"] = ifname
             more = (f"; other networks here: {', '.join(others)}: set GLOO_SOCKET_IFNAME to the fabric's"
                     if others else "")
-            return f"routes to the launch node {target}{more}"
-    return "gloo's default"
+            return ifname, f"routes to the launch node {target}{more}"
+    return None, "gloo's default"
+
+
+def _choose_gloo_interface(job: dict[str, Any], world: int) -> str:
+    """Set ``GLOO_SOCKET_IFNAME`` for a step rank (``gloo_interface``); why it is what it is."""
+    ifname, why = gloo_interface(job, world, os.environ)
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    return why
 
 
 def _node_local_store(name: str) -> str:

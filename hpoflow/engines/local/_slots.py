@@ -18,7 +18,7 @@ from hpoflow.engines.machine import GpuId
 from hpoflow.spec import shares_per_gpu
 from hpoflow.trial import RankOutcome
 
-__all__ = ["GpuFree", "RunningTrial", "all_free", "give_back", "plan_placement", "take"]
+__all__ = ["GpuFree", "RankShare", "RunningTrial", "all_free", "give_back", "plan_placement", "take"]
 
 
 GpuFree = dict[GpuId, Fraction]
@@ -67,6 +67,20 @@ def take(free_gpus: GpuFree, placement: list[Placement]) -> None:
             free_gpus[g] -= p.share if p.share is not None else 1
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """This host's part of a trial whose ranks run on several hosts (a node agent's gang share): ranks
+    ``first_rank`` to ``first_rank + ranks - 1`` of ``world``; the ranks meet at the TCP store the
+    trial's rank 0 holds and announces in the file ``announce`` (``hpoflow.train.dist.announced_store``);
+    ``env``: more environment for its ranks (the network gloo binds)."""
+
+    first_rank: int
+    ranks: int
+    world: int
+    announce: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class RunningTrial:
     """A trial the engine runs: its ranks' workers and placement, its deadline and what it reported."""
@@ -91,6 +105,7 @@ class RunningTrial:
     deferred: bool | None = None
     paused_at: float | None = None  # pause(): when the engine asked the ranks to stop at a step
     signalled_at: float = 0.0
+    share: RankShare | None = None  # the ranks of a multi-host trial that run here (a node agent's)
 
     @property
     def done(self) -> bool:

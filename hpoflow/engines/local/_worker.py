@@ -170,5 +170,14 @@ def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[i
             os.sched_setaffinity(0, cores)
         except OSError as exc:  # a container may forbid it; threads are still capped
             log.warning("could not pin rank %d to cores %s: %s", job.rank, cores, exc)
+    if job.announce_path or os.environ.get("HPOFLOW_AGENT_NODE"):  # a node agent's rank says where it runs
+        from hpoflow.engines.cluster.node import host_addresses
+
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        node = os.environ.get("HPOFLOW_AGENT_NODE") or os.uname().nodename
+        print(f"hpoflow: rank {job.rank} of {job.world_size} (local rank {job.local_rank}) on node {node} "
+              f"({host_addresses(ifname)}) in its node agent's worker (pid {os.getpid()}), gloo interface "
+              f"{ifname or 'default'}",
+              file=sys.stderr, flush=True)
     channel = PipeChannel(conn) if job.rank == 0 else NullChannel()
     return run_rank(job, channel)

@@ -15,6 +15,10 @@ outlives the trial's timeout fails the whole trial; workers of ranks that did no
 with their whole tree and replaced.
 Rank logs: each rank writes into a pipe whose bytes this process moves into ``rank<r>.log`` with a
 cap (``hpoflow.engines.logcap``); a trial's result waits until its ranks' pipes are drained.
+Several hosts: a node agent (``hpoflow.engines.agent``) is this engine driven over TCP; ``start`` with a
+``RankShare`` runs this host's ranks of a trial whose other ranks run on other agents (global rank
+numbers, the TCP store the trial's rank 0 announces), and ``poll(wake=...)`` returns when the agent's
+connection has something to say.
 Stopping: after ``interrupt`` nothing new starts (no worker, no forkserver); a trial submitted then, or
 waiting for a worker then, ends ``cancelled`` without having run.
 """
@@ -37,8 +41,8 @@ from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialReq
 from hpoflow.engines.elastic import ElasticBook, Segments
 from hpoflow.engines.gpushare import is_mig, share_env
 from hpoflow.engines.local._pool import Worker, WorkerPool
+from hpoflow.engines.local._slots import RankShare, all_free, give_back, plan_placement, take
 from hpoflow.engines.local._slots import RunningTrial as _Trial
-from hpoflow.engines.local._slots import all_free, give_back, plan_placement, take
 from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.logcap import LogPump, cap_bytes
 from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, gpus_needed, machine_cores
@@ -78,6 +82,11 @@ def _check_ids(key: str, given: list[int] | None, usable: Sequence[GpuId], what:
                    f"leave engine_options.{key} out, or run where there are some")
             raise EngineError(f"engine_options.{key}.{i}: {what} {x} is not one the local engine can use on this "
                               f"machine ({where}: {_ids(usable) or 'none'}). Fix: {fix}")
+
+
+def _rank_of(t: _Trial, w: Worker) -> int:
+    """The trial's rank number of what ``w`` runs (a node agent's share numbers its ranks from its first)."""
+    return w.rank + (t.share.first_rank if t.share is not None else 0)
 
 
 class LocalEngine(Engine):
@@ -156,8 +165,21 @@ class LocalEngine(Engine):
             raise EngineError(str(exc)) from None
 
     def submit(self, request: TrialRequest) -> None:
+        self.start(request)
+
+    def start(self, request: TrialRequest, share: RankShare | None = None) -> None:
+        """``submit``, or with ``share`` (a node agent): start this host's ranks of a multi-host trial."""
         if self._closed:
             raise EngineError("the engine is closed")
+        if share is not None:  # the driver reserved the slots: they are free, or it is a bug
+            here = replace(request, processes=share.ranks, nodes=1)
+            check_fits(here, len(self.cores), len(self.gpus), sum(1 for g in self.gpus if is_mig(g)))
+            placement = plan_placement(here, self.free_cores, self.free_gpus)
+            if placement is None:
+                raise EngineError(f"trial {request.number}: ranks {share.first_rank}-"
+                                  f"{share.first_rank + share.ranks - 1} sent to a host whose slots are taken")
+            self._launch(request, placement, share=share)
+            return
         check_fits(request, len(self.cores), len(self.gpus), sum(1 for g in self.gpus if is_mig(g)))
         placement = plan_placement(request, self.free_cores, self.free_gpus)
         if placement is None:
@@ -176,23 +198,26 @@ class LocalEngine(Engine):
         return sum((t.request.processes - t.request.base_processes) * t.request.cpus_per_process
                    for t in self._trials.values() if t.request.elastic)
 
-    def _launch(self, request: TrialRequest, placement: list[Placement], prior: _Trial | None = None) -> bool:
+    def _launch(self, request: TrialRequest, placement: list[Placement], prior: _Trial | None = None,
+                share: RankShare | None = None) -> bool:
         """Start the ranks of ``request`` on ``placement``: a new trial, or (``prior``) the next segment
-        of an elastic trial, restarted with ``request.processes`` ranks. False when a stop began first:
-        the trial ends ``cancelled`` at once, its resources free."""
+        of an elastic trial, restarted with ``request.processes`` ranks, or (``share``) this host's ranks
+        of a multi-host trial. False when a stop began first: the trial ends ``cancelled`` at once, its
+        resources free."""
         for p in placement:
             for c in p.cores:
                 self.free_cores.remove(c)
         take(self.free_gpus, placement)
         trial_dir = Path(request.trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
-        if request.processes > 1 and not self._rendezvous:
+        if request.processes > 1 and share is None and not self._rendezvous:
             self._rendezvous = private_dir()
-        store = store_path(self._rendezvous, request.number, request.attempt) if request.processes > 1 else ""
+        store = store_path(self._rendezvous, request.number, request.attempt) \
+            if request.processes > 1 and share is None else ""
         now = time.monotonic()
         if prior is None:
             trial = _Trial(request, placement, [], now, now + request.timeout if request.timeout else None,
-                           submitted_wall=time.time(), store=store)
+                           submitted_wall=time.time(), store=store, share=share)
             if request.elastic:
                 trial.segments = Segments(now, request.processes, request.cpus_per_process)
                 self._book.add_request(request, now)
@@ -218,12 +243,14 @@ class LocalEngine(Engine):
                 self._book.remove(request.number)
                 self._events.append(TrialResult(request.number, "cancelled", error="study stopped before it started"))
                 return False
+            first, world = (share.first_rank, share.world) if share is not None else (0, request.processes)
             for p, w in zip(placement, workers, strict=True):
                 threads = max(1, len(p.cores))
                 env = {
+                    **(share.env if share is not None else {}),
                     "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                    "HPOFLOW_TRIAL": str(request.number), "HPOFLOW_RANK": str(p.rank),
-                    "LOCAL_RANK": str(p.rank), "LOCAL_WORLD_SIZE": str(request.processes),
+                    "HPOFLOW_TRIAL": str(request.number), "HPOFLOW_RANK": str(first + p.rank),
+                    "LOCAL_RANK": str(p.rank), "LOCAL_WORLD_SIZE": str(len(placement)),
                 }
                 if self.gpus:  # only touch CUDA_VISIBLE_DEVICES where GPUs exist
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.gpus)
@@ -231,11 +258,11 @@ class LocalEngine(Engine):
                         w.gpus = p.gpus
                     if p.share is not None:  # shared with ranks of other trials: capped to its share
                         env.update(share_env(p.gpus[0], p.share, os.environ))
-                job = RankJob(request, p.rank, request.processes, p.rank, "127.0.0.1", 0, threads,
-                              self.pg_timeout_s, store)
+                job = RankJob(request, first + p.rank, world, p.rank, "127.0.0.1", 0, threads, self.pg_timeout_s,
+                              store, share.announce if share is not None else "")
                 w.trial, w.rank = request.number, p.rank
                 trial.workers.append(w)
-                out, stream = self._logs.open(str(trial_dir / f"rank{p.rank}.log"))
+                out, stream = self._logs.open(str(trial_dir / f"rank{first + p.rank}.log"))
                 trial.logs.append(stream)
                 try:
                     w.conn.send(("run", (job, env, p.cores)))
@@ -300,7 +327,9 @@ class LocalEngine(Engine):
             except (BrokenPipeError, OSError):
                 pass
 
-    def poll(self, timeout: float | None) -> list[Event]:
+    def poll(self, timeout: float | None, wake: Sequence[Any] = ()) -> list[Event]:
+        """The contract's ``poll``; it also returns (maybe with nothing) as soon as one of ``wake``
+        (objects ``multiprocessing.connection.wait`` takes: a node agent's connection) is readable."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._flush_answers()
         while True:
@@ -323,12 +352,20 @@ class LocalEngine(Engine):
                     if w.rank not in t.outcomes and self._pool.alive(w):
                         owner[w.conn] = w
                         owner[w.proc.sentinel] = w
-            for obj in wait(list(owner), timeout=wait_for):
-                w = owner[obj]
-                if obj is w.conn:
-                    self._drain(w)
+            ready = wait([*owner, *wake], timeout=wait_for)
+            for obj in ready:
+                ranked = owner.get(obj)
+                if ranked is None:
+                    continue
+                if obj is ranked.conn:
+                    self._drain(ranked)
                 else:
-                    self._on_worker_exit(w)
+                    self._on_worker_exit(ranked)
+            if any(obj in wake for obj in ready):
+                self._check_deadlines()
+                self._finish_ready()
+                out, self._events = self._events, []
+                return out
 
     def _next_wakeup(self, now: float, deadline: float | None) -> float | None:
         times = [t.deadline for t in self._trials.values() if t.deadline is not None]
@@ -380,6 +417,40 @@ class LocalEngine(Engine):
     def running(self) -> list[int]:
         return sorted([*self._trials, *(r.number for r in self._queued)])
 
+    def private_memory_mb(self, number: int) -> dict[int, float]:
+        """Rank -> the private memory (resident, not shared: torch's preloaded pages are the forkserver's)
+        of each unfinished rank of trial ``number`` and what it started, in MB; a node agent's watchdog."""
+        import psutil
+
+        t = self._trials.get(number)
+        if t is None:
+            return {}
+        out: dict[int, float] = {}
+        for w in t.workers:
+            if w.rank in t.outcomes or w.proc.pid is None:
+                continue
+            try:
+                top = psutil.Process(w.proc.pid)
+                procs = [top, *top.children(recursive=True)]
+            except psutil.Error:
+                continue
+            total = 0
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    info = p.memory_info()
+                    total += max(0, info.rss - getattr(info, "shared", 0))
+            out[_rank_of(t, w)] = total / 2**20
+        return out
+
+    def fail(self, number: int, reason: str, retryable: bool = False) -> None:
+        """End trial ``number`` as failed with ``reason`` (a node agent's memory watchdog): its unfinished
+        ranks are killed, as for a timeout."""
+        t = self._trials.get(number)
+        if t is None or t.done or t.failure is not None or t.cancel_reason is not None:
+            return
+        t.failure, t.retryable = reason, retryable
+        self._kill_unfinished(t)
+
     def interrupt(self) -> None:
         """A stop has begun: start no worker and no forkserver from now on (``WorkerPool.interrupt``)."""
         self._pool.interrupt()
@@ -420,7 +491,7 @@ class LocalEngine(Engine):
                 elif kind == "outcome":
                     outcome = t.outcomes[w.rank] = RankOutcome.from_dict(payload)
                     if outcome.status == "error" and t.failure is None:
-                        t.failure = f"rank {w.rank}: {outcome.error}"
+                        t.failure = f"rank {_rank_of(t, w)}: {outcome.error}"
                         t.retryable = outcome.retryable
                         self._kill_unfinished(t)
         except (EOFError, OSError):
@@ -436,7 +507,7 @@ class LocalEngine(Engine):
         if t is not None and w.rank not in t.outcomes:
             t.outcomes[w.rank] = RankOutcome("lost")
             if t.failure is None and t.cancel_reason is None:
-                t.failure = f"rank {w.rank} {describe_exit(code)} before it finished"
+                t.failure = f"rank {_rank_of(t, w)} {describe_exit(code)} before it finished"
                 t.retryable = True
                 self._kill_unfinished(t)
 
@@ -502,10 +573,15 @@ class LocalEngine(Engine):
                                                    - (chief.cold_start_s or 0.0))
         trial_dir = Path(req.trial_dir)
 
-        def stderr() -> str:
-            logs = [tail(trial_dir / f"rank{r}.log", 2000) for r in range(len(t.workers))]
-            return "\n".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(logs) if text.strip())
+        first = t.share.first_rank if t.share is not None else 0
+        ranks = range(first, first + len(t.workers))
 
+        def stderr() -> str:
+            logs = {r: tail(trial_dir / f"rank{r}.log", 2000) for r in ranks}
+            return "\n".join(f"--- rank {r} ---\n{text}" for r, text in logs.items() if text.strip())
+
+        if t.share is not None:  # this host's ranks only (local numbers); the driver joins the hosts' results
+            req = replace(req, processes=len(t.workers))
         result = result_from_ranks(req, t.outcomes, timings=timings, failure=t.failure, retryable=t.retryable,
                                    cancelled=t.cancel_reason if t.failure is None else None, stderr_tail=stderr,
                                    submitted_wall=t.submitted_wall)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from hpoflow.engines.cluster.hostlist import HostlistError, expand
 from hpoflow.errors import EngineError
+from hpoflow.spec import shares_per_gpu
 from hpoflow.trial import TrialRequest
 
 __all__ = ["Allocation", "JobDetail", "NodeHardware", "config_value", "cpus_per_node", "job_detail", "job_nodes",
@@ -268,8 +269,11 @@ class Allocation:
         per_node = []
         for i, cpus in enumerate(self.cpus):
             shares = [cpus // (ppn * rank_cpus)]
-            if request.gpus_per_process:
-                shares.append(self.gpus_per_node // (ppn * math.ceil(request.gpus_per_process)))
+            k = shares_per_gpu(request.gpus_per_process)
+            if k:  # a share 1/k of a GPU per rank (node agents): k ranks a GPU, a trial's ranks on distinct GPUs
+                shares.append(self.gpus_per_node * k // ppn if ppn <= self.gpus_per_node else 0)
+            elif request.gpus_per_process:
+                shares.append(self.gpus_per_node // (ppn * int(request.gpus_per_process)))
             if self.memory_mb and rank_mb:
                 shares.append(self.memory_mb[i] // (ppn * rank_mb))
             per_node.append(min(shares))

@@ -25,6 +25,10 @@ cancels with a ``STOP`` file every rank watches and ``scancel``. A rank that end
 from its checkpoint on the nodes that are left (``resources.max_retries``); where those can no longer
 hold a trial the driver records it interrupted and stops (``Driver._out_of_room``).
 
+With node agents (``engine_options.agents``: ``on``, or ``auto`` in steps mode), no step per trial: one
+step over the whole allocation runs an agent on each node, the local engine's warm pool there, and
+trials go to the agents over TCP (``hpoflow.engines.slurm.agents``, ``hpoflow.engines.agent``).
+
 In steps mode the engine starts a step only when the allocation has room for it (the trials it runs
 against ``Allocation.capacity``); a trial submitted without room waits here, its timeout not yet
 running, rather than in ``srun`` ("Requested nodes are busy"). After a step ends without its ranks'
@@ -45,11 +49,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.cluster.attempt import HEARTBEAT_S, stderr_tail
@@ -68,6 +73,9 @@ from hpoflow.errors import EngineError
 from hpoflow.fileio import read_json, write_atomic, write_json_atomic
 from hpoflow.train.transport import ControlLink, ReportReader, TrialFiles
 from hpoflow.trial import RankOutcome, result_from_ranks
+
+if TYPE_CHECKING:
+    from hpoflow.engines.slurm.agents import AgentFleet
 
 __all__ = ["SlurmEngine", "read_allocation", "step_environ"]
 
@@ -106,6 +114,7 @@ class SlurmEngine(Engine):
     """Runs each trial as a SLURM job step or batch job; see the module docstring."""
 
     name = "slurm"
+    fleet: AgentFleet | None = None  # the node agents trials run on (engine_options.agents), else None
 
     @classmethod
     def from_options(cls, options: SlurmOptions, run_dir: Path | None = None) -> SlurmEngine:
@@ -115,8 +124,9 @@ class SlurmEngine(Engine):
     def check_fit(cls, options: SlurmOptions, request: TrialRequest) -> None:
         """Fixed-size trials whose ranks split evenly over their nodes; inside an allocation (steps mode),
         a trial that fits the allocation."""
-        _check_shape(request, share_site=True)
-        if options.resolved_mode(os.environ) == "steps" and os.environ.get("SLURM_JOB_ID"):
+        in_allocation = options.resolved_mode(os.environ) == "steps" and bool(os.environ.get("SLURM_JOB_ID"))
+        _check_shape(request, share_site=True, agents=in_allocation and options.resolved_agents(os.environ))
+        if in_allocation:
             read_allocation(os.environ, options).check_fit(request)
 
     def __init__(self, options: SlurmOptions | None = None, run_dir: Path | None = None,
@@ -137,13 +147,21 @@ class SlurmEngine(Engine):
         self._queued: dict[str, str] = {}  # job id -> state, from the last squeue
         self._overlap = False  # steps run with --overlap (after a multi-node step lost a node: _result)
         self._closed = False
+        if self.allocation is not None and self.options.resolved_agents(env):
+            from hpoflow.engines.slurm.agents import AgentFleet
+
+            run = self.run_dir if self.run_dir is not None else Path(tempfile.mkdtemp(prefix="hpoflow-agents-"))
+            self.fleet = AgentFleet(self.allocation, self.options, run, self.python, step_environ(env),
+                                    f"hpoflow.{_safe_name(run.name)}.agents")
 
     # -- contract -------------------------------------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
         try:
-            _check_shape(request)
+            _check_shape(request, agents=self.fleet is not None)
         except EngineError:
             return 0
+        if self.fleet is not None:
+            return self.fleet.capacity(request)
         if self.allocation is not None:
             return self.allocation.capacity(request)
         return self.options.max_jobs
@@ -151,7 +169,7 @@ class SlurmEngine(Engine):
     def expect_runs(self, runs: int, worst: int) -> None:
         """Steps mode: warn when the study's trial runs approach SLURM's ``MaxStepCount`` (each run is one
         step; a job's steps past it fail to start)."""
-        limit = self.allocation.max_step_count if self.allocation is not None else 0
+        limit = self.allocation.max_step_count if self.allocation is not None and self.fleet is None else 0
         if not limit or worst < 0.8 * limit:
             return
         print(f"hpoflow: warning: this study may start {runs} job steps ({worst} with every retry), and SLURM "
@@ -162,7 +180,10 @@ class SlurmEngine(Engine):
     def submit(self, request: TrialRequest) -> None:
         if self._closed:
             raise EngineError("the slurm engine is closed")
-        _check_shape(request)
+        _check_shape(request, agents=self.fleet is not None)
+        if self.fleet is not None:
+            self.fleet.submit(request)
+            return
         files = TrialFiles(Path(request.trial_dir), request.attempt)
         _fresh_attempt_dir(files)
         now = time.monotonic()
@@ -197,6 +218,8 @@ class SlurmEngine(Engine):
             self._start(t)
 
     def poll(self, timeout: float | None) -> list[Event]:
+        if self.fleet is not None:
+            return self.fleet.poll(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.mode == "jobs":
@@ -214,6 +237,9 @@ class SlurmEngine(Engine):
             time.sleep(step if deadline is None else max(0.0, min(step, deadline - now)))
 
     def answer(self, number: int, prune: bool, pause: bool = False) -> None:
+        if self.fleet is not None:
+            self.fleet.answer(number, prune, pause)
+            return
         t = self._trials.get(number)
         if t is None or t.pending_answer is None:
             return
@@ -224,6 +250,9 @@ class SlurmEngine(Engine):
             write_json_atomic(t.files.answer(seq), {"prune": bool(prune), "pause": bool(pause)})
 
     def cancel(self, number: int, reason: str) -> None:
+        if self.fleet is not None:
+            self.fleet.cancel(number, reason)
+            return
         t = self._trials.get(number)
         if t is None or t.cancel_reason is not None or t.failure is not None:
             return
@@ -233,7 +262,11 @@ class SlurmEngine(Engine):
 
     def pause(self, number: int, reason: str) -> None:
         """A ``PAUSE`` file every rank watches, and SIGUSR1 to the step's srun (it forwards it to every
-        rank); stopped for good if it has not paused within ``PAUSE_GRACE_S``."""
+        rank); stopped for good if it has not paused within ``PAUSE_GRACE_S``. With agents, the agents
+        signal their ranks."""
+        if self.fleet is not None:
+            self.fleet.pause(number, reason)
+            return
         t = self._trials.get(number)
         if t is None or t.cancel_reason is not None or t.failure is not None or t.paused_at is not None:
             return
@@ -252,12 +285,15 @@ class SlurmEngine(Engine):
                 os.kill(t.proc.pid, signal.SIGUSR1)
 
     def running(self) -> list[int]:
-        return sorted(self._trials)
+        return self.fleet.running() if self.fleet is not None else sorted(self._trials)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.fleet is not None:
+            self.fleet.close(self.options.kill_grace_s)
+            return
         for number in list(self._trials):
             self.cancel(number, "engine closed")
         end = time.monotonic() + self.options.kill_grace_s + 10.0
@@ -330,9 +366,7 @@ class SlurmEngine(Engine):
         return out
 
     def _name(self, request: TrialRequest) -> str:
-        study = self.run_dir.name if self.run_dir is not None else "study"
-        safe = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in study)[:40]
-        return f"hpoflow.{safe}.t{request.number}"
+        return f"hpoflow.{_safe_name(self.run_dir.name if self.run_dir is not None else 'study')}.t{request.number}"
 
     def _start_step(self, t: _Trial) -> None:
         req, files = t.request, t.files
@@ -612,9 +646,11 @@ def read_allocation(environ: Mapping[str, str], options: SlurmOptions) -> Alloca
                    max_step_count=int(max_steps) if max_steps.isascii() and max_steps.isdigit() else 0)
 
 
-def _check_shape(request: TrialRequest, share_site: bool = False) -> None:
-    """``EngineError`` for a shape the engine never runs. ``share_site``: a share of a GPU's refusal says
-    whether this cluster has ``gres/shard`` (one ``scontrol show config``; ``check_fit`` only)."""
+def _check_shape(request: TrialRequest, share_site: bool = False, agents: bool = False) -> None:
+    """``EngineError`` for a shape the engine never runs. A share of a GPU runs on node agents only (each
+    agent's local engine shares the GPUs its node was given; a step per trial would take whole GPUs).
+    ``share_site``: a share's refusal says whether this cluster has ``gres/shard`` (one ``scontrol show
+    config``; ``check_fit`` only)."""
     if request.elastic:
         raise EngineError("resources.processes: {min, max} makes trials elastic, which the slurm engine does not "
                           "resize. Fix: give resources.processes a number (or use the local or compss engine)")
@@ -622,20 +658,21 @@ def _check_shape(request: TrialRequest, share_site: bool = False) -> None:
         processes_per_node(request)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
-    if not float(request.gpus_per_process).is_integer():
+    if not agents and not float(request.gpus_per_process).is_integer():
         raise EngineError(_share_refusal(request.gpus_per_process, _gres_types() if share_site else None))
 
 
 def _share_refusal(gpus_per_process: float, gres_types: str | None) -> str:
     """The one line refusing a share of a GPU; ``gres_types``: the cluster's ``GresTypes`` (None: unknown)."""
     head = f"resources.gpus_per_process: {gpus_per_process} shares a GPU between trials"
-    fix = "Fix: set gpus_per_process: 1 (whole GPUs), or share GPUs on one machine with the local engine"
+    fix = ("Fix: run the driver inside an allocation with engine_options.agents: auto or on (node agents share "
+           "the allocation's GPUs between trials), set gpus_per_process: 1 (whole GPUs), or use the local engine")
     if gres_types is not None and "shard" in gres_types.split(","):
         return (f"{head}; this cluster has gres/shard (GresTypes={gres_types}), but hpoflow's slurm engine does "
-                f"not ask SLURM for shards yet: it gives each rank whole GPUs. {fix}")
+                f"not ask SLURM for shards: a step or job per trial gives each rank whole GPUs. {fix}")
     where = " (and this cluster declares none)" if gres_types is not None else ""
-    return (f"{head}, but the slurm engine gives each rank whole GPUs: it does not ask SLURM for "
-            f"gres/shard{where}. {fix}")
+    return (f"{head}, but a step or job per trial gives each rank whole GPUs: the slurm engine does not ask "
+            f"SLURM for gres/shard{where}. {fix}")
 
 
 def _gres_types() -> str | None:
@@ -646,6 +683,11 @@ def _gres_types() -> str | None:
         return None
     value = config_value(config, "GresTypes") or ""
     return "" if value == "(null)" else value
+
+
+def _safe_name(study: str) -> str:
+    """A study's name as a job name may hold it."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in study)[:40]
 
 
 def _fresh_attempt_dir(files: TrialFiles) -> None:

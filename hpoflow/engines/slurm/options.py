@@ -44,7 +44,12 @@ class SlurmOptions(Options):
     ``poll_interval_s``: how often the engine looks at running trials; ``heartbeat_timeout_s``: a trial
     job whose heartbeat is older is lost (jobs mode); ``kill_grace_s``: after a stop, before SIGKILL;
     ``pg_timeout_s`` / ``answer_timeout_s``: a trial's process-group timeout and how long rank 0 waits
-    for a pruning answer."""
+    for a pruning answer.
+    ``agents``: ``on`` runs the trials of steps mode on node agents (one ``srun`` step over the whole
+    allocation, each node's agent a warm pool like the local engine's; ``hpoflow.engines.slurm.agents``)
+    instead of one step per trial; ``auto`` does so inside an allocation (steps mode); ``off`` keeps
+    one step per trial. ``agent_timeout_s``: an agent silent that long (it sends a heartbeat every
+    second) is lost, and its trials rerun elsewhere."""
 
     mode: Literal["auto", "steps", "jobs"] = "auto"
     partition: str | None = None
@@ -65,6 +70,8 @@ class SlurmOptions(Options):
     kill_grace_s: float = Field(default=5.0, gt=0)
     pg_timeout_s: float = Field(default=120.0, gt=0)
     answer_timeout_s: float = Field(default=600.0, gt=0)
+    agents: Literal["auto", "on", "off"] = "auto"
+    agent_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("partition", "account", "qos", "constraint")
     @classmethod
@@ -92,3 +99,7 @@ class SlurmOptions(Options):
         if self.mode != "auto":
             return self.mode
         return "steps" if environ.get("SLURM_JOB_ID") else "jobs"
+
+    def resolved_agents(self, environ: Mapping[str, str]) -> bool:
+        """Whether trials run on node agents: ``on``, or ``auto`` in steps mode; never in jobs mode."""
+        return self.resolved_mode(environ) == "steps" and self.agents != "off"

@@ -1,7 +1,8 @@
 """The slurm engine on a real SLURM cluster: slurmctld on a bridge, one slurmd per network namespace
 (tests/infra/slurm.py). Every study here is started with the real CLI, the way a user would:
-``hpoflow launch SPEC --engine slurm`` (steps mode: the driver in a batch job, each trial a job step)
-or ``hpoflow run`` on the "login node" (jobs mode: each trial a batch job).
+``hpoflow launch SPEC --engine slurm`` (steps mode: the driver in a batch job, its trials on node agents,
+the default, or each trial a job step with ``engine_options.agents: off``) or ``hpoflow run`` on the
+"login node" (jobs mode: each trial a batch job). tests/engines/slurm/test_agents.py has the agents' own.
 
 Bounds on time are generous on purpose: SLURM polls its jobs every second or two, and the machine
 these run on may be loaded; they bound a hang, not a speed.
@@ -91,7 +92,7 @@ def _rank_hosts(trial_dir: Path) -> dict[int, tuple[str, str]]:
 def test_steps_mode_runs_each_2_node_trial_as_a_step_whose_ranks_meet_across_the_veth(
         slurm_cluster: SlurmCluster) -> None:
     shared = slurm_cluster.shared_dir / "steps-ddp"
-    spec, run_dir = _spec(shared / "ddp.yaml"), shared / "run"
+    spec, run_dir = _spec(shared / "ddp.yaml", engine_options={"agents": "off"}), shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
     info = wait_job(slurm_cluster, job)
     out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
@@ -177,9 +178,12 @@ def test_the_plain_torchrun_script_runs_as_a_2_node_command_trial_in_steps_mode(
     assert re.findall(r"^epoch=(\d) val_loss=", (trial_dir / "rank0.log").read_text(), re.M) == ["1", "2"]
 
 
-def _digits_spec(path: Path, n_trials: int, epochs: int, **resources: Any) -> Path:
+def _digits_spec(path: Path, n_trials: int, epochs: int, engine_options: dict[str, Any] | None = None,
+                 **resources: Any) -> Path:
     data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     data["engine"] = "slurm"
+    if engine_options:
+        data["engine_options"] = engine_options
     data["search"].update(n_trials=n_trials, max_concurrent=n_trials)
     data["training"].update(epochs=epochs, checkpoint={"every": 1, "keep": 2, "async": True})
     data["resources"] = {**data.get("resources", {}), **resources}
@@ -250,12 +254,16 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
         assert t.state == optuna.trial.TrialState.COMPLETE
 
 
+@pytest.mark.parametrize("agents", ["off", "on"])
 def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
-        slurm_cluster: SlurmCluster) -> None:
+        slurm_cluster: SlurmCluster, agents: str) -> None:
+    """Each trial a step (agents off), or the trials of node agents (on: the agents' step outlives the
+    node, ``srun --no-kill``, and the agent on the node left runs the rerun)."""
     from hpoflow.train.checkpoint import checkpoint_name
 
-    shared = slurm_cluster.shared_dir / "nodefail"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=16, processes=2, nodes=1)  # a node each
+    shared = slurm_cluster.shared_dir / f"nodefail-{agents}"
+    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
+                        engine_options={"agents": agents})
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
 
@@ -284,6 +292,9 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     assert t.user_attrs["metrics"]["resumed_from_epoch"] >= 2  # from its checkpoint, not from scratch
     second = _rank_hosts(run_dir / "trials" / str(victim))
     assert {h for h, _ in second.values()} == {"n1"}, second  # the rerun ran on the node that was left
+    if agents == "on":
+        assert "node agent on n2 lost" in out, out
+        return
     # ...once n1 had room: it waited in the engine, not in srun (which SLURM 22.05 wakes only a minute later)
     rerun_srun = (run_dir / "trials" / str(victim) / "attempt-1" / "srun.log").read_text()
     assert "Requested nodes are busy" not in rerun_srun, rerun_srun

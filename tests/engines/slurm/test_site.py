@@ -39,7 +39,8 @@ def _spec(path: Path, **extra: Any) -> Path:
         "training": {"function": "trainfns:site_probe", "epochs": 1},
         "resources": {"processes": 1},
         "engine": "slurm",
-        "engine_options": {"poll_interval_s": 0.1},
+        # each trial a job step: these tests are about how SLURM places a step (its CPUs, GPUs, memory)
+        "engine_options": {"poll_interval_s": 0.1, "agents": "off"},
     }
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
@@ -211,8 +212,9 @@ def test_a_rank_given_another_ranks_gpu_fails_at_once_with_one_line(slurm_site_c
 def test_a_share_of_a_gpu_is_refused_in_one_line_where_the_site_has_gres_shard(
         slurm_site_cluster: SlurmCluster) -> None:
     """The nodes declare 16 ``gres/shard`` each; the engine does not ask SLURM for shards, so ``hpoflow
-    run`` of a spec with ``gpus_per_process: 0.25`` in an allocation stops before its first step: exit 2,
-    one line that says the site has shards and what to set instead, no step, no trial directory."""
+    run`` of a spec with ``gpus_per_process: 0.25`` in an allocation, a step per trial (``agents: off``),
+    stops before its first step: exit 2, one line that says the site has shards and what to set instead
+    (node agents, whole GPUs or the local engine), no step, no trial directory."""
     nodes = slurm_site_cluster.run(["scontrol", "show", "node", "-o"]).stdout.splitlines()
     assert len(nodes) == len(slurm_site_cluster.node_names)
     assert all(re.search(r"\bGres=gpu:4,shard:16\b", line) for line in nodes), nodes
@@ -226,13 +228,40 @@ def test_a_share_of_a_gpu_is_refused_in_one_line_where_the_site_has_gres_shard(
     (line,) = lines
     assert line.startswith("hpoflow: error: resources.gpus_per_process: 0.25 shares a GPU"), line
     assert "this cluster has gres/shard (GresTypes=gpu,shard)" in line and "does not ask SLURM for shards" in line
-    assert "Fix: set gpus_per_process: 1" in line and "local engine" in line, line
+    assert "engine_options.agents: auto or on" in line, line
+    assert "gpus_per_process: 1" in line and "local engine" in line, line
     granted = re.search(r"Granted job allocation (\d+)", r.stderr)
     assert granted, r.stderr
     # a slurmd logs "launch task StepId=J.S" for every step it starts: none of the allocation's
     slurmd_logs = "".join(p.read_text(errors="replace") for p in slurm_site_cluster.log_dir.glob("slurmd-*.log"))
     assert f"launch task StepId={granted.group(1)}." not in slurmd_logs
     assert not run_dir.exists()  # refused before the run directory (and any trial's) was made
+
+
+def test_node_agents_share_one_gpu_of_the_allocation_between_trials(slurm_site_cluster: SlurmCluster) -> None:
+    """``gpus_per_process: 0.25`` on node agents (``agents: on``): the allocation holds whole GPUs (here 4
+    stand-in ones), the node's agent packs the trials' shares onto one of them. Two trials (a 1-CPU rank
+    takes a whole core of 2 threads: 2 at once in ``-c4``) run at the same time (each waits for the other
+    to arrive) on the same GPU, each capped to its quarter, and the study made one job step: the agents'."""
+    shared = slurm_site_cluster.shared_dir / "site-share-agents"
+    meet = shared / "meet"
+    meet.mkdir(parents=True, exist_ok=True)
+    spec = _spec(shared / "s.yaml", search={"n_trials": 2, "max_concurrent": 2},
+                 training={"function": "trainfns:share_probe", "epochs": 1,
+                           "options": {"meet": str(meet), "trials": 2, "wait_s": 120}},
+                 resources={"processes": 1, "gpus_per_process": 0.25},
+                 engine_options={"poll_interval_s": 0.1, "agents": "on"})
+    run_dir = shared / "run"
+    r = run_in_salloc(slurm_site_cluster, ["-N1", "-c4", "--gres=gpu:4", "--mem=3000"], spec, run_dir)
+    study = _completed(r, run_dir, 2)
+    seen = [json.loads((run_dir / "trials" / str(t.number) / "share.json").read_text()) for t in study.trials]
+    assert all(s["arrived"] == 2 and s["HPOFLOW_GPU_SHARE"] == "0.25" for s in seen), seen
+    gpus = {s["CUDA_VISIBLE_DEVICES"] for s in seen}
+    assert len(gpus) == 1 and gpus <= {"0", "1", "2", "3"}, seen  # one GPU of the 4, shared
+    granted = re.search(r"Granted job allocation (\d+)", r.stderr)
+    assert granted, r.stderr
+    slurmd_logs = "".join(p.read_text(errors="replace") for p in slurm_site_cluster.log_dir.glob("slurmd-*.log"))
+    assert len(re.findall(rf"launch task StepId={granted.group(1)}\.\d+\b", slurmd_logs)) == 1, slurmd_logs[-2000:]
 
 
 def test_on_nodes_of_two_threads_per_core_the_engine_runs_what_slurm_can_place(
@@ -291,11 +320,15 @@ def test_the_ranks_of_a_2_node_trial_meet_without_a_file_store_over_the_fabric(
         assert sent[(i, "eth0")] < 0.1 * volume, sent  # ...and not over management (SLURM's own traffic only)
 
 
+@pytest.mark.parametrize("agents", ["off", "on"])
 def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_two_nodes_left(
-        slurm_site_cluster: SlurmCluster) -> None:
+        slurm_site_cluster: SlurmCluster, agents: str) -> None:
+    """Each trial a step (agents off), or on node agents (on: the agent of the node taken down is lost,
+    the rerun's two shares go to the agents of the two nodes left)."""
     cluster = slurm_site_cluster
-    shared = cluster.shared_dir / "site-node-loss-3"
-    spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
+    shared = cluster.shared_dir / f"site-node-loss-3-{agents}"
+    spec = _digits_spec(shared / "s.yaml", 1, 8, engine_options={"agents": agents}, processes=2, nodes=2)
+    run_dir = shared / "run"
     proc, victim, out = _study_losing_a_node(cluster, ["-N3", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 0, out
     (trial,) = _study(run_dir).trials
@@ -304,6 +337,9 @@ def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_
     assert trial.user_attrs["metrics"]["resumed_from_epoch"] >= 2, trial.user_attrs  # from its checkpoint
     rerun = _nodes_of(run_dir / "trials" / "0")
     assert len(set(rerun.values())) == 2 and victim not in rerun.values(), (victim, rerun)  # the two nodes left
+    if agents == "on":
+        assert f"node agent on {victim} lost" in out, out
+        return
     assert f"node(s) {victim} left the allocation" in out, out
     # SLURM 22.05 keeps the surviving node of the failed step busy: the rerun needed --overlap to start
     assert "--overlap" in (run_dir / "trials" / "0" / "attempt-1" / "srun.log").read_text()
@@ -313,7 +349,8 @@ def test_with_one_node_left_a_2_node_trial_stops_as_interrupted_keeps_its_retrie
         slurm_site_cluster: SlurmCluster) -> None:
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-node-loss-2"
-    spec, run_dir = _digits_spec(shared / "s.yaml", 1, 8, processes=2, nodes=2), shared / "run"
+    spec = _digits_spec(shared / "s.yaml", 1, 8, engine_options={"agents": "off"}, processes=2, nodes=2)
+    run_dir = shared / "run"
     proc, _victim, out = _study_losing_a_node(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 1 and "Traceback" not in out, out
     stopped = [line for line in out.splitlines() if line.startswith("hpoflow: stopped:")]

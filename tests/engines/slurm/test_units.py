@@ -278,13 +278,30 @@ def test_a_study_whose_steps_approach_max_step_count_is_warned_before_it_starts(
 
 @pytest.mark.parametrize(("gres_types", "says"), [
     ("gpu,shard", "; this cluster has gres/shard (GresTypes=gpu,shard), but hpoflow's slurm engine does not ask SLURM "
-                  "for shards yet: it gives each rank whole GPUs."),
-    ("gpu", ", but the slurm engine gives each rank whole GPUs: it does not ask SLURM for gres/shard (and this "
-            "cluster declares none)."),
-    (None, ", but the slurm engine gives each rank whole GPUs: it does not ask SLURM for gres/shard.")],
+                  "for shards: a step or job per trial gives each rank whole GPUs."),
+    ("gpu", ", but a step or job per trial gives each rank whole GPUs: the slurm engine does not ask SLURM for "
+            "gres/shard (and this cluster declares none)."),
+    (None, ", but a step or job per trial gives each rank whole GPUs: the slurm engine does not ask SLURM for "
+           "gres/shard.")],
     ids=["site-has-shards", "site-has-none", "scontrol-silent"])
 def test_a_share_is_refused_in_one_line_that_says_whether_the_cluster_has_gres_shard(
         gres_types: str | None, says: str) -> None:
     line = _share_refusal(0.25, gres_types)
-    assert line == ("resources.gpus_per_process: 0.25 shares a GPU between trials" + says + " Fix: set "
-                    "gpus_per_process: 1 (whole GPUs), or share GPUs on one machine with the local engine")
+    assert line == ("resources.gpus_per_process: 0.25 shares a GPU between trials" + says + " Fix: run the driver "
+                    "inside an allocation with engine_options.agents: auto or on (node agents share the allocation's "
+                    "GPUs between trials), set gpus_per_process: 1 (whole GPUs), or use the local engine")
+
+
+def test_on_node_agents_a_share_of_a_gpu_fits_k_ranks_a_gpu() -> None:
+    """With agents a share ``1/k`` is no refusal: the allocation holds ``gpus_per_node x k`` ranks' shares
+    per node (the ranks of one trial on distinct GPUs), and a step per trial still refuses it."""
+    from hpoflow.engines.slurm.engine import _check_shape
+
+    alloc = Allocation("1", ("n1",), (64,), 2)
+    quarter = TrialRequest(0, {}, {}, "loss", "minimize", "/t", processes=1, gpus_per_process=0.25)
+    _check_shape(quarter, agents=True)
+    with pytest.raises(EngineError, match="shares a GPU"):
+        _check_shape(quarter)
+    assert alloc.capacity(quarter) == 8  # 2 GPUs x 4 shares
+    assert alloc.capacity(replace(quarter, processes=2)) == 4  # 2 ranks: one share on each GPU
+    assert alloc.capacity(replace(quarter, processes=3)) == 0  # 3 ranks cannot be on 3 distinct GPUs of 2
