@@ -524,8 +524,13 @@ def test_ask_ahead_auto_turns_on_for_a_slow_sampler_and_stays_off_for_one_slot(t
 
 
 def test_a_trial_asked_ahead_when_the_study_ends_goes_back_to_the_queue(tmp_path: Path) -> None:
-    spec = make(n_trials=50, max_concurrent=2, ask_ahead=True, timeout=0.5)
-    driver, engine, study = run_driver(spec, lambda p, r: _sleep_then(0.1, p["x"]), 2, tmp_path)
+    # Trials longer than the timeout: both slots are busy from the first round to past the deadline, so
+    # the trial asked ahead in that round is still waiting when the timeout ends the study. (With trials
+    # shorter than it, a result arriving as the deadline passed could take the trial asked ahead into a
+    # slot first, leaving none to go back: that happened at load ~8.) 1.5 s leaves the driver's start-up
+    # time to reach its first round on a loaded machine.
+    spec = make(n_trials=50, max_concurrent=2, ask_ahead=True, timeout=1.5)
+    driver, engine, study = run_driver(spec, lambda p, r: _sleep_then(2.0, p["x"]), 2, tmp_path)
     assert driver.summary.stopped_by == "timeout"
     waiting = study.get_trials(states=(TrialState.WAITING,))
     assert len(waiting) == 1  # asked ahead, never run: back in the queue, with the parameters it was given
