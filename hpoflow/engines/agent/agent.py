@@ -95,7 +95,7 @@ class _Agent:
 
     def handle(self, msg: dict[str, Any]) -> bool:
         """Act on one message from the driver; False when told to exit."""
-        from hpoflow.engines.local._slots import RankShare
+        from hpoflow.engines.local import RankShare
         from hpoflow.errors import EngineError
         from hpoflow.trial import TrialRequest, TrialResult
 
