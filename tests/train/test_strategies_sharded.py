@@ -806,19 +806,20 @@ def test_a_4_rank_fsdp_model_trains_under_a_memory_cap_that_allreduce_exceeds(tm
     assert predicted["startup"] < predicted["step"] <= CAP_MB * 2**20
 
 
-# -- an elastic fsdp trial ----------------------------------------------------------------------------
+# -- an elastic sharded trial -------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_an_elastic_fsdp_trial_grows_from_1_to_2_ranks_and_finishes(tmp_path: Path) -> None:
-    """A lone fsdp trial of processes {min: 1, max: 2} on 2 cores: it starts on 1 rank (a plain model),
-    grows onto the idle core at an epoch boundary, its dcp checkpoint of the whole model read as 2
-    shards, and finishes every epoch (the global batch stays 16)."""
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
+def test_an_elastic_sharded_trial_grows_from_1_to_2_ranks_and_finishes(tmp_path: Path, strategy: str) -> None:
+    """A lone fsdp (zero1) trial of processes {min: 1, max: 2} on 2 cores: it starts on 1 rank (a plain
+    model), grows onto the idle core at an epoch boundary, its dcp checkpoint of the whole model (and
+    optimizer state) read as 2 shards, and finishes every epoch (the global batch stays 16)."""
     from tests.engines.test_elastic import drive
 
     epochs = 4
     train = TrainConfig(model="gpt", model_options={"layers": 2, "heads": 2, "width": 32, "context": 32},
                         dataset="chars", epochs=epochs, batch_size=16, optimizer="adam", lr=3e-3, seed=5,
-                        strategy="fsdp").model_dump(mode="json")
+                        strategy=strategy).model_dump(mode="json")
     req = TrialRequest(0, {}, train, "val_loss", "minimize", str(tmp_path / "0"), processes=1, elastic_sizes=(1, 2),
                        seed=5, timeout=900)
     engine = LocalEngine(cores=[0, 1])
