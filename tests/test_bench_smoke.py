@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,8 @@ CASES = {
                  {"digits_wall_ratio", "digits_pss_ratio", "digits_first_vs_later_duration",
                   "short_hpoflow_overhead_ms_per_trial_slot", "short_optuna_overhead_ms_per_trial_slot"}),
     "busy.py": (["true"], {"exit", "wall_s", "busy_core_s", "idle_core_s", "mean_busy_cores"}),
+    "suite_cpu.py": (["--out", "cpu", "-n", "2", "-q", "tests/test_layers.py"],
+                     {"tests", "cpu_s", "wall_s", "pytest_exit"}),
     "slurm_steps.py": (["--trials", "4", "--repeats", "1"],
                        {"steps", "agents", "local_overhead_ms_per_trial_slot", "steps_vs_agents_overhead"}),
 }
@@ -53,12 +56,16 @@ def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> No
         reason = unavailable_reason()
         if reason:
             pytest.skip(f"no SLURM cluster: {reason}")
+    if script == "suite_cpu.py" and os.geteuid() != 0:  # it makes a cgroup of each pytest process's own
+        pytest.skip("suite_cpu.py needs root to make its cgroups")
     args, keys = CASES[script]
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=SCRIPT_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert keys <= set(figures), f"{script} JSON line lacks {sorted(keys - set(figures))}: {figures}"
+    if script == "suite_cpu.py":  # the two tests of tests/test_layers.py, each charged what its worker spent
+        assert figures["tests"] == 2 and figures["cpu_s"] > 0 and figures["pytest_exit"] == 0, figures
 
 
 def test_oracle_validation_with_a_given_calibration(tmp_path: Path, calibration_2: tuple[Any, Path]) -> None:
