@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from pathlib import Path
 
 import optuna
 import pytest
@@ -112,6 +113,17 @@ def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_c
     assert _steps_launched(slurm_cluster, job) == {"0": ["n1", "n2"]}, out  # the rerun needed no new step
 
 
+def _one_failed_trial(cluster: SlurmCluster, spec: Path, run_dir: Path) -> tuple[optuna.trial.FrozenTrial, str, str]:
+    """Launch a study of one trial on 2 nodes, wait for the job; its trial (which must have failed), the
+    trial's error and the driver's output."""
+    job = launch(cluster, spec, run_dir, "--nodes", "2")
+    wait_job(cluster, job)
+    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
+    (trial,) = _study(run_dir).trials
+    assert trial.state == optuna.trial.TrialState.FAIL, out
+    return trial, str(trial.user_attrs.get("error", "")), out
+
+
 def test_a_rank_that_dies_in_a_2_node_trial_fails_its_trial_only_and_the_agents_stay(
         slurm_cluster: SlurmCluster) -> None:
     """Rank 1 (on the second node) SIGKILLs itself while rank 0 waits in an all-reduce: the trial fails
@@ -120,13 +132,7 @@ def test_a_rank_that_dies_in_a_2_node_trial_fails_its_trial_only_and_the_agents_
     shared = slurm_cluster.shared_dir / "agents-crash"
     spec = _spec(shared / "crash.yaml", engine_options=AGENTS, training={"function": "trainfns:crash_rank1"},
                  search={"n_trials": 1, "max_concurrent": 1}, resources={"processes": 2, "nodes": 2, "max_retries": 0})
-    run_dir = shared / "run"
-    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
-    wait_job(slurm_cluster, job)
-    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
-    (trial,) = _study(run_dir).trials
-    assert trial.state == optuna.trial.TrialState.FAIL, out
-    error = str(trial.user_attrs.get("error", ""))
+    trial, error, out = _one_failed_trial(slurm_cluster, spec, shared / "run")
     assert re.search(r"rank 1 .*SIGKILL.* before it finished \(on n\d\)", error), (error, out)
     assert "node agent on" not in out, out  # the agents outlived the rank
     assert trial.user_attrs["timings"]["duration_s"] < 60, trial.user_attrs  # not the 120 s pg timeout
@@ -141,13 +147,7 @@ def test_a_rank_over_its_memory_share_fails_its_trial_and_its_agent_goes_on(slur
                  training={"function": "trainfns:hog_memory", "options": {"mb": 400, "hold_s": 20}},
                  search={"n_trials": 1, "max_concurrent": 1},
                  resources={"processes": 1, "nodes": 1, "memory_gb": 0.25, "max_retries": 0})
-    run_dir = shared / "run"
-    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
-    wait_job(slurm_cluster, job)
-    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
-    (trial,) = _study(run_dir).trials
-    assert trial.state == optuna.trial.TrialState.FAIL, out
-    error = str(trial.user_attrs.get("error", ""))
+    trial, error, out = _one_failed_trial(slurm_cluster, spec, shared / "run")
     assert re.search(r"rank 0 on n\d held \d+ MB of memory, more than the 256 MB", error), (error, out)
     assert trial.user_attrs["timings"]["duration_s"] < 20, trial.user_attrs  # stopped, not left to finish
     assert "node agent on" not in out, out
