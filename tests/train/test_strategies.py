@@ -11,10 +11,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
-import multiprocessing as mp
 import os
-import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -26,7 +23,6 @@ from torch import nn
 
 from hpoflow.spec import TrainConfig
 from hpoflow.train.collectives import ring_allreduce_bytes
-from hpoflow.train.rendezvous import free_port
 from hpoflow.train.strategies import (
     EASGD,
     Strategy,
@@ -37,6 +33,7 @@ from hpoflow.train.strategies import (
 )
 from hpoflow.train.strategies._base import flat_params
 from hpoflow.train.strategies._parameter_server import shard_parameters
+from tests.train.ranks import run_ranks
 
 WORLD = 2
 B = 8  # per-rank batch
@@ -139,25 +136,7 @@ def _session_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def session() -> list[dict[str, Any]]:
-    ctx = mp.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        procs = [ctx.Process(target=_session_rank, args=(r, WORLD, port, tmp)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 90
-        try:
-            for p in procs:
-                p.join(max(0.1, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        errors = [f.read_text() for f in sorted(Path(tmp).glob("*.error"))]
-        assert not errors, "\n".join(errors)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_session_rank, WORLD, hang_s=90)
 
 
 def _reference() -> torch.Tensor:

@@ -17,11 +17,9 @@ import datetime
 import hashlib
 import json
 import math
-import multiprocessing as mp
 import os
 import signal
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -40,9 +38,10 @@ from hpoflow.spec import TrainConfig, load_spec
 from hpoflow.train.checkpoint import DcpCheckpointer
 from hpoflow.train.checkpoint._dcp import read_metadata
 from hpoflow.train.models import build_model
-from hpoflow.train.rendezvous import free_port
 from hpoflow.train.strategies import Strategy, StrategyEnv, make_strategy
+from tests.train.ranks import run_ranks
 from tests.train.test_checkpoint import _rank_pid
+from tests.train.test_strategies import _data, _small_model, _volume_model  # the same models and data
 
 WORLD = 2
 B = 8
@@ -58,16 +57,6 @@ VOLUME: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp_bf16_reduce_bf16": ("fsdp", {"mixed_precision": "bf16", "reduce_dtype": "bf16"}),
     "zero1_bf16": ("zero1", {"reduce_dtype": "bf16"}),
 }
-
-
-def _small_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-
-def _volume_model() -> nn.Module:  # ~400 kB of parameters in 3 units: protocol overhead is small
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
 def _gpt() -> nn.Module:
@@ -93,11 +82,6 @@ def _built(name: str, builder: Any, rank: int, world: int) -> tuple[dict[str, to
     whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
              for k, v in model.state_dict().items()}
     return whole, [str(w.message) for w in caught if "fsdp:" in str(w.message)], held
-
-
-def _data(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(123)
-    return torch.randn(steps * batch, 64, generator=g), torch.randint(0, 10, (steps * batch,), generator=g)
 
 
 def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -242,26 +226,7 @@ def session_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def session(session_checkpoints: Path) -> list[dict[str, Any]]:
-    ctx = mp.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        procs = [ctx.Process(target=_session_rank, args=(r, WORLD, port, tmp, str(session_checkpoints)))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 240  # a bound for a hang: the session takes seconds
-        try:
-            for p in procs:
-                p.join(max(0.1, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        errors = [f.read_text() for f in sorted(Path(tmp).glob("*.error"))]
-        assert not errors, "\n".join(errors)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_session_rank, WORLD, str(session_checkpoints))
 
 
 def _reference() -> torch.Tensor:
@@ -353,36 +318,13 @@ def _resharded_rank(rank: int, world: int, port: int, out_dir: str, ckpt_dir: st
             dist.destroy_process_group()
 
 
-def _ranks(target: Any, world: int, *args: Any) -> list[dict[str, Any]]:
-    """Run ``target(rank, world, port, out_dir, *args)`` on ``world`` processes; what each saved."""
-    ctx = mp.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        procs = [ctx.Process(target=target, args=(r, world, port, tmp, *args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 240  # a bound for a hang: seconds
-        try:
-            for p in procs:
-                p.join(max(0.1, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        errors = [f.read_text() for f in sorted(Path(tmp).glob("*.error"))]
-        assert not errors, "\n".join(errors)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
-
-
 @pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: ~10 s
 def test_a_checkpoint_written_by_2_ranks_resumes_on_1_and_4_ranks_with_the_same_losses(
         session: list[dict[str, Any]], session_checkpoints: Path, world: int) -> None:
     """The session's dcp checkpoints after 2 steps (fsdp's shards, zero1's shares of the optimizer state),
     read on another number of ranks, each rank its new part: the next steps on the same global batches
     give the uninterrupted 2-rank run's losses within 1e-4 (the sums go in another order)."""
-    ranks = _ranks(_resharded_rank, world, str(session_checkpoints))
+    ranks = run_ranks(_resharded_rank, world, str(session_checkpoints))
     for key in RESHARDED:
         reference = session[0]["resume"][key][2]
         assert len(reference) == STEPS - 2
@@ -770,23 +712,7 @@ def test_a_4_rank_fsdp_model_trains_under_a_memory_cap_that_allreduce_exceeds(tm
 
     whole_mb = sum(p.numel() for p in _cap_gpt().parameters()) * 4 / 2**20
     assert 3 * whole_mb > CAP_MB  # weights + Adam's two moments do not fit one rank
-    ctx = mp.get_context("forkserver")
-    port = free_port()
-    procs = [ctx.Process(target=_capped_rank, args=(r, CAP_RANKS, port, str(tmp_path))) for r in range(CAP_RANKS)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 300  # a bound for a hang: seconds on a quiet machine
-    try:
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    errors = [f.read_text() for f in sorted(tmp_path.glob("*.error"))]
-    assert not errors, "\n".join(errors)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(CAP_RANKS)]
+    ranks = run_ranks(_capped_rank, CAP_RANKS, out_dir=tmp_path, hang_s=300, clean_exit=False)
     for r in ranks:
         fsdp = r["fsdp"]
         assert "error" not in fsdp, fsdp
