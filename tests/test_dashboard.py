@@ -89,15 +89,21 @@ def _request(port: int, method: str, path: str, host: str | None = None) -> tupl
         conn.close()
 
 
-def test_the_dashboard_is_read_only_and_answers_only_its_own_host(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)
+def _finished_study(tmp_path: Path) -> Path:
+    """The run directory of a finished 3-trial study (threads engine) for the dashboard to serve."""
     spec = {"study": {"name": "dash", "metric": "x", "direction": "maximize"},
             "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
             "search": {"algorithm": "random", "n_trials": 3, "seed": 0},
             "training": {"function": "tests.trainfns:behave"}, "oracle": {"enabled": False}}
     run = tmp_path / "run"
     hpoflow.optimize(spec, run, engine=ThreadEngine(lambda p, r: p["x"], 1))
+    return run
+
+
+def test_the_dashboard_is_read_only_and_answers_only_its_own_host(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    run = _finished_study(tmp_path)
     journal = run / "study.journal"
     before = hashlib.sha256(journal.read_bytes()).hexdigest()
     proc, port = _start(run, tmp_path)
@@ -198,12 +204,7 @@ def test_a_stalled_client_neither_holds_up_other_clients_nor_the_stop(tmp_path: 
     """Issue 38, item 6: a client that sends a request line and then nothing (a browser's preconnect does)
     once held the one serving thread: no other client got an answer, and SIGTERM waited for it to leave."""
     monkeypatch.chdir(ROOT)
-    spec = {"study": {"name": "dash", "metric": "x", "direction": "maximize"},
-            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
-            "search": {"algorithm": "random", "n_trials": 3, "seed": 0},
-            "training": {"function": "tests.trainfns:behave"}, "oracle": {"enabled": False}}
-    run = tmp_path / "run"
-    hpoflow.optimize(spec, run, engine=ThreadEngine(lambda p, r: p["x"], 1))
+    run = _finished_study(tmp_path)
     proc, port = _start(run, tmp_path)
     stalled: list[socket.socket] = []
     try:

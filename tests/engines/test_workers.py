@@ -388,18 +388,24 @@ def test_hpoflow_run_into_a_pipe_returns_when_the_study_ends(tmp_path: Path) -> 
 
 
 # -- rank logs are bounded -------------------------------------------------------------------------
-def test_a_capped_log_keeps_its_head_and_tail_and_says_what_it_dropped(tmp_path: Path) -> None:
-    cap = 64 * 1024
-    data = b"".join(f"{i:07d} {'y' * 92}\n".encode() for i in range(20000))  # 2 000 000 bytes
-    path = tmp_path / "rank0.log"
-    path.write_bytes(b"")
-    pump = LogPump(cap)
+def _pump_through(pump: LogPump, path: Path, data: bytes) -> None:
+    """Write ``data`` into a new stream of ``pump`` to ``path``, 8 kB at a time, close it and wait until the
+    pump has moved it all."""
     w, stream = pump.open(str(path))
     view = memoryview(data)
     while view:
         view = view[os.write(w, view[:8192]):]
     os.close(w)
     assert pump.wait([stream], 30)
+
+
+def test_a_capped_log_keeps_its_head_and_tail_and_says_what_it_dropped(tmp_path: Path) -> None:
+    cap = 64 * 1024
+    data = b"".join(f"{i:07d} {'y' * 92}\n".encode() for i in range(20000))  # 2 000 000 bytes
+    path = tmp_path / "rank0.log"
+    path.write_bytes(b"")
+    pump = LogPump(cap)
+    _pump_through(pump, path, data)
     pump.close()
     text = path.read_bytes()
     assert len(text) <= cap + 200
@@ -451,12 +457,7 @@ def test_the_cap_holds_for_a_log_over_all_its_attempts_with_what_each_dropped(tm
     try:
         for attempt in range(4):
             data = b"".join(f"{attempt} {i:07d} {'y' * 90}\n".encode() for i in range(3000))  # 300 000 bytes
-            w, stream = pump.open(str(path))
-            view = memoryview(data)
-            while view:
-                view = view[os.write(w, view[:8192]):]
-            os.close(w)
-            assert pump.wait([stream], 30)
+            _pump_through(pump, path, data)
             written += data
             text = path.read_bytes()
             assert len(text) <= cap + 200, (attempt, len(text))
