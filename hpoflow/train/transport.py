@@ -58,7 +58,7 @@ from hpoflow.fileio import append_jsonl, read_json, write_atomic
 log = logging.getLogger(__name__)
 
 __all__ = ["Channel", "ControlLink", "FileChannel", "LineServer", "NullChannel", "PipeChannel", "ReportReader",
-           "SocketChannel", "TrialFiles"]
+           "SocketChannel", "TrialFiles", "drain"]
 
 class Channel(abc.ABC):
     """Rank 0's line to its engine. An answer to a report carries the pruning decision and, for an
@@ -404,6 +404,22 @@ class SocketChannel(FileChannel):
                 conn.sendall(json.dumps(record).encode() + b"\n")
 
 
+def drain(sock: socket.socket) -> tuple[bytes, bool]:
+    """What ``sock`` has ready, read without blocking, and whether its peer is still there (False: the
+    peer closed the connection, or the socket failed; what came before is returned all the same)."""
+    chunks: list[bytes] = []
+    while True:
+        try:
+            chunk = sock.recv(1 << 20, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return b"".join(chunks), True
+        except OSError:
+            return b"".join(chunks), False
+        if not chunk:
+            return b"".join(chunks), False
+        chunks.append(chunk)
+
+
 class ControlLink:
     """The engine's end of a ``SocketChannel``: connects to what ``control.addr`` announces, sends
     decisions, and reads the reports rank 0 pushes (``read_new``, without blocking)."""
@@ -429,18 +445,11 @@ class ControlLink:
 
     def read_new(self) -> list[dict[str, Any]]:
         """The records rank 0 pushed since the last call (complete lines only)."""
-        while not self.closed:
-            try:
-                chunk = self.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+        if not self.closed:
+            data, alive = drain(self.sock)
+            self._buf += data
+            if not alive:
                 self.close()
-                break
-            if not chunk:
-                self.close()
-                break
-            self._buf += chunk
         *lines, self._buf = self._buf.split(b"\n")
         out = []
         for line in lines:

@@ -9,7 +9,8 @@ nothing but a nonce) and proves itself the same way (``"driver" + nonce``). The 
 and never appears in argv: agents read it from ``SECRET_ENV`` (the step's environment) and drop it from
 their environment at once, so nothing a trial starts inherits it.
 
-Standard library only (the agent imports it before its pool's forkserver starts).
+Standard library and ``hpoflow.train.transport.drain`` (no torch, no pydantic: the agent imports it before
+its pool's forkserver starts).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import struct
 import threading
 import time
 from typing import Any
+
+from hpoflow.train.transport import drain
 
 __all__ = ["AUTH_TIMEOUT_S", "SECRET_ENV", "AuthError", "Link", "accept", "connect", "new_secret"]
 
@@ -122,18 +125,11 @@ class Link:
         return self._frames()
 
     def _fill(self) -> None:
-        while not self.closed:
-            try:
-                chunk = self.sock.recv(1 << 20, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+        if not self.closed:
+            data, alive = drain(self.sock)
+            self._buf += data
+            if not alive:
                 self.close()
-                break
-            if not chunk:
-                self.close()
-                break
-            self._buf += chunk
 
     def _frames(self, limit: int = -1) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
