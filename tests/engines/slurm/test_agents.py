@@ -14,6 +14,7 @@ import pytest
 
 from hpoflow.engines.agent.protocol import AuthError, connect, new_secret
 from tests.engines.slurm.test_cluster import (
+    _checkpointed_epochs,
     _digits_spec,
     _rank_hosts,
     _reported_epochs,
@@ -79,8 +80,6 @@ def test_agents_run_2_node_ddp_trials_in_one_step_per_node_whose_ranks_meet_acro
 
 def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
         slurm_cluster: SlurmCluster) -> None:
-    from hpoflow.train.checkpoint import checkpoint_name
-
     shared = slurm_cluster.shared_dir / "agents-kill"
     spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=12, engine_options=AGENTS, processes=2,
                         nodes=1)  # a node each
@@ -90,8 +89,10 @@ def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_c
     def on_n2() -> int | None:
         for t, epochs in _reported_epochs(run_dir).items():
             hosts = _rank_hosts(run_dir / "trials" / str(t))
-            saved = all((run_dir / "trials" / str(t) / "checkpoints" / checkpoint_name(2, r)).exists() for r in (0, 1))
-            if epochs >= 2 and saved and hosts and {h for h, _ in hosts.values()} == {"n2"}:
+            # a checkpoint of epoch 2 or later for both ranks, and epochs still to train
+            saved = _checkpointed_epochs(run_dir / "trials" / str(t))
+            if 2 <= epochs < 12 and min(saved.get(0, 0), saved.get(1, 0)) >= 2 and hosts \
+                    and {h for h, _ in hosts.values()} == {"n2"}:
                 return t
         return None
 

@@ -254,34 +254,36 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
         assert t.state == optuna.trial.TrialState.COMPLETE
 
 
+def _checkpointed_epochs(trial_dir: Path) -> dict[int, int]:
+    """rank -> the latest epoch whose checkpoint file is on disk (with ``keep: 2`` epoch 2's is gone by
+    epoch 4: a poller slowed by load must look for any epoch past the one it needs)."""
+    from hpoflow.train.checkpoint import parse_name
+
+    out: dict[int, int] = {}
+    for f in (trial_dir / "checkpoints").glob("ckpt-*"):
+        step_rank = parse_name(f.name)
+        if step_rank is not None:
+            out[step_rank[1]] = max(out.get(step_rank[1], 0), step_rank[0])
+    return out
+
+
 @pytest.mark.parametrize("agents", ["off", "on"])
 def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
         slurm_cluster: SlurmCluster, agents: str) -> None:
     """Each trial a step (agents off), or the trials of node agents (on: the agents' step outlives the
     node, ``srun --no-kill``, and the agent on the node left runs the rerun)."""
-    from hpoflow.train.checkpoint import parse_name
-
     shared = slurm_cluster.shared_dir / f"nodefail-{agents}"
     spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
                         engine_options={"agents": agents})
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
 
-    def saved_by(trial_dir: Path) -> dict[int, int]:
-        """rank -> the latest epoch whose checkpoint is on disk (keep: 2, so epoch 2's is gone by epoch 4)."""
-        out: dict[int, int] = {}
-        for f in (trial_dir / "checkpoints").glob("ckpt-*"):
-            step_rank = parse_name(f.name)
-            if step_rank is not None:
-                out[step_rank[1]] = max(out.get(step_rank[1], 0), step_rank[0])
-        return out
-
     def on_n2() -> int | None:
         for t, epochs in _reported_epochs(run_dir).items():
             hosts = _rank_hosts(run_dir / "trials" / str(t))
             # a checkpoint of epoch 2 or later on disk for both ranks (its report may come first: the writes
             # are async), and epochs still to train (a finished trial has nothing left to rerun)
-            saved = saved_by(run_dir / "trials" / str(t))
+            saved = _checkpointed_epochs(run_dir / "trials" / str(t))
             if 2 <= epochs < 16 and min(saved.get(0, 0), saved.get(1, 0)) >= 2 and hosts \
                     and {h for h, _ in hosts.values()} == {"n2"}:
                 return t
