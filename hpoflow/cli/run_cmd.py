@@ -27,16 +27,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def _prestart(spec_path: str) -> None:
+def _prestart(spec_path: str, run_dir: str | None) -> None:
     """Boot the local engine's processes first, so they start while the rest of hpoflow imports and
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
-    (``hpoflow.engines.local.prestart``). An invalid spec starts nothing: ``optimize`` says why."""
+    (``hpoflow.engines.local.prestart``). Input the run would refuse starts nothing (an invalid spec,
+    ``HPOFLOW_N_TRIALS``, a ``--run-dir`` that cannot be resolved): ``optimize`` says why, and a
+    mistake costs no torch import."""
+    from pathlib import Path
+
     from hpoflow.errors import HpoflowError
-    from hpoflow.spec import load_spec, resolve_training, search_dirs, warm_target
+    from hpoflow.spec import env_int, load_spec, resolve_training, search_dirs, warm_target
 
     try:
         spec, _ = load_spec(spec_path)
-    except HpoflowError:
+        env_int("HPOFLOW_N_TRIALS", minimum=1)
+        if run_dir is not None:
+            Path(run_dir).expanduser().resolve()
+    except (HpoflowError, OSError, RuntimeError, ValueError):
         return
     spec.storage_url()  # storage_env's variable leaves the environment before any worker process starts
     if spec.engine != "local":
@@ -67,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     # which says why): before the study opens the command ends at its next step, then the driver stops.
     with stop_signals() as stop:
         try:
-            _prestart(args.spec)
+            _prestart(args.spec, args.run_dir)
             return _run(args, stop)
         finally:
             # what _prestart started is the engine's once it exists; until then (a Ctrl-C or an error

@@ -216,6 +216,28 @@ def test_hpoflow_n_trials_is_parsed_strictly(tmp_path: Path, value: str) -> None
     assert not (tmp_path / "run").exists()
 
 
+def test_input_the_run_refuses_starts_no_engine_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hpoflow run`` boots the local engine's processes (the forkserver's torch preload, light workers)
+    before it opens the study; a bad ``HPOFLOW_N_TRIALS`` or a ``--run-dir`` that cannot be resolved
+    starts none of them (the run then refuses it, as the test above shows), and a good one does."""
+    import hpoflow.engines.local as local
+    from hpoflow.cli import run_cmd
+
+    started: list[int] = []
+    monkeypatch.setattr(local, "prestart", lambda light: started.append(light))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(_text())
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    monkeypatch.setenv("HPOFLOW_N_TRIALS", "x")
+    run_cmd._prestart(str(spec), str(tmp_path / "run"))
+    monkeypatch.setenv("HPOFLOW_N_TRIALS", "2")
+    run_cmd._prestart(str(spec), str(tmp_path / "a" / "sub"))
+    assert started == []
+    run_cmd._prestart(str(spec), str(tmp_path / "run"))
+    assert len(started) == 1 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("value", ["\u00b2", "\u0663", "1_0"])
 def test_cli_whole_numbers_are_ascii_digits(tmp_path: Path, value: str) -> None:
     spec = tmp_path / "spec.yaml"
