@@ -1,6 +1,7 @@
 """The README is executed: every code block marked ``<!-- runnable ... -->`` runs as copied (shell
-blocks with bash, Python blocks as a script) in a temporary directory holding a copy of examples/,
-with HPOFLOW_N_TRIALS=2 so each study is a quick smoke run of the real spec."""
+blocks with bash, a line per test in order in one directory; Python blocks as a script) in a temporary
+directory holding a copy of examples/, with HPOFLOW_N_TRIALS=2 so each study is a quick smoke run of
+the real spec."""
 
 from __future__ import annotations
 
@@ -22,10 +23,59 @@ def test_the_readme_marks_its_quick_start_and_api_blocks_runnable() -> None:
     assert [lang for lang, _ in BLOCKS] == ["bash", "python"]
 
 
+# A shell block runs one line per test, in order, in one directory (``_block_dir``), so each test's time is
+# one command's and a failure names its line. A block whose lines are not each a whole command, or that
+# changes the shell's own state (cd, export, VAR=...), runs as one test instead.
+_SHELL_STATE = re.compile(r"^\s*(cd|pushd|popd|export|unset|source|\.|set|alias|shopt|[A-Za-z_][A-Za-z0-9_]*=)(\s|$)")
+
+
+def _commands(code: str) -> list[str] | None:
+    lines = [ln for ln in code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if any(ln.rstrip().endswith("\\") or _SHELL_STATE.match(ln) for ln in lines):
+        return None
+    if any(subprocess.run(["bash", "-n", "-c", ln], capture_output=True).returncode for ln in lines):
+        return None
+    return lines
+
+
+def _steps() -> list[tuple[int, str, int, int, str]]:
+    """(block, lang, line, lines in the block, code) of every test: a line of a shell block, or a block."""
+    out = []
+    for i, (lang, code) in enumerate(BLOCKS):
+        lines = _commands(code) if lang == "bash" else None
+        if lines is None:
+            out.append((i, lang, 0, 1, code))
+        else:
+            out += [(i, lang, j, len(lines), ln) for j, ln in enumerate(lines)]
+    return out
+
+
+STEPS = _steps()
+
+
+@pytest.fixture(scope="module")
+def block_dirs() -> dict[int, tuple[Path, list[int]]]:
+    """Block -> its directory and the lines run in it so far (filled by ``_block_dir``)."""
+    return {}
+
+
+def _block_dir(dirs: dict[int, tuple[Path, list[int]]], tmp_path_factory: pytest.TempPathFactory,
+               block: int) -> tuple[Path, list[int]]:
+    if block not in dirs:
+        d = tmp_path_factory.mktemp(f"readme-block{block}")
+        shutil.copytree(ROOT / "examples", d / "examples")
+        dirs[block] = (d, [])
+    return dirs[block]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("lang", "code"), BLOCKS, ids=[f"{lang}-{i}" for i, (lang, _) in enumerate(BLOCKS)])
-def test_a_runnable_readme_block_works_as_copied(tmp_path: Path, lang: str, code: str) -> None:
-    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+@pytest.mark.parametrize(("block", "lang", "line", "n_lines", "code"), STEPS,
+                         ids=[f"{lang}-{b}" + (f"-line{j + 1}" if n > 1 else "") for b, lang, j, n, _ in STEPS])
+def test_a_runnable_readme_block_works_as_copied(block_dirs: dict[int, tuple[Path, list[int]]],
+                                                 tmp_path_factory: pytest.TempPathFactory, block: int, lang: str,
+                                                 line: int, n_lines: int, code: str) -> None:
+    tmp_path, done = _block_dir(block_dirs, tmp_path_factory, block)
+    assert done == list(range(line)), f"the lines before line {line + 1} of block {block} did not all pass: {done}"
     env = {**os.environ, "HPOFLOW_N_TRIALS": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if lang == "bash":
@@ -36,8 +86,10 @@ def test_a_runnable_readme_block_works_as_copied(tmp_path: Path, lang: str, code
     r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     assert "Traceback" not in r.stderr
-    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
-    assert runs and all((tmp_path / "runs" / name / "study.journal").is_file() for name in runs), runs
+    done.append(line)
+    if line == n_lines - 1:  # the block's last line: every study it ran has its journal
+        runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+        assert runs and all((tmp_path / "runs" / name / "study.journal").is_file() for name in runs), runs
 
 
 def _requirement_names(lines: list[str]) -> set[str]:
