@@ -40,7 +40,7 @@ CASES = {
     "busy.py": (["true"], {"exit", "wall_s", "busy_core_s", "idle_core_s", "mean_busy_cores"}),
     "suite_cpu.py": (["--out", "cpu", "-n", "2", "-q", "tests/test_layers.py"],
                      {"tests", "cpu_s", "wall_s", "pytest_exit"}),
-    "slurm_steps.py": (["--trials", "4", "--repeats", "1"],
+    "slurm_steps.py": (["--trials", "4", "--repeats", "1", "--no-torch-preload"],
                        {"steps", "agents", "local_overhead_ms_per_trial_slot", "steps_vs_agents_overhead"}),
 }
 # A bound for a hang, not a speed: each script takes seconds on a quiet machine and a few minutes with
