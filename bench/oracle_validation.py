@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -85,11 +86,20 @@ def _measure(rank: int, world: int, port: int, name: str, shape: tuple[int, ...]
         destroy()  # the ranks leave together (see hpoflow.train.dist.destroy)
 
 
+# What the forkserver imports once, before it forks the ranks. Named, not left to multiprocessing's
+# default preload of ``__main__``: Python 3.11's forkserver never runs that (it looks for a ``main_path``
+# key that the preparation data calls ``init_main_from_path``), so every rank imported torch again
+# (~2.3 CPU-s each, 6 ranks a round here).
+FORKSERVER_PRELOAD = ["__main__", "torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
+                      "hpoflow.oracle.facts", "hpoflow.train.dist"]
+
+
 def measured_step(name: str, shape: tuple[int, ...] | None, world: int, batch: int,
                   steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
-        # forked from a forkserver that ran this script's imports (torch) once, instead of one interpreter
+        # forked from a forkserver that imported torch once (FORKSERVER_PRELOAD), instead of one interpreter
         # per rank and case importing torch again: the ranks measure the same steps either way
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
         mp.start_processes(_measure, args=(world, free_port(), name, shape, batch, steps, out),
                            nprocs=world, join=True, start_method="forkserver")
         return max(json.loads(Path(out, f"{r}.json").read_text()) for r in range(world))

@@ -9,6 +9,10 @@
    same number of trials replaying its measured durations on 2 simulated slots: the two makespans.
 
     python bench/simulate.py [--trials 10000 --slots 4096] [--sampler-trials 2048] [--quick]
+
+``--quick`` (the smoke test): 200 trials on 128 slots, random and TPE at 64 concurrent trials (128
+trials each; no GP), a replay of 6 trials on an engine whose forkserver preloads nothing (the trials
+only sleep): every part once, at sizes whose figures are not the study's.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ def simulate(n: int, slots: int, algorithm: str, engine_options: dict[str, Any])
             "complete": res.summary.n_complete, **{k: round(v, 4) for k, v in eng.stats().items()}}
 
 
-def replay_check(n: int) -> dict[str, float]:
-    """A real 2-slot study, then its measured durations replayed on 2 simulated slots."""
+def replay_check(n: int, preload: list[str] | None = None) -> dict[str, float]:
+    """A real 2-slot study, then its measured durations replayed on 2 simulated slots; ``preload``: what
+    the engine's forkserver imports (None: the engine's default, torch)."""
     from hpoflow.api import optimize
     from hpoflow.engines.local import LocalEngine
 
@@ -59,7 +64,7 @@ def replay_check(n: int) -> dict[str, float]:
                  "training": {"function": "bench_objectives:sleep_indexed", "options": {"durations": durations}},
                  "resources": {"processes": 1, "cpus_per_process": 1}}
     with tempfile.TemporaryDirectory() as d:
-        engine = LocalEngine(cores=[0, 1])
+        engine = LocalEngine(cores=[0, 1], preload=preload)
         engine.wait_warm()
         optimize(real_spec, Path(d) / "real", engine=engine)
         engine.close()
@@ -81,7 +86,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     a = ap.parse_args()
     if a.quick:
-        a.trials, a.slots, a.sampler_trials, a.replay_trials = 400, 128, 256, 6
+        a.trials, a.slots, a.sampler_trials, a.replay_trials = 200, 128, 128, 6
     lognormal = {"lognormal": {"median_s": 600.0, "sigma": 1.0, "seed": 0}}
     figures: dict[str, Any] = {}
     scale = simulate(a.trials, a.slots, "random", lognormal)
@@ -99,7 +104,8 @@ def main() -> None:
             samplers[f"{algorithm}@{conc}"] = {"trials": n, "driver_ms_per_trial": r["driver_ms_per_trial"]}
             print(f"{algorithm} at {conc} concurrent ({n} trials): {r['driver_ms_per_trial']} ms per trial", flush=True)
     figures["sampler_ms_per_trial"] = samplers
-    rep = replay_check(a.replay_trials)
+    # quick: the trials only sleep, so the engine's forkserver preloads nothing instead of torch (~2 CPU-s)
+    rep = replay_check(a.replay_trials, preload=[] if a.quick else None)
     figures["replay"] = rep
     print(f"replay: real 2-slot makespan {rep['real_makespan_s']} s, replayed {rep['replayed_makespan_s']} s "
           f"(ratio {rep['ratio']}; target within 5 %)", flush=True)

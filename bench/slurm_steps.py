@@ -22,7 +22,12 @@ and the job steps each study made (slurmd's ``launch task StepId=J.S`` lines: wh
 
 Needs root, slurm-wlm and munge (as tests/infra does); prints why and exits 2 otherwise.
 
-    python bench/slurm_steps.py [--trials 40] [--repeats 3] [--profile plain|site]
+    python bench/slurm_steps.py [--trials 40] [--repeats 3] [--profile plain|site] [--no-torch-preload]
+
+``--no-torch-preload`` (the smoke test): the local engine's forkserver imports nothing before it forks
+its workers, instead of torch and the trainer; its trials only sleep, so what they run is the same, and
+its one-time start (before the study, outside every figure) costs ~2 CPU-s less. The agents' forkservers
+are the engine's own either way.
 """
 
 from __future__ import annotations
@@ -51,11 +56,11 @@ def overhead_ms(wall: float, n: int, slots: int) -> float:
     return (wall * slots - n * FN_S) / n * 1000.0
 
 
-def run_local(n: int, slots: int) -> float:
+def run_local(n: int, slots: int, preload: list[str] | None = None) -> float:
     from hpoflow.api import optimize
     from hpoflow.engines.local import LocalEngine
 
-    engine = LocalEngine(cores=list(range(slots)))
+    engine = LocalEngine(cores=list(range(slots)), preload=preload)
     engine.wait_warm()
     with tempfile.TemporaryDirectory() as d:
         res = optimize(function_spec("local", "bench_objectives:sleep50", n, slots), Path(d) / "run", engine=engine)
@@ -133,6 +138,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", choices=["plain", "site"], default="plain",
                    help="the cluster's profile (tests/infra/slurm.py): plain, or site (CR_Core_Memory, GPUs, fabric)")
+    p.add_argument("--no-torch-preload", action="store_true",
+                   help="the local engine's forkserver preloads nothing (its trials only sleep): a cheaper start")
     args = p.parse_args()
     reason = unavailable_reason()
     if reason:
@@ -150,7 +157,8 @@ def main() -> int:
                 r = run_slurm(cluster, cluster.shared_dir, f"{mode}{k}", args.trials, slots, agents)
                 runs[mode].append(r)
                 print(f"round {k} {mode}: {r}", file=sys.stderr)
-            local.append(overhead_ms(run_local(args.trials, slots), args.trials, slots))
+            preload = [] if args.no_torch_preload else None
+            local.append(overhead_ms(run_local(args.trials, slots, preload), args.trials, slots))
             print(f"round {k} local: {local[-1]:.1f} ms per trial and slot", file=sys.stderr)
     finally:
         cluster.stop()

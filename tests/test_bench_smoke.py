@@ -17,7 +17,7 @@ CASES = {
     "driver_scale.py": (["--trials", "40", "--block", "20"],
                         {"trials", "total_s", "ms_per_trial_first_1000", "ms_per_trial_last_1000", "growth_ratio",
                          "curve", "waiting_scan_ms_at_end"}),
-    "utilization.py": (["--trials", "4", "--repeats", "1", "--median-s", "0.05"],
+    "utilization.py": (["--trials", "4", "--repeats", "1", "--median-s", "0.05", "--no-torch-preload"],
                        {"hpoflow_busy", "batch_busy", "ideal_async_busy"}),
     "ddp_launch.py": (["--trials", "2", "--torchrun-trials", "0"],
                       {"hpoflow_launch_s", "torchrun_launch_s", "hpoflow_first_step_s"}),
@@ -32,13 +32,15 @@ CASES = {
     "checkpoint_study.py": (["--quick"], {"rows", "machine", "filesystem", "cluster"}),
     "worker_overheads.py": (["--calls", "10", "--lines", "1000", "--repeats", "1"],
                             {"reap_proc_children_us", "reap_psutil_us", "log_pump_overhead"}),
-    "peers.py": (["--digits-trials", "2", "--epochs", "1", "--short-trials", "4", "--repeats", "1"],
+    # 3 digits trials on 2 slots: a later trial beside the first ones, so digits_first_vs_later_duration is
+    # measured (with 2 it was None)
+    "peers.py": (["--digits-trials", "3", "--epochs", "1", "--short-trials", "4", "--repeats", "1"],
                  {"digits_wall_ratio", "digits_pss_ratio", "digits_first_vs_later_duration",
                   "short_hpoflow_overhead_ms_per_trial_slot", "short_optuna_overhead_ms_per_trial_slot"}),
     "busy.py": (["true"], {"exit", "wall_s", "busy_core_s", "idle_core_s", "mean_busy_cores"}),
     "suite_cpu.py": (["--out", "cpu", "-n", "2", "-q", "tests/test_layers.py"],
                      {"tests", "cpu_s", "wall_s", "pytest_exit"}),
-    "slurm_steps.py": (["--trials", "4", "--repeats", "1"],
+    "slurm_steps.py": (["--trials", "4", "--repeats", "1", "--no-torch-preload"],
                        {"steps", "agents", "local_overhead_ms_per_trial_slot", "steps_vs_agents_overhead"}),
 }
 # A bound for a hang, not a speed: each script takes seconds on a quiet machine and a few minutes with
@@ -64,6 +66,8 @@ def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert keys <= set(figures), f"{script} JSON line lacks {sorted(keys - set(figures))}: {figures}"
+    if script == "peers.py":  # measured, not None: a later digits trial ran beside the first ones
+        assert figures["digits_first_vs_later_duration"] is not None, figures
     if script == "suite_cpu.py":  # the two tests of tests/test_layers.py, each charged what its worker spent
         assert figures["tests"] == 2 and figures["cpu_s"] > 0 and figures["pytest_exit"] == 0, figures
 
