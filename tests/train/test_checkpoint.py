@@ -303,9 +303,9 @@ def test_killed_rank_resumes_to_bitwise_identical_weights_and_metrics(
 # -- a pause: stop at the next step with a checkpoint, resume from the middle of the epoch ---------------
 
 def _pause_request(trial_dir: Path, every: int) -> TrialRequest:
-    # small batches: an epoch of ~180 steps (about a second here, longer on a loaded machine), so a pause
-    # sent a moment after epoch 1's report lands in the middle of epoch 2
-    train = TrainConfig(model="cnn", dataset="digits", epochs=3, batch_size=4, optimizer="adam", lr=1e-3,
+    # small batches: 719 training samples a rank, an epoch of 90 steps (half a second here, longer on a
+    # loaded machine), so a pause sent a moment (0.1 s) after epoch 1's report lands in the middle of epoch 2
+    train = TrainConfig(model="cnn", dataset="digits", epochs=3, batch_size=8, optimizer="adam", lr=1e-3,
                         model_options={"dropout": 0.2}, seed=11,
                         checkpoint={"every": every, "keep": 2, "async": True}).model_dump(mode="json")
     return TrialRequest(0, {}, train, "val_accuracy", "maximize", str(trial_dir), processes=2,

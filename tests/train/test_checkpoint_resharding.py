@@ -133,7 +133,7 @@ def test_a_killed_rank_resumes_bitwise_in_every_format(engine: LocalEngine, refe
         assert size < 0.52 * reference["bytes"]
 
 
-PAUSE_TRAIN: dict[str, Any] = {"epochs": 3, "batch_size": 4, "lr": 1e-3, "seed": 11}
+PAUSE_TRAIN: dict[str, Any] = {"epochs": 3, "batch_size": 8, "lr": 1e-3, "seed": 11}  # epochs of 90 steps
 
 
 @pytest.fixture(scope="module")
