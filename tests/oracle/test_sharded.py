@@ -3,8 +3,8 @@ the bytes a real FSDP2 / ZeroRedundancyOptimizer step sends over gloo (wchar of 
 
 from __future__ import annotations
 
-import json
 import os
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.multiprocessing import spawn  # type: ignore[attr-defined]
 
 from hpoflow.oracle import Plan, load_cluster, model_facts, predict
 from hpoflow.oracle._zoo_lm import decoder
@@ -22,7 +21,7 @@ from hpoflow.oracle.feasibility import check_trial
 from hpoflow.oracle.model import memory_breakdown
 from hpoflow.train.collectives import ring_allreduce_bytes
 from hpoflow.train.dist import destroy
-from hpoflow.train.rendezvous import free_port
+from tests.train.ranks import run_ranks
 
 SMALL = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 4, "ffn": 512}  # a GPT-2-shaped toy decoder
 VOCAB, SEQ, BATCH = 56, 64, 8
@@ -125,7 +124,9 @@ def _wchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
 
 
-def _worker(rank: int, world: int, port: int, strategy: str, param_dtype: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, strategy: str, param_dtype: str) -> None:
+    """One rank, forked from the forkserver that has torch loaded (``run_ranks``): 2 warm-up steps, then
+    the bytes this process writes per step over 4 steps, in ``out/rank<rank>.pt``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -159,7 +160,10 @@ def _worker(rank: int, world: int, port: int, strategy: str, param_dtype: str, o
         before = _wchar()
         for _ in range(4):
             step()
-        Path(out, f"{rank}.json").write_text(json.dumps((_wchar() - before) / 4))
+        torch.save({"sent": (_wchar() - before) / 4}, Path(out, f"rank{rank}.pt"))
+    except BaseException:
+        Path(out, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
     finally:
         destroy()
 
@@ -169,8 +173,8 @@ def _worker(rank: int, world: int, port: int, strategy: str, param_dtype: str, o
                          [("fsdp", 2, "fp32"), ("fsdp", 4, "bf16"), ("zero1", 2, "fp32")])
 def test_bytes_per_step_match_real_collectives_over_gloo(tmp_path: Path, strategy: str, world: int,
                                                           param_dtype: str) -> None:
-    spawn(_worker, args=(world, free_port(), strategy, param_dtype, str(tmp_path)), nprocs=world, join=True)
-    sent = [json.loads(Path(tmp_path, f"{r}.json").read_text()) for r in range(world)]
+    # ranks forked from the forkserver that has torch loaded (not spawned: ~2 CPU-s of imports each)
+    sent = [r["sent"] for r in run_ranks(_worker, world, strategy, param_dtype, out_dir=tmp_path)]
     f = _small(param_dtype if strategy == "fsdp" else "fp32")
     plan = Plan(batch_size=BATCH, devices=world, strategy=strategy, optimizer="adamw", param_dtype=param_dtype,
                 bucket_mb=25.0)

@@ -303,20 +303,28 @@ def test_killed_rank_resumes_to_bitwise_identical_weights_and_metrics(
 # -- a pause: stop at the next step with a checkpoint, resume from the middle of the epoch ---------------
 
 def _pause_request(trial_dir: Path, every: int) -> TrialRequest:
-    # small batches: an epoch of ~180 steps (about a second here, longer on a loaded machine), so a pause
-    # sent a moment after epoch 1's report lands in the middle of epoch 2
-    train = TrainConfig(model="cnn", dataset="digits", epochs=3, batch_size=4, optimizer="adam", lr=1e-3,
+    # small batches: 719 training samples a rank, an epoch of 90 steps (half a second here, longer on a
+    # loaded machine), so a pause sent a moment (0.1 s) after epoch 1's report lands in the middle of epoch 2
+    train = TrainConfig(model="cnn", dataset="digits", epochs=3, batch_size=8, optimizer="adam", lr=1e-3,
                         model_options={"dropout": 0.2}, seed=11,
                         checkpoint={"every": every, "keep": 2, "async": True}).model_dump(mode="json")
     return TrialRequest(0, {}, train, "val_accuracy", "maximize", str(trial_dir), processes=2,
                         python_path=PYPATH, seed=11, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def pause_reference(engine: LocalEngine, tmp_path_factory: pytest.TempPathFactory) -> tuple[TrialResult, Path]:
+    """The pause tests' uninterrupted run, with checkpoints off (saving none changes nothing it trains):
+    run once per module for both tests; its result and trial directory."""
+    d = tmp_path_factory.mktemp("pause-reference")
+    return _run(engine, _pause_request(d, 0)), d
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("every", [1, 0])  # also with checkpoints off: a pause saves one to resume from
 def test_a_paused_trial_stops_mid_epoch_with_a_checkpoint_and_resumes_bitwise(
-        engine: LocalEngine, tmp_path: Path, every: int) -> None:
-    reference = _run(engine, _pause_request(tmp_path / "ref", every))
+        engine: LocalEngine, pause_reference: tuple[TrialResult, Path], tmp_path: Path, every: int) -> None:
+    reference, reference_dir = pause_reference
     assert reference.status == "complete", reference
     req = _pause_request(tmp_path / "paused", every)
     engine.submit(req)
@@ -342,4 +350,4 @@ def test_a_paused_trial_stops_mid_epoch_with_a_checkpoint_and_resumes_bitwise(
     for key in COMPARED:
         if key in reference.metrics:
             assert resumed.metrics[key] == reference.metrics[key], key
-    assert _weights(tmp_path / "paused") == _weights(tmp_path / "ref")  # bitwise the uninterrupted run
+    assert _weights(tmp_path / "paused") == _weights(reference_dir)  # bitwise the uninterrupted run

@@ -133,15 +133,27 @@ def test_a_killed_rank_resumes_bitwise_in_every_format(engine: LocalEngine, refe
         assert size < 0.52 * reference["bytes"]
 
 
+PAUSE_TRAIN: dict[str, Any] = {"epochs": 3, "batch_size": 8, "lr": 1e-3, "seed": 11}  # epochs of 90 steps
+
+
+@pytest.fixture(scope="module")
+def pause_reference(engine: LocalEngine, tmp_path_factory: pytest.TempPathFactory) -> tuple[TrialResult, Path]:
+    """The pause tests' uninterrupted run (the replica format), the same for every format: run once per
+    module; its result and trial directory."""
+    d = tmp_path_factory.mktemp("pause-reference")
+    reference, _ = _run(engine, _request(d, "replica", **PAUSE_TRAIN))
+    return reference, d
+
+
 @pytest.mark.parametrize("fmt", ["rank0", "dcp", "safetensors"])
-def test_a_paused_trial_resumes_bitwise_in_every_format(engine: LocalEngine, tmp_path: Path, fmt: str) -> None:
+def test_a_paused_trial_resumes_bitwise_in_every_format(engine: LocalEngine, pause_reference: tuple[TrialResult, Path],
+                                                        tmp_path: Path, fmt: str) -> None:
     """As tests/train/test_checkpoint.py's pause test, for the other formats: small batches, so a pause a
     moment after epoch 1's report lands in the middle of epoch 2; the resume ends bitwise where the
     uninterrupted run (the replica format) ends."""
-    train = {"epochs": 3, "batch_size": 4, "lr": 1e-3, "seed": 11}
-    reference, _ = _run(engine, _request(tmp_path / "ref", "replica", **train))
+    reference, reference_dir = pause_reference
     assert reference.status == "complete", reference
-    req = _request(tmp_path / "paused", fmt, **train)
+    req = _request(tmp_path / "paused", fmt, **PAUSE_TRAIN)
     paused, _ = _run(engine, req, pause_after=1)
     assert paused.status == "cancelled" and "paused" in (paused.error or ""), paused
     resumed, _ = _run(engine, dataclasses.replace(req, attempt=1))
@@ -149,7 +161,7 @@ def test_a_paused_trial_resumes_bitwise_in_every_format(engine: LocalEngine, tmp
     for key in COMPARED:
         if key in reference.metrics:
             assert resumed.metrics[key] == reference.metrics[key], key
-    assert _weights(tmp_path / "paused") == _weights(tmp_path / "ref")
+    assert _weights(tmp_path / "paused") == _weights(reference_dir)
 
 
 # -- dcp: written by 2 ranks, resumed on 1 and on 4 ------------------------------------------------------

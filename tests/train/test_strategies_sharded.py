@@ -545,13 +545,19 @@ def pause_references() -> dict[str, TrialResult]:
     return {}
 
 
+# the pause tests' batch: 1,638 training windows of 32 characters, 819 a rank, so an epoch of 103 steps of
+# ~25 ms (more under load), and a pause 0.2 s after epoch 1's report lands inside epoch 2, tens of steps
+# before its end
+PAUSE_BATCH = 8
+
+
 def _pause_reference(engine: LocalEngine, references: dict[str, TrialResult],
                      tmp_path_factory: pytest.TempPathFactory, strategy: str) -> tuple[TrialResult, Path]:
-    """Two epochs of ``strategy`` at batch 4 without a pause, run once per module; the result and its
-    trial directory."""
+    """Two epochs of ``strategy`` at batch ``PAUSE_BATCH`` without a pause, run once per module; the result
+    and its trial directory."""
     trial_dir = tmp_path_factory.getbasetemp() / f"pause-ref-{strategy}"
     if strategy not in references:
-        references[strategy] = _run(engine, _request(trial_dir, strategy, batch=4, epochs=2, every=0))
+        references[strategy] = _run(engine, _request(trial_dir, strategy, batch=PAUSE_BATCH, epochs=2, every=0))
     return references[strategy], trial_dir
 
 
@@ -572,11 +578,10 @@ def test_the_pause_tests_uninterrupted_reference_completes(
 def test_a_paused_sharded_trial_stops_mid_epoch_and_resumes_bitwise(
         engine: LocalEngine, pause_references: dict[str, TrialResult], tmp_path_factory: pytest.TempPathFactory,
         tmp_path: Path, strategy: str) -> None:
-    # batch 4: an epoch of ~100 steps of ~25 ms (more under load), so a pause 0.2 s after epoch 1's report
-    # lands inside epoch 2, tens of steps before its end
+    # PAUSE_BATCH: an epoch of ~100 steps, so a pause 0.2 s after epoch 1's report lands inside epoch 2
     reference, reference_dir = _pause_reference(engine, pause_references, tmp_path_factory, strategy)
     assert reference.status == "complete", (reference.error, reference.stderr_tail)
-    req = _request(tmp_path / "paused", strategy, batch=4, epochs=2, every=0)
+    req = _request(tmp_path / "paused", strategy, batch=PAUSE_BATCH, epochs=2, every=0)
     engine.submit(req)
     paused = None
     deadline = time.monotonic() + 900  # a bound for a hang
