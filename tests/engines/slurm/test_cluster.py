@@ -178,15 +178,25 @@ def test_the_plain_torchrun_script_runs_as_a_2_node_command_trial_in_steps_mode(
     assert re.findall(r"^epoch=(\d) val_loss=", (trial_dir / "rank0.log").read_text(), re.M) == ["1", "2"]
 
 
-def _digits_spec(path: Path, n_trials: int, epochs: int, engine_options: dict[str, Any] | None = None,
-                 **resources: Any) -> Path:
-    data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    data["engine"] = "slurm"
+def _paced_spec(path: Path, n_trials: int, epochs: int, engine_options: dict[str, Any] | None = None,
+                **resources: Any) -> Path:
+    """A study of one 1-rank trial per slot (checkpoints every epoch, keep 2, async; as examples/digits.yaml was) with
+    ``trainfns:paced_epochs`` for its training: epochs of 0.7 s of sleep, each ended with an all-reduce,
+    a report, a checkpoint on every rank and ``should_stop()``. For the tests of where and when trials
+    stop and rerun (a node lost, a walltime warning, two drivers): they need epochs that last, with a
+    checkpoint and a resume, not the CPU of training a CNN (about 0.7 CPU-s an epoch here); the digits
+    example test runs the built-in trainer."""
+    data: dict[str, Any] = {
+        "study": {"name": "paced", "metric": "val_accuracy", "direction": "maximize"},
+        "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+        "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": n_trials, "seed": 42},
+        "training": {"function": "trainfns:paced_epochs", "epochs": epochs,
+                     "checkpoint": {"every": 1, "keep": 2, "async": True}},
+        "resources": {"processes": 1, "cpus_per_process": 1, **resources},
+        "engine": "slurm",
+    }
     if engine_options:
         data["engine_options"] = engine_options
-    data["search"].update(n_trials=n_trials, max_concurrent=n_trials)
-    data["training"].update(epochs=epochs, checkpoint={"every": 1, "keep": 2, "async": True})
-    data["resources"] = {**data.get("resources", {}), **resources}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -231,7 +241,7 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
     from hpoflow.run.ledger import ATTR_REPLACES, count_finished
 
     shared = slurm_cluster.shared_dir / "walltime"
-    spec, run_dir = _digits_spec(shared / "digits.yaml", n_trials=3, epochs=8), shared / "run"
+    spec, run_dir = _paced_spec(shared / "paced.yaml", n_trials=3, epochs=8), shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2", "--requeue")
     _wait_for("a trial's second epoch", lambda: max(_reported_epochs(run_dir).values(), default=0) >= 2)
     slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # what --signal=B:USR1@S does
@@ -273,7 +283,7 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     """Each trial a step (agents off), or the trials of node agents (on: the agents' step outlives the
     node, ``srun --no-kill``, and the agent on the node left runs the rerun)."""
     shared = slurm_cluster.shared_dir / f"nodefail-{agents}"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
+    spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
                         engine_options={"agents": agents})
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
@@ -358,7 +368,7 @@ def test_a_job_array_of_two_drivers_finishes_one_study_with_exactly_n_trials(slu
     from hpoflow.run.open import load_run
 
     shared = slurm_cluster.shared_dir / "array"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=6, epochs=2)
+    spec = _paced_spec(shared / "paced.yaml", n_trials=6, epochs=2)
     data = yaml.safe_load(spec.read_text())
     data["storage"] = str(shared / "study.journal")  # one study every driver reaches
     data["search"]["max_concurrent"] = 2
@@ -387,7 +397,7 @@ def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_wall
     after its start, so the 170-s warning is due at once: the driver's next look at squeue (every
     second here) pauses the trials, long before SLURM would kill them."""
     shared = slurm_cluster.shared_dir / "no-signal"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=100_000)  # runs until paused, on any machine
+    spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=100_000)  # runs until paused, on any machine
     run_dir = shared / "run"
     script = shared / "job.sh"
     script.write_text("#!/bin/bash\n"

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from tests.engines.slurm.test_cluster import _digits_spec, _wait_for
+from tests.engines.slurm.test_cluster import _paced_spec, _wait_for
 from tests.infra.slurm import SlurmCluster
 
 pytestmark = pytest.mark.slow
@@ -327,7 +327,7 @@ def test_a_2_node_trial_whose_node_goes_down_resumes_from_its_checkpoint_on_the_
     the rerun's two shares go to the agents of the two nodes left)."""
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / f"site-node-loss-3-{agents}"
-    spec = _digits_spec(shared / "s.yaml", 1, 8, engine_options={"agents": agents}, processes=2, nodes=2)
+    spec = _paced_spec(shared / "s.yaml", 1, 8, engine_options={"agents": agents}, processes=2, nodes=2)
     run_dir = shared / "run"
     proc, victim, out = _study_losing_a_node(cluster, ["-N3", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 0, out
@@ -349,7 +349,7 @@ def test_with_one_node_left_a_2_node_trial_stops_as_interrupted_keeps_its_retrie
         slurm_site_cluster: SlurmCluster) -> None:
     cluster = slurm_site_cluster
     shared = cluster.shared_dir / "site-node-loss-2"
-    spec = _digits_spec(shared / "s.yaml", 1, 8, engine_options={"agents": "off"}, processes=2, nodes=2)
+    spec = _paced_spec(shared / "s.yaml", 1, 8, engine_options={"agents": "off"}, processes=2, nodes=2)
     run_dir = shared / "run"
     proc, _victim, out = _study_losing_a_node(cluster, ["-N2", "-c2", "--mem=2000"], spec, run_dir, shared / "out.txt")
     assert proc.returncode == 1 and "Traceback" not in out, out
