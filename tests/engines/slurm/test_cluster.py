@@ -10,7 +10,6 @@ these run on may be loaded; they bound a hang, not a speed.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -325,32 +324,16 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
 
 
 def test_the_compss_engines_multi_node_trial_starts_its_node_launchers_with_srun_on_the_hosts_compss_names(
-        slurm_cluster: SlurmCluster) -> None:
-    """The compss engine's task body, as a COMPSs worker runs it on the executing node of a @multinode
-    task: COMPSS_HOSTNAMES lists the other node first and the executing node last, and the launchers go
-    out through srun (compss.launcher's default). COMPSs itself cannot run here; everything after it
-    placed the task does."""
-    from hpoflow.engines.compss.options import CompssOptions
-    from hpoflow.trial import TrialRequest
-
-    shared = slurm_cluster.shared_dir / "compss-multinode"
+        slurm_cluster: SlurmCluster, compss_task_on_distinct_slurm_hosts: tuple[dict[str, Any], Path]) -> None:
+    """The compss engine's task body (``run_task``), as a COMPSs worker runs it on the executing node of a
+    @multinode task: COMPSS_HOSTNAMES lists the other node first and the executing node last, and the
+    launchers go out through srun (compss.launcher's default). COMPSs itself cannot run here; everything
+    after it placed the task does. The job runs once per session (tests/engines/conftest.py);
+    test_compss_placement.py checks its placement."""
+    result, shared = compss_task_on_distinct_slurm_hosts
     trial_dir = shared / "trials" / "0"
-    trial_dir.mkdir(parents=True)
-    request = TrialRequest(0, {"lr": 0.05}, {"function": "trainfns:ddp_identical", "epochs": 1}, "loss", "minimize",
-                           str(trial_dir), processes=2, nodes=2, python_path=(str(ROOT / "tests"),), timeout=300)
-    (shared / "request.json").write_text(request.to_json())
-    (shared / "options.json").write_text(json.dumps(CompssOptions(launcher="srun").for_task()))
-    script = shared / "task.sh"
-    script.write_text("#!/bin/bash\n"
-                      'export COMPSS_HOSTNAMES="n2,$SLURMD_NODENAME"  # as COMPSs: the executing node last\n'
-                      "unset SLURM_JOB_NODELIST  # the hosts come from COMPSs here\n"
-                      f"exec python -m hpoflow.engines.cluster.attempt --request {shared}/request.json "
-                      f"--options {shared}/options.json\n")
-    r = slurm_cluster.run(["sbatch", "--parsable", "--wait", "-N2", "-w", "n1,n2", "--exclusive",
-                           f"--output={shared}/task.out", str(script)], env=_env(slurm_cluster),
-                          timeout=JOB_WAIT_S, check=False)
-    result = json.loads((trial_dir / "attempt-0" / "result.json").read_text())
-    assert r.returncode == 0 and result["status"] == "complete", (r.stderr, result, (shared / "task.out").read_text())
+    returncode, stderr, output = result["_job"]
+    assert returncode == 0 and result["status"] == "complete", (stderr, result, output)
     assert result["metrics"]["weight_spread"] == 0.0 and result["metrics"]["world"] == 2.0
     nodes = {int(m.group(1)): m.group(2) for p in trial_dir.glob("node*.log")
              if (m := re.search(r"node (\d+) on (\S+):", p.read_text()))}
