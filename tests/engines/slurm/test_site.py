@@ -3,7 +3,7 @@ consumable resource (CR_Core_Memory, no DefMemPerCPU), nodes have 2 cores x 2 th
 GPUs each (stand-in device files). Each study runs as a user at a GPU site runs one: ``hpoflow run``
 inside ``salloc`` with the flags such users pass, its trials job steps of that allocation.
 
-The trials train with ``trainfns:site_probe``: each rank writes what it saw (CUDA_VISIBLE_DEVICES, its
+The trials train with ``trainfns_light:site_probe``: each rank writes what it saw (CUDA_VISIBLE_DEVICES, its
 node, the interval it ran in) beside its rank log. Bounds on time bound a hang, not a speed.
 """
 
@@ -36,7 +36,7 @@ def _spec(path: Path, **extra: Any) -> Path:
         "study": {"name": "site", "metric": "ok", "direction": "maximize"},
         "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
         "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 2, "seed": 0},
-        "training": {"function": "trainfns:site_probe", "epochs": 1},
+        "training": {"function": "trainfns_light:site_probe", "epochs": 1},
         "resources": {"processes": 1},
         "engine": "slurm",
         # each trial a job step: these tests are about how SLURM places a step (its CPUs, GPUs, memory)
