@@ -179,12 +179,13 @@ def test_the_plain_torchrun_script_runs_as_a_2_node_command_trial_in_steps_mode(
 
 def _paced_spec(path: Path, n_trials: int, epochs: int, engine_options: dict[str, Any] | None = None,
                 **resources: Any) -> Path:
-    """A study of one 1-rank trial per slot (checkpoints every epoch, keep 2, async; as examples/digits.yaml was) with
-    ``trainfns:paced_epochs`` for its training: epochs of 0.7 s of sleep, each ended with an all-reduce,
-    a report, a checkpoint on every rank and ``should_stop()``. For the tests of where and when trials
-    stop and rerun (a node lost, a walltime warning, two drivers): they need epochs that last, with a
-    checkpoint and a resume, not the CPU of training a CNN (about 0.7 CPU-s an epoch here); the digits
-    example test runs the built-in trainer."""
+    """A study of ``n_trials`` trials at once, of one rank each unless ``resources`` say otherwise, that
+    train ``trainfns:paced_epochs``: epochs of 0.7 s of sleep, each ended as the built-in trainer ends
+    one (an all-reduce, a report, a checkpoint on every rank, ``should_stop()``), checkpoints kept 2 and
+    written in the background. For the tests of where and when trials stop, rerun and resume (a node or
+    an agent lost, a walltime warning, a job array of drivers): they need epochs that last and a
+    checkpoint to resume from, not the CPU of the digits CNN they trained before (about 0.7 CPU-s an
+    epoch here). The digits example test trains the built-in CNN."""
     data: dict[str, Any] = {
         "study": {"name": "paced", "metric": "val_accuracy", "direction": "maximize"},
         "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
@@ -283,7 +284,7 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     node, ``srun --no-kill``, and the agent on the node left runs the rerun)."""
     shared = slurm_cluster.shared_dir / f"nodefail-{agents}"
     spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
-                        engine_options={"agents": agents})
+                       engine_options={"agents": agents})
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
 
