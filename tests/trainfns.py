@@ -114,25 +114,6 @@ def share_probe(ctx: TrialContext) -> dict[str, float]:
     return {"ok": 1.0}
 
 
-def site_probe(ctx: TrialContext) -> dict[str, float]:
-    """Writes ``probe<rank>.json`` in the trial directory: the rank's CUDA_VISIBLE_DEVICES, node, gloo
-    interface and the wall-clock interval it trained in (``SITE_PROBE_S`` s of sleep between two
-    barriers, so the ranks of a trial overlap and trials side by side can be seen to)."""
-    import json
-
-    if ctx.distributed:
-        dist.barrier()
-    start = time.time()
-    time.sleep(float(os.environ.get("SITE_PROBE_S", "3")))
-    if ctx.distributed:
-        dist.barrier()
-    info = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(),
-            "node": os.environ.get("SLURMD_NODENAME"), "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
-            "step_gpus": os.environ.get("SLURM_STEP_GPUS"), "pid": os.getpid()}
-    (ctx.trial_dir / f"probe{ctx.rank}.json").write_text(json.dumps(info))
-    return {"ok": 1.0}
-
-
 def spawn_child_and_sleep(ctx: TrialContext) -> float:
     """Starts a grandchild process, then sleeps: cancel must kill both."""
     import subprocess
@@ -277,3 +258,29 @@ def tensor_result(ctx: TrialContext) -> Any:
     if kind != "bool_tensor":
         ctx.report(1, score=made)
     return {"score": made} if kind.startswith("dict_") else made
+
+
+def paced_epochs(ctx: TrialContext) -> dict[str, float]:
+    """Epochs of ``options.epoch_s`` s of sleep (default 0.7 s, about one epoch of the digits CNN on the
+    test machine), each ended as the built-in trainer ends one: an all-reduce across the ranks (a rank
+    whose peer is gone fails there), rank 0's report of ``val_accuracy``, a checkpoint on every rank
+    (``training.checkpoint``: keep, async), then ``should_stop()`` (a pause returns with that checkpoint).
+    Resumes from the newest checkpoint valid on every rank and returns ``resumed_from_epoch`` as the
+    built-in trainer does. For the tests of where and when trials run, stop and rerun (node loss,
+    walltime, job arrays), which need epochs that take time, not CPU."""
+    state = ctx.load_checkpoint()
+    start = int(state["epoch"]) if state is not None else 0
+    epoch_s = float(ctx.options.get("epoch_s", 0.7))
+    accuracy = 0.0
+    for epoch in range(start + 1, ctx.config.epochs + 1):
+        time.sleep(epoch_s)
+        done = torch.tensor([float(epoch)])
+        if ctx.distributed:
+            dist.all_reduce(done)
+        accuracy = 1.0 - 1.0 / (epoch + 1.0)
+        ctx.report(epoch, val_accuracy=accuracy, ranks_epochs=float(done.item()))
+        ctx.save_checkpoint({"epoch": epoch}, step=epoch)
+        if ctx.should_stop():
+            break
+    ctx.flush_checkpoints()
+    return {"val_accuracy": accuracy, "resumed_from_epoch": float(ctx.resumed_step or 0)}

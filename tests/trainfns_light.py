@@ -153,3 +153,27 @@ def energy_nap(ctx: Any) -> dict[str, float]:
     x = float(ctx.params["x"])
     time.sleep(0.1 + 0.6 * x)
     return {"value": 1.0 - x}
+
+
+def site_probe(ctx: Any) -> dict[str, float]:
+    """Writes ``probe<rank>.json`` in the trial directory: the rank's CUDA_VISIBLE_DEVICES, node, gloo
+    interface and the wall-clock interval it trained in (``SITE_PROBE_S`` s of sleep between two
+    barriers, so the ranks of a trial overlap and trials side by side can be seen to). A 1-rank trial
+    without a GPU never imports torch (1.5 CPU-s in each fresh rank process of a job step)."""
+    import json
+    import os
+    import time
+
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+    start = time.time()
+    time.sleep(float(os.environ.get("SITE_PROBE_S", "3")))
+    if ctx.distributed:
+        dist.barrier()
+    info = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(),
+            "node": os.environ.get("SLURMD_NODENAME"), "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "step_gpus": os.environ.get("SLURM_STEP_GPUS"), "pid": os.getpid()}
+    (ctx.trial_dir / f"probe{ctx.rank}.json").write_text(json.dumps(info))
+    return {"ok": 1.0}

@@ -1,4 +1,5 @@
-"""Fixtures of the compss engine tests (fake launchers on PATH, network namespaces)."""
+"""Fixtures of the compss engine tests (fake launchers on PATH, network namespaces, the task body on the
+namespace SLURM cluster)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.engines._compss_slurm import task_job
 from tests.engines._fakes import (
     ARGV_PRINTER,
     FAKE_ENQUEUE_COMPSS,
@@ -19,6 +22,19 @@ from tests.engines._fakes import (
     write_script,
     write_shell,
 )
+from tests.infra.slurm import SlurmCluster
+
+
+@pytest.fixture(scope="session")
+def compss_task_on_distinct_slurm_hosts(slurm_session_cluster: SlurmCluster) -> tuple[dict[str, Any], Path]:
+    """The compss task body of a 2-node ``trainfns:ddp_identical`` trial run once per session in a
+    2-node batch job (``tests.engines._compss_slurm.task_job``), ``COMPSS_HOSTNAMES`` as COMPSs sets it:
+    the other node first, the executing node last. The attempt's result and the job's directory (the
+    trial in ``trials/0``), for the tests that check what that one job did (test_compss_placement.py,
+    slurm/test_cluster.py): one batch job of two torch ranks instead of one per test."""
+    slurm_session_cluster.ensure_healthy()
+    shared = slurm_session_cluster.shared_dir / "compss-task-distinct-hosts"
+    return task_job(slurm_session_cluster, shared, "n2,$SLURMD_NODENAME"), shared
 
 
 @pytest.fixture

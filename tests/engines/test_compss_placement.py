@@ -28,6 +28,7 @@ from hpoflow.engines.compss.placement import INFRASTRUCTURE, REPEATED_HOST, plac
 from hpoflow.errors import EngineError
 from hpoflow.fileio import write_json_atomic
 from hpoflow.train.transport import TrialFiles
+from tests.engines._compss_slurm import task_job
 from tests.engines._fakes import ROOT, make_request
 from tests.engines.test_compss_engine import FakeApi
 
@@ -160,38 +161,10 @@ def test_the_driver_counts_no_retry_for_a_placement_given_back(runtime: tuple[Co
 
 # --- on the namespace SLURM cluster (tests/infra/slurm.py) ----------------------------------------
 
-def _task_job(cluster: Any, shared: Path, hostnames: str) -> dict[str, Any]:
-    """The compss task body (``run_task``, what every task variant calls) in a 2-node batch job, as a
-    COMPSs worker runs it on the executing node: ``COMPSS_HOSTNAMES`` as given (``$SLURMD_NODENAME`` is
-    this node), node launchers through srun (compss.launcher's default). Returns the attempt's result."""
-    from hpoflow.trial import TrialRequest
-
-    trial_dir = shared / "trials" / "0"
-    trial_dir.mkdir(parents=True)
-    request = TrialRequest(0, {"lr": 0.05}, {"function": "trainfns:ddp_identical", "epochs": 1}, "loss", "minimize",
-                           str(trial_dir), processes=2, nodes=2, python_path=(str(ROOT / "tests"),), timeout=300)
-    (shared / "request.json").write_text(request.to_json())
-    (shared / "options.json").write_text(json.dumps(Opts(launcher="srun").for_task()))
-    script = shared / "task.sh"
-    script.write_text(
-        "#!/bin/bash\n"
-        f'export COMPSS_HOSTNAMES="{hostnames}"\n'
-        "unset SLURM_JOB_NODELIST  # the hosts come from COMPSs here\n"
-        f"exec python -c 'import pathlib, sys; from hpoflow.engines.compss.placement import run_task; "
-        f"r = run_task(pathlib.Path(\"{shared}/request.json\").read_text(), "
-        f"pathlib.Path(\"{shared}/options.json\").read_text()); print(r[\"status\"])'\n")
-    r = cluster.run(["sbatch", "--parsable", "--wait", "-N2", "-w", "n1,n2", "--exclusive",
-                     f"--output={shared}/task.out", str(script)],
-                    env={**cluster.env, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}, timeout=600, check=False)
-    result: dict[str, Any] = json.loads((trial_dir / "attempt-0" / "result.json").read_text())
-    result["_job"] = (r.returncode, r.stderr, (shared / "task.out").read_text())
-    return result
-
-
 @pytest.mark.slow
 def test_on_slurm_a_task_placed_twice_on_one_host_starts_no_srun_step(slurm_cluster: Any) -> None:
     shared = slurm_cluster.shared_dir / "compss-placement-repeated"
-    result = _task_job(slurm_cluster, shared, "$SLURMD_NODENAME,$SLURMD_NODENAME")
+    result = task_job(slurm_cluster, shared, "$SLURMD_NODENAME,$SLURMD_NODENAME")
     assert result[INFRASTRUCTURE] == REPEATED_HOST and result["retryable"] is True, result
     assert "names n1 more than once" in result["error"]
     trial_dir = shared / "trials" / "0"
@@ -199,9 +172,9 @@ def test_on_slurm_a_task_placed_twice_on_one_host_starts_no_srun_step(slurm_clus
 
 
 @pytest.mark.slow
-def test_on_slurm_the_task_body_starts_its_node_launchers_with_srun_on_distinct_hosts(slurm_cluster: Any) -> None:
-    shared = slurm_cluster.shared_dir / "compss-placement-distinct"
-    result = _task_job(slurm_cluster, shared, "n2,$SLURMD_NODENAME")  # as COMPSs: the executing node last
+def test_on_slurm_the_task_body_starts_its_node_launchers_with_srun_on_distinct_hosts(
+        slurm_cluster: Any, compss_task_on_distinct_slurm_hosts: tuple[dict[str, Any], Path]) -> None:
+    result, shared = compss_task_on_distinct_slurm_hosts  # the job test_cluster.py's compss test checks too
     assert result["status"] == "complete" and INFRASTRUCTURE not in result, result
     assert result["metrics"]["world"] == 2.0 and result["metrics"]["weight_spread"] == 0.0
     logs = {p.name: p.read_text() for p in (shared / "trials" / "0").glob("node*.log")}

@@ -15,7 +15,7 @@ import pytest
 from hpoflow.engines.agent.protocol import AuthError, connect, new_secret
 from tests.engines.slurm.test_cluster import (
     _checkpointed_epochs,
-    _digits_spec,
+    _paced_spec,
     _rank_hosts,
     _reported_epochs,
     _spec,
@@ -81,8 +81,8 @@ def test_agents_run_2_node_ddp_trials_in_one_step_per_node_whose_ranks_meet_acro
 def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
         slurm_cluster: SlurmCluster) -> None:
     shared = slurm_cluster.shared_dir / "agents-kill"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=12, engine_options=AGENTS, processes=2,
-                        nodes=1)  # a node each
+    spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=12, engine_options=AGENTS, processes=2,
+                       nodes=1)  # a node each
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
 

@@ -10,7 +10,6 @@ these run on may be loaded; they bound a hang, not a speed.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -178,15 +177,26 @@ def test_the_plain_torchrun_script_runs_as_a_2_node_command_trial_in_steps_mode(
     assert re.findall(r"^epoch=(\d) val_loss=", (trial_dir / "rank0.log").read_text(), re.M) == ["1", "2"]
 
 
-def _digits_spec(path: Path, n_trials: int, epochs: int, engine_options: dict[str, Any] | None = None,
-                 **resources: Any) -> Path:
-    data = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    data["engine"] = "slurm"
+def _paced_spec(path: Path, n_trials: int, epochs: int, engine_options: dict[str, Any] | None = None,
+                **resources: Any) -> Path:
+    """A study of ``n_trials`` trials at once, of one rank each unless ``resources`` say otherwise, that
+    train ``trainfns:paced_epochs``: epochs of 0.7 s of sleep, each ended as the built-in trainer ends
+    one (an all-reduce, a report, a checkpoint on every rank, ``should_stop()``), checkpoints kept 2 and
+    written in the background. For the tests of where and when trials stop, rerun and resume (a node or
+    an agent lost, a walltime warning, a job array of drivers): they need epochs that last and a
+    checkpoint to resume from, not the CPU of the digits CNN they trained before (about 0.7 CPU-s an
+    epoch here). The digits example test trains the built-in CNN."""
+    data: dict[str, Any] = {
+        "study": {"name": "paced", "metric": "val_accuracy", "direction": "maximize"},
+        "space": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+        "search": {"algorithm": "random", "n_trials": n_trials, "max_concurrent": n_trials, "seed": 42},
+        "training": {"function": "trainfns:paced_epochs", "epochs": epochs,
+                     "checkpoint": {"every": 1, "keep": 2, "async": True}},
+        "resources": {"processes": 1, "cpus_per_process": 1, **resources},
+        "engine": "slurm",
+    }
     if engine_options:
         data["engine_options"] = engine_options
-    data["search"].update(n_trials=n_trials, max_concurrent=n_trials)
-    data["training"].update(epochs=epochs, checkpoint={"every": 1, "keep": 2, "async": True})
-    data["resources"] = {**data.get("resources", {}), **resources}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -231,7 +241,7 @@ def test_a_walltime_warning_pauses_the_trials_with_a_checkpoint_and_the_requeued
     from hpoflow.run.ledger import ATTR_REPLACES, count_finished
 
     shared = slurm_cluster.shared_dir / "walltime"
-    spec, run_dir = _digits_spec(shared / "digits.yaml", n_trials=3, epochs=8), shared / "run"
+    spec, run_dir = _paced_spec(shared / "paced.yaml", n_trials=3, epochs=8), shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2", "--requeue")
     _wait_for("a trial's second epoch", lambda: max(_reported_epochs(run_dir).values(), default=0) >= 2)
     slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # what --signal=B:USR1@S does
@@ -273,8 +283,8 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     """Each trial a step (agents off), or the trials of node agents (on: the agents' step outlives the
     node, ``srun --no-kill``, and the agent on the node left runs the rerun)."""
     shared = slurm_cluster.shared_dir / f"nodefail-{agents}"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
-                        engine_options={"agents": agents})
+    spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
+                       engine_options={"agents": agents})
     run_dir = shared / "run"
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
 
@@ -315,32 +325,16 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
 
 
 def test_the_compss_engines_multi_node_trial_starts_its_node_launchers_with_srun_on_the_hosts_compss_names(
-        slurm_cluster: SlurmCluster) -> None:
-    """The compss engine's task body, as a COMPSs worker runs it on the executing node of a @multinode
-    task: COMPSS_HOSTNAMES lists the other node first and the executing node last, and the launchers go
-    out through srun (compss.launcher's default). COMPSs itself cannot run here; everything after it
-    placed the task does."""
-    from hpoflow.engines.compss.options import CompssOptions
-    from hpoflow.trial import TrialRequest
-
-    shared = slurm_cluster.shared_dir / "compss-multinode"
+        slurm_cluster: SlurmCluster, compss_task_on_distinct_slurm_hosts: tuple[dict[str, Any], Path]) -> None:
+    """The compss engine's task body (``run_task``), as a COMPSs worker runs it on the executing node of a
+    @multinode task: COMPSS_HOSTNAMES lists the other node first and the executing node last, and the
+    launchers go out through srun (compss.launcher's default). COMPSs itself cannot run here; everything
+    after it placed the task does. The job runs once per session (tests/engines/conftest.py);
+    test_compss_placement.py checks its placement."""
+    result, shared = compss_task_on_distinct_slurm_hosts
     trial_dir = shared / "trials" / "0"
-    trial_dir.mkdir(parents=True)
-    request = TrialRequest(0, {"lr": 0.05}, {"function": "trainfns:ddp_identical", "epochs": 1}, "loss", "minimize",
-                           str(trial_dir), processes=2, nodes=2, python_path=(str(ROOT / "tests"),), timeout=300)
-    (shared / "request.json").write_text(request.to_json())
-    (shared / "options.json").write_text(json.dumps(CompssOptions(launcher="srun").for_task()))
-    script = shared / "task.sh"
-    script.write_text("#!/bin/bash\n"
-                      'export COMPSS_HOSTNAMES="n2,$SLURMD_NODENAME"  # as COMPSs: the executing node last\n'
-                      "unset SLURM_JOB_NODELIST  # the hosts come from COMPSs here\n"
-                      f"exec python -m hpoflow.engines.cluster.attempt --request {shared}/request.json "
-                      f"--options {shared}/options.json\n")
-    r = slurm_cluster.run(["sbatch", "--parsable", "--wait", "-N2", "-w", "n1,n2", "--exclusive",
-                           f"--output={shared}/task.out", str(script)], env=_env(slurm_cluster),
-                          timeout=JOB_WAIT_S, check=False)
-    result = json.loads((trial_dir / "attempt-0" / "result.json").read_text())
-    assert r.returncode == 0 and result["status"] == "complete", (r.stderr, result, (shared / "task.out").read_text())
+    returncode, stderr, output = result["_job"]
+    assert returncode == 0 and result["status"] == "complete", (stderr, result, output)
     assert result["metrics"]["weight_spread"] == 0.0 and result["metrics"]["world"] == 2.0
     nodes = {int(m.group(1)): m.group(2) for p in trial_dir.glob("node*.log")
              if (m := re.search(r"node (\d+) on (\S+):", p.read_text()))}
@@ -358,7 +352,7 @@ def test_a_job_array_of_two_drivers_finishes_one_study_with_exactly_n_trials(slu
     from hpoflow.run.open import load_run
 
     shared = slurm_cluster.shared_dir / "array"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=6, epochs=2)
+    spec = _paced_spec(shared / "paced.yaml", n_trials=6, epochs=2)
     data = yaml.safe_load(spec.read_text())
     data["storage"] = str(shared / "study.journal")  # one study every driver reaches
     data["search"]["max_concurrent"] = 2
@@ -387,7 +381,7 @@ def test_a_batch_script_without_a_signal_still_pauses_its_trials_before_the_wall
     after its start, so the 170-s warning is due at once: the driver's next look at squeue (every
     second here) pauses the trials, long before SLURM would kill them."""
     shared = slurm_cluster.shared_dir / "no-signal"
-    spec = _digits_spec(shared / "digits.yaml", n_trials=2, epochs=100_000)  # runs until paused, on any machine
+    spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=100_000)  # runs until paused, on any machine
     run_dir = shared / "run"
     script = shared / "job.sh"
     script.write_text("#!/bin/bash\n"
