@@ -175,7 +175,9 @@ def test_a_trial_interrupted_by_a_driver_kill_resumes_from_its_checkpoint(tmp_pa
         "study": {"name": "ckpt", "metric": "val_accuracy", "direction": "maximize"},
         "space": {"lr": {"type": "categorical", "choices": [0.003]}},
         "search": {"algorithm": "grid", "n_trials": 1},
-        "training": {"model": "mlp", "epochs": 40, "batch_size": 32, "lr": "${lr}",
+        # 16 epochs: the kill comes once two checkpoints are written, with 14 epochs to go, many times
+        # the 50 ms poll even on a loaded machine; the resume then trains what is left (it was 40)
+        "training": {"model": "mlp", "epochs": 16, "batch_size": 32, "lr": "${lr}",
                      "checkpoint": {"every": 1, "keep": 2}},
     }
     proc, run_dir, args = start_run(tmp_path, data)
