@@ -6,7 +6,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hpoflow.train import TrialContext
+
+# the engine contract's trial: torch-free, it lives with the light functions
+if TYPE_CHECKING or __package__:  # imported as tests.trainfns
+    from tests.trainfns_light import behave_params
+else:  # as trainfns, with the tests directory on the path
+    from trainfns_light import behave_params
 
 CALLS = 0  # module global: must start at 0 in every trial (no state leaks between trials)
 
@@ -183,23 +189,9 @@ def slow_reports(ctx: TrialContext) -> dict[str, float]:
 
 
 def behave(ctx: TrialContext) -> dict[str, float]:
-    """What the engine contract suite asks of a trial, from its params: ``mode`` ok | raise | crash |
-    sleep, ``value``, ``sleep`` seconds, ``reports`` intermediate reports before the end; returns
-    ``value`` and the rank's OMP_NUM_THREADS (placement)."""
+    """``trainfns_light.behave`` (the engine contract's trial) on a worker that has torch: defined here,
+    not imported, so that a spec's check of ``trainfns:behave`` finds it in this module's source."""
     return behave_params(ctx.params, ctx.report, ctx.rank)
-
-
-def behave_params(params: dict[str, Any], report: Any, rank: int = 0) -> dict[str, float]:
-    for step in range(int(params.get("reports", 0))):
-        report(step, value=float(step))
-    if params.get("sleep"):
-        time.sleep(float(params["sleep"]))
-    mode = params.get("mode", "ok")
-    if mode == "raise":
-        raise ValueError("boom from user code")
-    if mode == "crash" and rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return {"value": float(params.get("value", 1.0)), "threads": float(os.environ.get("OMP_NUM_THREADS", "0"))}
 
 
 def hold_group(ctx: TrialContext) -> float:

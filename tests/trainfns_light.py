@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+import time
 from typing import Any
 
 
@@ -177,3 +180,23 @@ def site_probe(ctx: Any) -> dict[str, float]:
             "step_gpus": os.environ.get("SLURM_STEP_GPUS"), "pid": os.getpid()}
     (ctx.trial_dir / f"probe{ctx.rank}.json").write_text(json.dumps(info))
     return {"ok": 1.0}
+
+
+def behave(ctx: Any) -> dict[str, float]:
+    """What the engine contract suite asks of a trial, from its params: ``mode`` ok | raise | crash |
+    sleep, ``value``, ``sleep`` seconds, ``reports`` intermediate reports before the end; returns
+    ``value`` and the rank's OMP_NUM_THREADS (placement)."""
+    return behave_params(ctx.params, ctx.report, ctx.rank)
+
+
+def behave_params(params: dict[str, Any], report: Any, rank: int = 0) -> dict[str, float]:
+    for step in range(int(params.get("reports", 0))):
+        report(step, value=float(step))
+    if params.get("sleep"):
+        time.sleep(float(params["sleep"]))
+    mode = params.get("mode", "ok")
+    if mode == "raise":
+        raise ValueError("boom from user code")
+    if mode == "crash" and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"value": float(params.get("value", 1.0)), "threads": float(os.environ.get("OMP_NUM_THREADS", "0"))}

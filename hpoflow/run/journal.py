@@ -29,17 +29,30 @@ another file's records from this one's offsets (Optuna's replay then fails with 
 or appending to a new file: nothing is written to what the path names now. A writer (``recover=True``)
 keeps the file it opened open, so a deleted journal's records are still there: ``JournalGone`` copies
 them to ``<journal>.recovered`` (a free name beside it) and says where; moving that back resumes.
+
+The lock (``journal_lock``) is Optuna's lock file, which a process killed while appending left behind,
+so that every other process waited Optuna's 30 s grace period for it. ``JournalLock`` creates the file
+already holding an ``flock`` on it and naming its kernel (host and boot): the kernel drops the flock
+when its holder dies, so a waiter on the same kernel that can take the flock of such a file removes it
+at once, and waits for a live holder as long as it holds the lock. A lock file of another kernel (a
+journal on a shared file system), or an empty one (Optuna's own, from another program), keeps Optuna's
+grace period.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import functools
 import json
 import logging
 import os
 import shlex
+import socket
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Generator
 from pathlib import Path
@@ -70,9 +83,123 @@ class JournalGone(StorageUnavailable):
     cleanly, as for a storage that stopped answering (exit code 1)."""
 
 
-def journal_lock(path: Path) -> JournalFileOpenLock:
-    """The lock Optuna's appends to ``path`` take (``path.lock``, created with ``O_EXCL``)."""
-    return JournalFileOpenLock(str(path))
+def journal_lock(path: Path) -> JournalLock:
+    """The lock the appends to ``path`` take (``path.lock``; ``JournalLock``)."""
+    return JournalLock(str(path))
+
+
+@functools.cache
+def _kernel() -> bytes:
+    """This kernel, as far as its flocks go: host and boot."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    return f"hpoflow-flock {socket.gethostname()} {boot}\n".encode()
+
+
+class JournalLock(JournalFileOpenLock):
+    """Optuna's lock file (created whole, or not at all), whose holder also holds an ``flock`` on it,
+    so that a holder that died is known at once (module docstring). Where hard links or flocks fail
+    (some file systems), Optuna's lock as it is."""
+
+    def __init__(self, filepath: str) -> None:
+        super().__init__(filepath)
+        self._held: int | None = None  # the holder's descriptor of the lock file, with its flock
+        self._plain = False
+
+    def acquire(self) -> bool:
+        if self._plain:
+            return super().acquire()
+        sleep_s = 0.001
+        waited_on: tuple[int, float] | None = None  # the live holder's lock file (inode) and since when
+        while True:
+            try:
+                if self._create():
+                    return True
+            except OSError as exc:  # no hard links or no flocks here
+                log.debug("journal lock %s without flock: %s", self._lock_file, exc)
+                self._plain = True
+                return super().acquire()
+            holder, inode = self._holder()
+            if holder == "other":  # a lock file this kernel cannot judge: Optuna's wait (its grace period)
+                return super().acquire()
+            if holder == "alive":
+                if waited_on is None or waited_on[0] != inode:
+                    waited_on = (inode, time.monotonic())
+                elif self.grace_period is not None and time.monotonic() - waited_on[1] > self.grace_period:
+                    # held that long by a live process (a descendant that inherited its descriptor, a
+                    # stuck file system): removed, as Optuna removes any lock file after its grace period
+                    log.warning("the journal lock %s was held for over %s s; removed", self._lock_file,
+                                self.grace_period)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._lock_file)
+                    waited_on = None
+                    continue
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * 2, 0.1)
+            # "gone": removed here or meanwhile; try again at once
+
+    def _create(self) -> bool:
+        """Make the lock file, flocked and naming this kernel, under a private name, and link it to the
+        lock's name (atomic: the file appears whole, already flocked). False: the lock is held."""
+        tmp = f"{self._lock_file}.{uuid.uuid4().hex}.new"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, _kernel())
+            os.link(tmp, self._lock_file)
+        except FileExistsError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        self._held = fd
+        return True
+
+    def _holder(self) -> tuple[str, int]:
+        """The lock file's holder and the file's inode: "alive" (this kernel's file, flocked), "other"
+        (another kernel's file, or Optuna's own, empty), or "gone": the file was removed meanwhile, or
+        here because its holder died (this kernel's file whose flock is free)."""
+        try:
+            fd = os.open(self._lock_file, os.O_RDONLY)
+        except FileNotFoundError:
+            return "gone", 0
+        try:
+            st = os.fstat(fd)
+            mark = _kernel()
+            if os.pread(fd, len(mark) + 1, 0) != mark:
+                return "other", st.st_ino
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                return ("alive" if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else "other"), st.st_ino
+            # The flock is free: its holder died, or released (unlinked) it since this open. Only
+            # the file this descriptor names is removed, and no other process can remove it while
+            # this one holds its flock.
+            try:
+                now = os.stat(self._lock_file)
+            except FileNotFoundError:
+                return "gone", 0
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                log.warning("the journal lock %s was left by a process that died; removed", self._lock_file)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._lock_file)
+            return "gone", 0
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        try:
+            super().release()  # (the file goes first, then its flock: a waiter never sees it free and there)
+        finally:
+            if self._held is not None:
+                os.close(self._held)
+                self._held = None
 
 
 def _is_record(line: bytes) -> bool:

@@ -31,12 +31,17 @@ from tests.infra.fixtures import USES_SLURM_CLUSTER
 
 ENGINES = ["threads", "local", "compss", pytest.param("slurm", marks=[pytest.mark.slow, USES_SLURM_CLUSTER])]
 PYPATH = (str(ROOT / "tests"),)
+# The trial of every test (the engine fixture sets it): trainfns_light:behave is torch-free, so the
+# compss and slurm engines' rank processes start without importing torch (~2 CPU-s each); the local
+# engine runs its torch-importing twin, trainfns:behave (the same function), on warm workers, forked
+# from the preloaded forkserver (a torch-free one could go to a light worker, whichever is idle first).
+TRIAL_FUNCTION = "trainfns_light:behave"
 if PYPATH[0] not in sys.path:  # the threads engine imports trainfns in this process
     sys.path.insert(0, PYPATH[0])
 
 
 def _thread_objective(params: dict[str, Any], reporter: Reporter) -> Any:
-    from tests.trainfns import behave_params
+    from tests.trainfns_light import behave_params
 
     return behave_params(params, lambda step, **m: reporter.report(step, **m))
 
@@ -49,6 +54,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.M
         eng = ThreadEngine(_thread_objective, slots=2)
     elif name == "local":
         eng = LocalEngine()
+        monkeypatch.setitem(globals(), "TRIAL_FUNCTION", "trainfns:behave")
     elif name == "slurm":
         from hpoflow.engines.slurm.engine import SlurmEngine
         from hpoflow.engines.slurm.options import SlurmOptions
@@ -70,7 +76,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.M
 def req(tmp_path: Path, number: int, metric: str = "value", **params: Any) -> TrialRequest:
     shape = {k: params.pop(k) for k in ("processes", "cpus_per_process", "gpus_per_process", "timeout",
                                          "attempt", "pruning") if k in params}
-    train = TrainConfig(function="trainfns:behave", epochs=1).model_dump(mode="json")
+    train = TrainConfig(function=TRIAL_FUNCTION, epochs=1).model_dump(mode="json")
     return TrialRequest(number, params, train, metric, "maximize", str(tmp_path / "trials" / str(number)),
                         python_path=PYPATH, **shape)
 

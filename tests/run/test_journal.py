@@ -280,3 +280,49 @@ def test_a_journal_deleted_or_replaced_mid_run_stops_it_cleanly_with_its_records
     r = _hpoflow(tmp_path, "run", "spec.yaml", "--run-dir", "run", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["n_complete"] == n
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from hpoflow.run.journal import journal_lock
+lock = journal_lock(Path(sys.argv[1]))
+lock.acquire()
+Path(sys.argv[2]).touch()
+time.sleep(600)
+"""
+
+
+def test_a_journal_lock_left_by_a_killed_process_is_taken_at_once_and_a_live_ones_is_waited_for(
+        tmp_path: Path) -> None:
+    """A driver killed while it appended left ``study.journal.lock``, and every resume waited Optuna's
+    30 s grace period for it (three times in the five-moments driver-kill test). Now the lock of a dead
+    holder is taken at once; a live holder's is still exclusive."""
+    from hpoflow.run.journal import journal_lock
+
+    journal = tmp_path / "study.journal"
+    journal.touch()
+    held = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(journal), str(held)], env=ENV)
+    try:
+        deadline = time.monotonic() + 60  # a bound for a hang only (an interpreter's start at load)
+        while not held.exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder never took the lock"
+            time.sleep(0.01)
+        lock = journal_lock(journal)
+        assert lock._holder()[0] == "alive"  # a live holder's lock is not taken
+        assert Path(f"{journal}.lock").exists()
+        holder.kill()
+        holder.wait(timeout=30)
+        t0 = time.monotonic()
+        assert lock.acquire()
+        took = time.monotonic() - t0
+        assert took < 10, f"waited {took:.1f} s for a dead holder's lock (Optuna's grace period is 30 s)"
+        assert journal_lock(journal)._holder()[0] == "alive"  # now this process holds it
+        lock.release()
+        assert not Path(f"{journal}.lock").exists()
+        assert lock.acquire()  # and it is free again
+        lock.release()
+    finally:
+        holder.kill()
+        holder.wait()
