@@ -15,11 +15,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpoflow.train import TrialContext
 
-# the engine contract's trial: torch-free, it lives with the light functions
+# torch-free trials live with the light functions (a 1-rank trial of them starts no torch); the
+# names stay here too, for the specs and requests that say trainfns:fail or trainfns:sleepy
 if TYPE_CHECKING or __package__:  # imported as tests.trainfns
     from tests.trainfns_light import behave_params
+    from tests.trainfns_light import fail as fail
+    from tests.trainfns_light import sleepy as sleepy
 else:  # as trainfns, with the tests directory on the path
     from trainfns_light import behave_params
+    from trainfns_light import fail as fail
+    from trainfns_light import sleepy as sleepy
 
 CALLS = 0  # module global: must start at 0 in every trial (no state leaks between trials)
 
@@ -52,11 +57,6 @@ def ddp_identical(ctx: TrialContext) -> dict[str, float]:
             "world": float(ctx.world_size)}
 
 
-def fail(ctx: TrialContext) -> float:
-    print("about to fail", flush=True)
-    raise ValueError("boom from user code")
-
-
 def crash_rank1(ctx: TrialContext) -> float:
     """Rank 1 dies by SIGKILL mid-collective; rank 0 must not hang."""
     if ctx.rank == 1:
@@ -74,11 +74,6 @@ def hog_memory(ctx: TrialContext) -> float:
     block[::4096] = b"\x01" * len(range(0, size, 4096))  # write each page: calloc'd pages are not yet held
     time.sleep(float(ctx.options["hold_s"]))
     return float(len(block) > 0)
-
-
-def sleepy(ctx: TrialContext) -> float:
-    time.sleep(float(ctx.options.get("seconds", 30)))
-    return 1.0
 
 
 def counter(ctx: TrialContext) -> dict[str, float]:

@@ -27,6 +27,16 @@ def sim_cost(params: dict[str, Any], number: int) -> dict[str, Any]:
             "curve": [(1.0 - x) * k / 4 for k in range(1, 5)]}
 
 
+def fail(ctx: Any) -> float:
+    print("about to fail", flush=True)
+    raise ValueError("boom from user code")
+
+
+def sleepy(ctx: Any) -> float:
+    time.sleep(float(ctx.options.get("seconds", 30)))
+    return 1.0
+
+
 def costly(ctx: Any) -> dict[str, float]:
     """Reports a learning curve and returns cost measurements like the built-in trainer's."""
     import time

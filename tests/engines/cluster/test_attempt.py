@@ -43,9 +43,9 @@ def _gone(pids: list[int], limit: float = 10.0) -> bool:
 
 
 def test_exception_killed_rank_and_timeout_become_failed_results(tmp_path: Path) -> None:
-    boom = make_request(tmp_path / "0", 0, "trainfns:fail", processes=1, timeout=120)
+    boom = make_request(tmp_path / "0", 0, "trainfns_light:fail", processes=1, timeout=120)
     crash = make_request(tmp_path / "1", 1, "trainfns:crash_rank1", processes=2, timeout=120)
-    slow = make_request(tmp_path / "2", 2, "trainfns:sleepy", processes=1, timeout=4, options={"seconds": 60})
+    slow = make_request(tmp_path / "2", 2, "trainfns_light:sleepy", processes=1, timeout=4, options={"seconds": 60})
     t0 = time.monotonic()
     with ThreadPoolExecutor(3) as pool:  # independent trials, run at once to keep the suite short
         futures = [pool.submit(run_trial, r.to_json(), "{}") for r in (boom, crash, slow)]
@@ -113,7 +113,7 @@ def test_bad_arguments_never_raise() -> None:
 
 
 def test_heartbeat_is_written_while_the_task_runs(tmp_path: Path) -> None:
-    req = make_request(tmp_path / "0", 0, "trainfns:sleepy", processes=1, options={"seconds": 60})
+    req = make_request(tmp_path / "0", 0, "trainfns_light:sleepy", processes=1, options={"seconds": 60})
     files = TrialFiles(Path(req.trial_dir), 0)
     th = threading.Thread(target=run_trial, args=(req.to_json(), "{}"))
     th.start()
