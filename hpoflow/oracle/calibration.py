@@ -1,7 +1,7 @@
 """Calibrate the oracle on this machine: measure the quantities the model uses, write a spec.
 
-``processes`` worker processes (torch.multiprocessing spawn, one thread each, so one process is
-one "device") form a real gloo group on 127.0.0.1. Rank 0 measures alone, then all ranks
+``processes`` worker processes (forked from the local engine's forkserver, one thread each, so one
+process is one "device") form a real gloo group on 127.0.0.1. Rank 0 measures alone, then all ranks
 together:
 
 * sustained FLOP/s of a square fp32 matmul (the device's peak) and of a linear-layer and a
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
-from torch.multiprocessing import ProcessRaisedException, spawn  # type: ignore[attr-defined]
+from torch.multiprocessing import ProcessRaisedException, start_processes  # type: ignore[attr-defined]
 from torch.utils.flop_counter import FlopCounterMode
 
 from hpoflow.fileio import write_atomic
@@ -430,6 +430,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str, scale: float) -> Non
         destroy()  # collects the probes' DDP reducers, then the ranks leave together
 
 
+def _start_ranks(processes: int, port: int, out_dir: str, scale: float) -> None:
+    """Run ``_worker`` in ``processes`` ranks and wait for them all (an error in one raises torch's
+    ``ProcessRaisedException`` here). The ranks fork from the local engine's forkserver, which already
+    holds torch (``ensure_forkserver``, as ``hpoflow.oracle.precheck`` starts its service): a spawned
+    rank would be a fresh interpreter importing torch again (~1.5 CPU-s each)."""
+    from hpoflow.engines.local import ensure_forkserver
+
+    ensure_forkserver()  # with SIGINT blocked, as everything it forks
+    start_processes(_worker, args=(processes, port, out_dir, scale), nprocs=processes, join=True,
+                    start_method="forkserver")
+
+
 def _machine_memory() -> float:
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -446,7 +458,7 @@ def calibrate(processes: int = 2, scale: float = 1.0) -> ClusterSpec:
         raise OracleError(f"processes must be >= 1, but got {processes}; use 2 on a laptop")
     with tempfile.TemporaryDirectory(prefix="hpoflow-calibrate-") as out:
         try:
-            spawn(_worker, args=(processes, free_port(), out, scale), nprocs=processes, join=True)
+            _start_ranks(processes, free_port(), out, scale)
         except ProcessRaisedException as exc:
             raise OracleError(
                 f"calibration with {processes} gloo processes on 127.0.0.1 failed: "
