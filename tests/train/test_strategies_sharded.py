@@ -758,13 +758,13 @@ def test_a_4_rank_fsdp_model_trains_under_a_memory_cap_that_allreduce_exceeds(tm
 def test_an_elastic_sharded_trial_grows_from_1_to_2_ranks_and_finishes(tmp_path: Path, strategy: str) -> None:
     """A lone fsdp (zero1) trial of processes {min: 1, max: 2} on 2 cores: it starts on 1 rank (a plain
     model), grows onto the idle core at an epoch boundary, its dcp checkpoint of the whole model (and
-    optimizer state) read as 2 shards, and finishes every epoch (the global batch stays 16)."""
+    optimizer state) read as 2 shards, and finishes every epoch (the global batch stays 32)."""
     from tests.engines.test_elastic import drive
 
     epochs = 4
     train = TrainConfig(model="gpt", model_options={"layers": 2, "heads": 2, "width": 32, "context": 32},
-                        dataset="chars", epochs=epochs, batch_size=16, optimizer="adam", lr=3e-3, seed=5,
-                        strategy=strategy).model_dump(mode="json")
+                        dataset="chars", epochs=epochs, batch_size=32, optimizer="adam", lr=3e-3, seed=5,
+                        strategy=strategy).model_dump(mode="json")  # batch 32: epochs of 52 steps on 1 rank
     req = TrialRequest(0, {}, train, "val_loss", "minimize", str(tmp_path / "0"), processes=1, elastic_sizes=(1, 2),
                        seed=5, timeout=900)
     engine = LocalEngine(cores=[0, 1])
@@ -778,7 +778,7 @@ def test_an_elastic_sharded_trial_grows_from_1_to_2_ranks_and_finishes(tmp_path:
     assert res.timings["resizes"] >= 1 and res.timings["max_ranks"] == 2.0, res.timings
     assert [r.step for r in reports] == list(range(1, epochs + 1))  # every epoch once, none lost or repeated
     assert res.metrics["epoch"] == epochs and res.metrics["resumed_from_epoch"] >= 1
-    assert res.metrics["global_batch"] == 16.0 and math.isfinite(res.metrics["val_loss"])
+    assert res.metrics["global_batch"] == 32.0 and math.isfinite(res.metrics["val_loss"])
     grown = [e for e in map(json.loads, (tmp_path / "0" / "elastic.jsonl").read_text().splitlines())
              if (e["from"], e["to"]) == (1, 2)]
     assert grown, "the trial never grew"
