@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.multiprocessing import spawn  # type: ignore[attr-defined]
 
 from hpoflow.oracle import Plan, load_cluster, model_facts, predict
 from hpoflow.oracle._trace import Kernel, StepTrace
@@ -21,7 +19,7 @@ from hpoflow.oracle.catalog import PRESETS
 from hpoflow.oracle.facts import ModelFacts, resolve_model
 from hpoflow.oracle.model import ddp_buckets, step_cost
 from hpoflow.train.dist import destroy
-from hpoflow.train.rendezvous import free_port
+from tests.train.ranks import run_ranks
 
 
 def _toy(numels: tuple[int, int] = (1_000_000, 1_000_000)) -> ModelFacts:
@@ -75,10 +73,10 @@ def test_bucket_sizes_follow_ddp() -> None:
     assert len(rn50) == 5 and len(ddp_buckets(model_facts("resnet50"), Plan(batch_size=32, bucket_mb=0))) == 161
 
 
-def _ddp_buckets_worker(rank: int, port: int, out: str) -> None:
+def _ddp_buckets_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         build, shape, classes, _ = resolve_model("resnet18", (3, 32, 32), 10, {})
         torch.manual_seed(0)
@@ -87,16 +85,15 @@ def _ddp_buckets_worker(rank: int, port: int, out: str) -> None:
         for _ in range(3):  # DDP rebuilds its buckets after the first step, in gradient-ready order
             model.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
-        if rank == 0:
-            Path(out, "ddp.json").write_text(json.dumps(model._get_ddp_logging_data()))
+        torch.save(model._get_ddp_logging_data() if rank == 0 else {}, Path(out) / f"rank{rank}.pt")
     finally:
         destroy()
 
 
 @pytest.mark.slow
 def test_buckets_equal_real_ddps_rebuilt_buckets(tmp_path: Path) -> None:
-    spawn(_ddp_buckets_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    ddp = json.loads((tmp_path / "ddp.json").read_text())
+    # 2 ranks forked from the preloaded forkserver (tests/train/ranks.py), not 2 interpreters importing torch
+    ddp = run_ranks(_ddp_buckets_worker, 2, out_dir=tmp_path, hang_s=120)[0]
     assert ddp["has_rebuilt_buckets"] == 1
     real_sizes = [int(s) for s in str(ddp["rebuilt_bucket_sizes"]).split(",")]
     real_order = [[int(i) for i in b.split()] for b in str(ddp["rebuilt_per_bucket_param_indices"]).split(",")]

@@ -457,17 +457,18 @@ def test_cpu_offload_validates_with_gpus_and_fp16_fsdp_with_fp16_precision(tmp_p
 
 # -- real trials through the local engine: a killed rank, a pause ------------------------------------
 
-EPOCHS = 3
+EPOCHS = 2  # a kill held at epoch 2's report, after checkpoint 1: no margin of epochs needed
 COMPARED = ("val_loss", "val_perplexity", "val_accuracy", "train_loss", "train_accuracy", "epoch", "lr", "steps")
 
 
-def _request(trial_dir: Path, strategy: str, options: dict[str, Any] | None = None, *, batch: int = 32,
-             epochs: int = EPOCHS, every: int = 1, precision: str = "fp32") -> TrialRequest:
+def _request(trial_dir: Path, strategy: str, options: dict[str, Any] | None = None, *, batch: int = 64,
+             epochs: int = EPOCHS, every: int = 1, precision: str = "fp32", pruning: bool = False) -> TrialRequest:
     train = TrainConfig(model="gpt", model_options={"layers": 2, "heads": 2, "width": 32, "context": 32},
                         dataset="chars", epochs=epochs, batch_size=batch, optimizer="adam", lr=3e-3, seed=5,
                         strategy=strategy, strategy_options=options or {}, precision=precision,
                         checkpoint={"every": every, "keep": 2, "async": True}).model_dump(mode="json")
-    return TrialRequest(0, {}, train, "val_loss", "minimize", str(trial_dir), processes=2, seed=5, timeout=900)
+    return TrialRequest(0, {}, train, "val_loss", "minimize", str(trial_dir), processes=2, seed=5, timeout=900,
+                        pruning=pruning)
 
 
 def _committed(directory: Path, step: int) -> Path | None:
@@ -480,18 +481,27 @@ def _weights(trial_dir: Path) -> list[str]:
     return [(trial_dir / f"weights_rank{r}.sha256").read_text() for r in range(2)]
 
 
-def _run(engine: LocalEngine, req: TrialRequest, kill_after_first: bool = False) -> TrialResult:
+def _run(engine: LocalEngine, req: TrialRequest, hold_at: int = 0) -> TrialResult:
+    """Run ``req`` to its result, answering every report that waits for one (never a prune). ``hold_at``
+    (a ``pruning`` request, whose rank 0 waits at each report for the answer): report ``hold_at`` is left
+    unanswered, which holds the trial at that epoch boundary (before that epoch's checkpoint), and rank 1
+    is SIGKILLed there once checkpoint 1 is committed: the kill cannot race the trial's end."""
     engine.submit(req)
-    killed = not kill_after_first
+    held = killed = False
     deadline = time.monotonic() + 900  # a bound for a hang: the trial takes seconds (minutes at load 20)
     while time.monotonic() < deadline:
-        if not killed and _committed(Path(req.checkpoints), 1):
+        if held and not killed and _committed(Path(req.checkpoints), 1):
             pid = _rank_pid(engine, req.number, 1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
         for ev in engine.poll(0.01):
-            if isinstance(ev, TrialResult):
+            if isinstance(ev, TrialReport) and ev.wants_answer:
+                if hold_at and ev.step == hold_at:
+                    held = True
+                else:
+                    engine.answer(ev.number, False)
+            elif isinstance(ev, TrialResult):
                 return ev
     raise TimeoutError(f"trial {req.number} did not finish")
 
@@ -510,10 +520,14 @@ def engine() -> Any:
 ])
 def test_a_killed_rank_resumes_from_its_shards_to_bitwise_the_same_weights(
         engine: LocalEngine, tmp_path: Path, strategy: str, options: dict[str, Any], precision: str) -> None:
-    reference = _run(engine, _request(tmp_path / "ref", strategy, options, precision=precision))
+    # batch 64: epochs of 13 steps (bitwise resumption does not depend on their number); the reference
+    # saves no checkpoint (how often a trial saves does not change its result)
+    reference = _run(engine, _request(tmp_path / "ref", strategy, options, precision=precision, every=0))
     assert reference.status == "complete", (reference.error, reference.stderr_tail)
-    req = _request(tmp_path / "crash", strategy, options, precision=precision)
-    crashed = _run(engine, req, kill_after_first=True)
+    # held at its last report (EPOCHS's, before that epoch's checkpoint), rank 1 killed there: it resumes
+    # from checkpoint 1, the only one committed
+    req = _request(tmp_path / "crash", strategy, options, precision=precision, pruning=True)
+    crashed = _run(engine, req, hold_at=EPOCHS)
     assert crashed.status == "failed" and crashed.retryable, crashed
     first = _committed(Path(req.checkpoints), 1)
     assert first is not None
@@ -533,7 +547,7 @@ def test_a_killed_rank_resumes_from_its_shards_to_bitwise_the_same_weights(
         assert all(len(held) == 1 for name, held in files.items() if name.startswith("sharded.model."))
     resumed = _run(engine, dataclasses.replace(req, attempt=1))
     assert resumed.status == "complete", (resumed.error, resumed.stderr_tail)
-    assert 1 <= resumed.metrics["resumed_from_epoch"] < EPOCHS
+    assert resumed.metrics["resumed_from_epoch"] == 1.0
     assert _weights(tmp_path / "crash") == _weights(tmp_path / "ref")  # bitwise, on both ranks
     assert {k: resumed.metrics[k] for k in COMPARED} == {k: reference.metrics[k] for k in COMPARED}
     assert resumed.metrics["ranks_identical"] == 1.0
@@ -744,13 +758,13 @@ def test_a_4_rank_fsdp_model_trains_under_a_memory_cap_that_allreduce_exceeds(tm
 def test_an_elastic_sharded_trial_grows_from_1_to_2_ranks_and_finishes(tmp_path: Path, strategy: str) -> None:
     """A lone fsdp (zero1) trial of processes {min: 1, max: 2} on 2 cores: it starts on 1 rank (a plain
     model), grows onto the idle core at an epoch boundary, its dcp checkpoint of the whole model (and
-    optimizer state) read as 2 shards, and finishes every epoch (the global batch stays 16)."""
+    optimizer state) read as 2 shards, and finishes every epoch (the global batch stays 32)."""
     from tests.engines.test_elastic import drive
 
     epochs = 4
     train = TrainConfig(model="gpt", model_options={"layers": 2, "heads": 2, "width": 32, "context": 32},
-                        dataset="chars", epochs=epochs, batch_size=16, optimizer="adam", lr=3e-3, seed=5,
-                        strategy=strategy).model_dump(mode="json")
+                        dataset="chars", epochs=epochs, batch_size=32, optimizer="adam", lr=3e-3, seed=5,
+                        strategy=strategy).model_dump(mode="json")  # batch 32: epochs of 52 steps on 1 rank
     req = TrialRequest(0, {}, train, "val_loss", "minimize", str(tmp_path / "0"), processes=1, elastic_sizes=(1, 2),
                        seed=5, timeout=900)
     engine = LocalEngine(cores=[0, 1])
@@ -764,7 +778,7 @@ def test_an_elastic_sharded_trial_grows_from_1_to_2_ranks_and_finishes(tmp_path:
     assert res.timings["resizes"] >= 1 and res.timings["max_ranks"] == 2.0, res.timings
     assert [r.step for r in reports] == list(range(1, epochs + 1))  # every epoch once, none lost or repeated
     assert res.metrics["epoch"] == epochs and res.metrics["resumed_from_epoch"] >= 1
-    assert res.metrics["global_batch"] == 16.0 and math.isfinite(res.metrics["val_loss"])
+    assert res.metrics["global_batch"] == 32.0 and math.isfinite(res.metrics["val_loss"])
     grown = [e for e in map(json.loads, (tmp_path / "0" / "elastic.jsonl").read_text().splitlines())
              if (e["from"], e["to"]) == (1, 2)]
     assert grown, "the trial never grew"
