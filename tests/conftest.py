@@ -155,10 +155,9 @@ def _preload_the_forkserver() -> None:
     process started the forkserver first. Nothing starts here: the first fork does."""
     if os.environ.get("HPOFLOW_TEST_COLD_FORKSERVER") == "1":
         return
-    from hpoflow.engines.local._forkserver import use_preload
-    from hpoflow.engines.local._pool import _preload_list
+    from hpoflow.engines.local import use_engine_preload
 
-    use_preload(_preload_list(None))
+    use_engine_preload()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -432,12 +432,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str, scale: float) -> Non
 
 def _start_ranks(processes: int, port: int, out_dir: str, scale: float) -> None:
     """Run ``_worker`` in ``processes`` ranks and wait for them all (an error in one raises torch's
-    ``ProcessRaisedException`` here). The ranks fork from the local engine's forkserver, which already
-    holds torch (``ensure_forkserver``, as ``hpoflow.oracle.precheck`` starts its service): a spawned
-    rank would be a fresh interpreter importing torch again (~1.5 CPU-s each)."""
-    from hpoflow.engines.local import ensure_forkserver
+    ``ProcessRaisedException`` here). The ranks fork from the local engine's forkserver, preloading what
+    the engine's does (torch and its lazy imports: ``use_engine_preload``), started as the engine starts
+    it (``ensure_forkserver``: SIGINT blocked, as ``hpoflow.oracle.precheck`` starts its service); a
+    spawned rank was a fresh interpreter importing torch again (~1.5 CPU-s each)."""
+    from hpoflow.engines.local import ensure_forkserver, use_engine_preload
 
-    ensure_forkserver()  # with SIGINT blocked, as everything it forks
+    use_engine_preload()
+    ensure_forkserver()
     start_processes(_worker, args=(processes, port, out_dir, scale), nprocs=processes, join=True,
                     start_method="forkserver")
 

@@ -96,6 +96,13 @@ def _start_light(ctx: Any, wid: int) -> tuple[BaseProcess, Connection]:
     return proc, parent
 
 
+def use_engine_preload() -> None:
+    """This process's forkserver preloads what the engine's does (``PRELOAD``: torch, the trainer, their
+    warm-up), for processes forked from it outside an engine; one running with another preload is
+    replaced on the next fork (``use_preload``)."""
+    use_preload(_preload_list(None))
+
+
 def prestart(light: int, preload: list[str] | None = None) -> None:
     """Start the local engine's processes before the engine itself, so they boot while the caller
     still imports and opens the study: ``light`` light workers for trials that need no torch, or else
