@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-__all__ = ["GPU_SHARE_ENV", "Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport", "TrialRequest",
-           "TrialResult", "TrialStatus", "Verdict", "aggregate_usage", "describe_exit", "imports_torch", "needs_torch",
-           "result_from_ranks"]
+__all__ = ["GPU_SHARE_ENV", "RANK_DIED", "Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport",
+           "TrialRequest", "TrialResult", "TrialStatus", "Verdict", "aggregate_usage", "describe_exit",
+           "imports_torch", "needs_torch", "rank_died", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 
@@ -415,6 +415,15 @@ def _result_from_ranks(req: TrialRequest, outcomes: Mapping[int, RankOutcome], t
     status: TrialStatus = "pruned" if chief.status == "pruned" else "complete"
     return TrialResult(req.number, status, value=chief.metrics.get(req.metric), metrics=dict(chief.metrics),
                        timings=timings)
+
+
+RANK_DIED = "before it finished"  # ends the failure of a trial whose rank died (``rank_died``)
+
+
+def rank_died(rank: int | str, code: int | None) -> str:
+    """The failure of a trial whose rank ended without its result (a signal, an exit): ``rank 1 killed
+    by SIGKILL before it finished``. Its other ranks then fail in a collective, which it caused."""
+    return f"rank {rank} {describe_exit(code)} {RANK_DIED}"
 
 
 def describe_exit(code: int | None) -> str:

@@ -46,12 +46,12 @@ from hpoflow.engines.local._slots import RunningTrial as _Trial
 from hpoflow.engines.local.options import LocalOptions
 from hpoflow.engines.logcap import LogPump, cap_bytes
 from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, gpus_needed, machine_cores
-from hpoflow.engines.proc import describe_exit, tail
+from hpoflow.engines.proc import tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
 from hpoflow.spec import shares_per_gpu, warm_target
 from hpoflow.train.rendezvous import private_dir, remove_private_dir, store_path, sweep_private_dirs
-from hpoflow.trial import RankJob, RankOutcome, needs_torch, result_from_ranks
+from hpoflow.trial import RankJob, RankOutcome, needs_torch, rank_died, result_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -507,7 +507,7 @@ class LocalEngine(Engine):
         if t is not None and w.rank not in t.outcomes:
             t.outcomes[w.rank] = RankOutcome("lost")
             if t.failure is None and t.cancel_reason is None:
-                t.failure = f"rank {_rank_of(t, w)} {describe_exit(code)} before it finished"
+                t.failure = rank_died(_rank_of(t, w), code)
                 t.retryable = True
                 self._kill_unfinished(t)
 

@@ -48,6 +48,7 @@ from hpoflow.engines.slurm.options import SlurmOptions
 from hpoflow.fileio import write_json_atomic
 from hpoflow.spec import shares_per_gpu
 from hpoflow.train.transport import TrialFiles
+from hpoflow.trial import RANK_DIED
 
 __all__ = ["AgentFleet"]
 
@@ -86,6 +87,34 @@ class _Trial:
     @property
     def started(self) -> bool:
         return bool(self.nodes)
+
+
+def _merged_result(t: _Trial) -> TrialResult:
+    """The result of a trial from its nodes' shares: lost (a node or agent gone) and retryable, a failure
+    (named with its node), else rank 0's node's."""
+    n = t.request.number
+    duration = time.monotonic() - t.submitted
+    chief = t.ended.get(t.nodes[0])
+    if t.lost is not None and t.cancel_reason is None and (chief is None or chief.status != "complete"):
+        return TrialResult(n, "failed", error=t.lost, retryable=True, timings={"duration_s": duration})
+    # Which node's ranks failed: one where a rank died (``rank_died``: a signal, an exit), whose peers on
+    # the other nodes then failed in a collective (whichever agent's word came first); else the first.
+    fails = [(node, r) for node, r in t.ended.items() if r is not None and r.status == "failed"]
+    died = [(node, r) for node, r in fails if RANK_DIED in (r.error or "")]
+    first = died or [(node, r) for node, r in fails if node == t.failed_first]
+    failed = None
+    if first:
+        node, failed = first[0]
+        if len(t.nodes) > 1:
+            failed = replace(failed, error=f"{failed.error} (on {node})")
+    result = failed or chief
+    if result is None:  # lost, but cancelled meanwhile
+        return TrialResult(n, "cancelled", error=t.cancel_reason, timings={"duration_s": duration})
+    timings = {**result.timings, "engine_duration_s": duration}
+    if "started_at" in timings:  # from the driver's submit (the agent's own count starts when it got it)
+        timings["launch_s"] = timings["started_at"] - t.submitted_wall
+    return TrialResult(n, result.status, result.value, result.metrics, result.error, result.stderr_tail,
+                       timings, result.retryable, result.system)
 
 
 class AgentFleet:
@@ -381,23 +410,5 @@ class AgentFleet:
                                 "reason": f"the trial's ranks on {agent.node} ended ({t.lost or 'failed'})"})
         if len(t.ended) == len(t.nodes):
             del self._trials[number]
-            self._events.append(self._result(t))
-
-    def _result(self, t: _Trial) -> TrialResult:
-        n = t.request.number
-        duration = time.monotonic() - t.submitted
-        chief = t.ended.get(t.nodes[0])
-        if t.lost is not None and t.cancel_reason is None and (chief is None or chief.status != "complete"):
-            return TrialResult(n, "failed", error=t.lost, retryable=True, timings={"duration_s": duration})
-        failed = t.ended.get(t.failed_first) if t.failed_first is not None else None
-        if failed is not None and len(t.nodes) > 1:  # which node's ranks failed first (the others followed)
-            failed = replace(failed, error=f"{failed.error} (on {t.failed_first})")
-        result = failed or chief
-        if result is None:  # lost, but cancelled meanwhile
-            return TrialResult(n, "cancelled", error=t.cancel_reason, timings={"duration_s": duration})
-        timings = {**result.timings, "engine_duration_s": duration}
-        if "started_at" in timings:  # from the driver's submit (the agent's own count starts when it got it)
-            timings["launch_s"] = timings["started_at"] - t.submitted_wall
-        return TrialResult(n, result.status, result.value, result.metrics, result.error, result.stderr_tail,
-                           timings, result.retryable, result.system)
+            self._events.append(_merged_result(t))
 

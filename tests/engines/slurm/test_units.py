@@ -305,3 +305,26 @@ def test_on_node_agents_a_share_of_a_gpu_fits_k_ranks_a_gpu() -> None:
     assert alloc.capacity(quarter) == 8  # 2 GPUs x 4 shares
     assert alloc.capacity(replace(quarter, processes=2)) == 4  # 2 ranks: one share on each GPU
     assert alloc.capacity(replace(quarter, processes=3)) == 0  # 3 ranks cannot be on 3 distinct GPUs of 2
+
+
+def test_a_multi_node_trial_fails_with_the_rank_that_died_not_with_its_peers_collective_error(tmp_path: Path) -> None:
+    """Rank 1 on n2 is killed; rank 0 on n1 then fails in its all-reduce (gloo: connection closed), and its
+    agent's word may reach the driver first: the trial's error names the death, on its node, either way."""
+    import time
+
+    from hpoflow.engines.slurm.agents import _merged_result, _Trial
+    from hpoflow.train.transport import TrialFiles
+    from hpoflow.trial import TrialResult, rank_died
+
+    req = TrialRequest(0, {}, {}, "loss", "minimize", str(tmp_path), processes=2, nodes=2)
+    peer = TrialResult(0, "failed", error="rank 0: RuntimeError: [gloo] Connection closed by peer", retryable=True)
+    death = TrialResult(0, "failed", error=rank_died(1, -9), retryable=True)
+    for first in ("n1", "n2"):
+        t = _Trial(req, TrialFiles(tmp_path), time.monotonic(), time.time(), nodes=["n1", "n2"],
+                   ended={"n1": peer, "n2": death}, failed_first=first)
+        result = _merged_result(t)
+        assert (result.status, result.error, result.retryable) == (
+            "failed", "rank 1 killed by SIGKILL before it finished (on n2)", True), first
+    t = _Trial(req, TrialFiles(tmp_path), time.monotonic(), time.time(), nodes=["n1", "n2"],
+               ended={"n1": peer, "n2": TrialResult(0, "cancelled", error="cancelled")}, failed_first="n1")
+    assert _merged_result(t).error == f"{peer.error} (on n1)"  # no rank died: the first failure
