@@ -87,6 +87,11 @@ def main() -> None:
         max_epochs=args.epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[HpoflowCallback()] if HpoflowCallback is not None else [])
     trainer.fit(Spirals(args.hidden, args.lr), train, val)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # the ranks leave together: one tearing its gloo connections down while a peer still uses them
+        # aborts now and then ("terminate called without an active exception", 2 CPU ranks under torchrun)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
