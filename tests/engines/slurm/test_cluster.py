@@ -436,8 +436,10 @@ def test_promotion_asha_runs_its_trials_as_job_steps(slurm_cluster: SlurmCluster
 
     shared = slurm_cluster.shared_dir / "schedulers"
     lead, slow = LEAD, SLOW
+    # One slot: trial 0 reaches its first rung before another trial starts, so it is alone there and
+    # pauses. With two, trial 1 got there first now and then, and trial 0 was promoted at once.
     asha = _scheduler_spec(shared / "asha.yaml", {"type": "asha", "min_resource": 1, "reduction_factor": 2},
-                           n_trials=4, epochs=3, roots=[lead, *slow])
+                           n_trials=4, epochs=3, roots=[lead, *slow], slots=1)
     job = launch(slurm_cluster, asha, shared / "asha-run", "--nodes", "2")
     info = wait_job(slurm_cluster, job)
     out = (shared / "asha-run" / "launch" / f"slurm-{job}.out").read_text()
