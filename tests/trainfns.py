@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpoflow.fileio import write_atomic
 from hpoflow.train import TrialContext
 
 # torch-free trials live with the light functions (a 1-rank trial of them starts no torch); the
@@ -121,7 +122,7 @@ def spawn_child_and_sleep(ctx: TrialContext) -> float:
     import sys
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    (ctx.trial_dir / "grandchild.pid").write_text(str(child.pid))
+    write_atomic(ctx.trial_dir / "grandchild.pid", str(child.pid), durable=False)  # never read half-written
     time.sleep(60)
     return 1.0
 
@@ -192,7 +193,7 @@ def behave(ctx: TrialContext) -> dict[str, float]:
 def hold_group(ctx: TrialContext) -> float:
     """Holds the trial's process group for ``params['hold']`` seconds (writes its pid first), so a test
     can look at what the ranks listen on."""
-    (ctx.trial_dir / f"pid{ctx.rank}").write_text(str(os.getpid()))
+    write_atomic(ctx.trial_dir / f"pid{ctx.rank}", str(os.getpid()), durable=False)
     dist.barrier()
     time.sleep(float(ctx.params.get("hold", 3.0)))
     dist.barrier()

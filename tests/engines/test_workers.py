@@ -51,7 +51,9 @@ def daemonize(ctx):
     os.waitpid(pid, 0)
     os.close(w)
     sleeper = int(os.read(r, 64))
-    (ctx.trial_dir / "sleeper.pid").write_text(str(sleeper))
+    tmp = ctx.trial_dir / "sleeper.pid.tmp"  # renamed: a test polling for the file never reads it half-written
+    tmp.write_text(str(sleeper))
+    os.replace(tmp, ctx.trial_dir / "sleeper.pid")
     if ctx.options.get("hang"):
         time.sleep(600)
     gate = ctx.options.get("gate")
