@@ -19,13 +19,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # so trial processes can import tests' training functions
 
-# Four pytest-xdist workers on two cores, and the processes their tests start: far more threads than cores.
-# OpenMP's threads (torch's intra-op pool, MKL) then wait for work by sleeping, not by spinning for a while
-# after each parallel region (libgomp's default), which took as much CPU as the work itself (a 2-thread
-# training loop beside two busy processes: 3.1 CPU-s spinning, 1.8 passive). Set before any process of the
-# suite loads torch (every one inherits it: RUN_ENV, the SLURM daemons); it changes no thread count.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 pytest_plugins = ["tests.infra.fixtures"]  # slurm_cluster, postgres_server: real daemons, see tests/infra
 
 TINY: dict[str, Any] = {
@@ -177,8 +170,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _preload_the_forkserver()
     if hasattr(config, "workerinput"):
         # torch run in a worker's own process (the tests' in-process models, checkpoints, oracle
-        # measurements) on one thread: the workers outnumber the cores, so a second thread only waits
-        # for one. The processes a test starts keep their own counts (a trial's: its placement's).
+        # measurements) on one thread: the workers outnumber the cores, and a second OpenMP thread only
+        # spins waiting for work (a small training loop: 2.4 CPU-s on two threads, 1.1 on one, the same
+        # wall). The processes a test starts keep their own counts (a trial's: its placement's).
         import torch
 
         torch.set_num_threads(1)
