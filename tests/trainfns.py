@@ -68,6 +68,22 @@ def crash_rank1(ctx: TrialContext) -> float:
     return 1.0
 
 
+def rank1_dies_rank0_errs(ctx: TrialContext) -> float:
+    """Rank 1 dies by SIGKILL; rank 0 raises once rank 1 is gone (as its next collective would), having
+    written ``erred`` just before: a test can wait until both ends are there to read at once."""
+    pid_file = ctx.trial_dir / "pid1"
+    if ctx.rank == 1:
+        write_atomic(pid_file, str(os.getpid()), durable=False)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not pid_file.exists():
+        time.sleep(0.01)
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    while stat.exists() and stat.read_text().rpartition(")")[2].split()[0] != "Z":  # until dead (or a zombie)
+        time.sleep(0.01)
+    (ctx.trial_dir / "erred").write_text("")
+    raise RuntimeError("Connection closed by peer (rank 1 is gone)")
+
+
 def hog_memory(ctx: TrialContext) -> float:
     """Holds ``options.mb`` MB of private memory (every page written) for ``options.hold_s`` seconds."""
     size = int(ctx.options["mb"]) * 2**20

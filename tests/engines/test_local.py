@@ -115,6 +115,26 @@ def test_killed_rank_fails_the_trial_without_hanging(engine: LocalEngine, tmp_pa
     assert "rank 1" in (res.error or "") and "SIGKILL" in (res.error or "")
 
 
+def test_a_rank_that_died_before_its_peer_failed_is_the_trials_failure(engine: LocalEngine, tmp_path: Path) -> None:
+    """Rank 1 killed, then rank 0's error (the collective rank 1 broke), both there to read when the engine
+    next looks: the failure is rank 1's death, retryable, whichever end the engine reads first (rank 0's
+    pipe comes first in its wait)."""
+    engine.submit(request(tmp_path, 0, "trainfns:rank1_dies_rank0_errs", processes=2))
+    erred = tmp_path / "0" / "erred"
+    t0 = time.monotonic()
+    while not erred.exists():  # no poll meanwhile: both ends wait for the one below
+        assert time.monotonic() - t0 < 60, "rank 0 never saw rank 1 gone"
+        time.sleep(0.05)
+    time.sleep(1.0)  # rank 0 sends its error right after the file (generous on a loaded machine)
+    results: list[TrialResult] = []
+    while not results:
+        results = [e for e in engine.poll(1.0) if isinstance(e, TrialResult)]
+        assert time.monotonic() - t0 < 90
+    (r,) = results
+    assert r.status == "failed" and r.retryable, r
+    assert (r.error or "").startswith("rank 1 killed by SIGKILL"), r.error
+
+
 def test_timeout_kills_the_trial(engine: LocalEngine, tmp_path: Path) -> None:
     t0 = time.monotonic()
     res = run_all(engine, [request(tmp_path, 0, "trainfns:sleepy", timeout=1.5)])[0]

@@ -491,11 +491,26 @@ class LocalEngine(Engine):
                 elif kind == "outcome":
                     outcome = t.outcomes[w.rank] = RankOutcome.from_dict(payload)
                     if outcome.status == "error" and t.failure is None:
-                        t.failure = f"rank {_rank_of(t, w)}: {outcome.error}"
-                        t.retryable = outcome.retryable
+                        self._read_peers(t, w)  # a peer that died first is the failure (rank_died)
+                        if t.failure is None:
+                            t.failure = f"rank {_rank_of(t, w)}: {outcome.error}"
+                            t.retryable = outcome.retryable
                         self._kill_unfinished(t)
         except (EOFError, OSError):
             self._on_worker_exit(w)
+
+    def _read_peers(self, t: _Trial, w: Worker) -> None:
+        """Take in what the other unfinished ranks of ``t`` have said or how they ended, before ``w``'s
+        error is taken as the trial's failure: a rank killed (SIGKILL, the OOM killer) breaks its peers'
+        next collective ("Connection closed by peer"), and when its end is already there to read, that
+        end is the failure, whichever of the two ``poll`` would have read first."""
+        for peer in list(t.workers):
+            if peer is w or peer.rank in t.outcomes or not self._pool.alive(peer):
+                continue
+            if peer.conn.poll():  # a message, or the end of a pipe whose process is gone
+                self._drain(peer)
+            elif wait([peer.proc.sentinel], 0):
+                self._on_worker_exit(peer)
 
     def _on_worker_exit(self, w: Worker) -> None:
         if not self._pool.alive(w):
