@@ -51,9 +51,9 @@ def daemonize(ctx):
     os.waitpid(pid, 0)
     os.close(w)
     sleeper = int(os.read(r, 64))
-    tmp = ctx.trial_dir / "sleeper.pid.tmp"  # renamed: a test polling for the file never reads it half-written
-    tmp.write_text(str(sleeper))
-    os.replace(tmp, ctx.trial_dir / "sleeper.pid")
+    from hpoflow.fileio import write_atomic
+
+    write_atomic(ctx.trial_dir / "sleeper.pid", str(sleeper), durable=False)  # never read half-written
     if ctx.options.get("hang"):
         time.sleep(600)
     gate = ctx.options.get("gate")
