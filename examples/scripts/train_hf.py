@@ -78,6 +78,11 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=Counting(args.samples, args.seed),
                       eval_dataset=Counting(256, args.seed + 1), callbacks=callbacks)
     trainer.train()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # the ranks leave together: one tearing its gloo connections down while a peer still uses them
+        # aborts now and then ("terminate called without an active exception", 2 CPU ranks under torchrun)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
