@@ -156,3 +156,43 @@ def test_a_warm_worker_that_trains_makes_little_of_the_preload_its_own(tmp_path:
     cold = private_kb(HPOFLOW_NO_WARMUP="1")
     warm = private_kb()
     assert warm < cold / 2, (warm, cold)
+
+
+def test_a_forkserver_whose_parent_dies_during_its_preload_stops_at_its_next_import() -> None:
+    """A driver killed (``kill -9``, the OOM killer) while its forkserver imports torch: the forkserver
+    stops at its next import (``_preload_guard``) instead of importing and warming up for seconds more
+    for a parent that is gone. A subreaper starts the parent, waits until the forkserver has spent
+    0.2 CPU-s (past the interpreter's start and the guard: the first module it preloads), kills the
+    parent, and takes the orphaned forkserver's end with its CPU time (``wait4``)."""
+    got = _python("""
+        import json, os, subprocess, sys, textwrap, time
+        from hpoflow.engines.proc import become_subreaper
+
+        assert become_subreaper()
+        parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent('''
+            import time
+            from multiprocessing import forkserver
+            from hpoflow.engines.local._forkserver import ensure_forkserver
+            from hpoflow.engines.local._pool import use_engine_preload
+            use_engine_preload()
+            ensure_forkserver()
+            print(forkserver._forkserver._forkserver_pid, flush=True)
+            time.sleep(600)
+        ''')], stdout=subprocess.PIPE, text=True)
+        fs = int(parent.stdout.readline())
+        tick = os.sysconf("SC_CLK_TCK")
+        deadline = time.monotonic() + 120
+        while True:
+            fields = open(f"/proc/{fs}/stat").read().rsplit(")", 1)[1].split()
+            if (int(fields[11]) + int(fields[12])) / tick >= 0.2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        parent.kill()
+        parent.wait()
+        _, status, usage = os.wait4(fs, 0)  # reparented to this subreaper
+        print(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime, "exit": os.waitstatus_to_exitcode(status)}))
+    """)
+    assert got["exit"] == 0
+    # a whole preload costs 2-2.5 CPU-s here (torch's import alone over 1); stopped at the next import
+    # after the parent's death, it costs the 0.2 waited for and a few ms more
+    assert got["cpu_s"] < 1.0, got

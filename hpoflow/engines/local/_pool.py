@@ -50,11 +50,12 @@ log = logging.getLogger(__name__)
 __all__ = ["PRELOAD", "Worker", "WorkerPool", "discard_prestarted", "prestart"]
 
 PRELOAD = ["hpoflow.engines.local._preload"]  # torch and the trainer (its digits need no scikit-learn)
+_PRELOAD_GUARD = "hpoflow.engines.local._preload_guard"  # always imported first: exits if the parent is gone
 _PRELOAD_DONE = "hpoflow.engines.local._preload_done"  # always imported last (see that module)
 
 
 def _preload_list(preload: list[str] | None) -> list[str]:
-    return [*(PRELOAD if preload is None else preload), _PRELOAD_DONE]
+    return [_PRELOAD_GUARD, *(PRELOAD if preload is None else preload), _PRELOAD_DONE]
 
 
 KILL_GRACE_S = 2.0
