@@ -69,10 +69,16 @@ def crash_rank1(ctx: TrialContext) -> float:
 
 
 def rank1_dies_rank0_errs(ctx: TrialContext) -> float:
-    """Rank 1 dies by SIGKILL; rank 0 raises once rank 1 is gone (as its next collective would), having
-    written ``erred`` just before: a test can wait until both ends are there to read at once."""
+    """Rank 1 dies by SIGKILL once rank 0 is in this function (past the process group's set-up, which
+    a peer dying under it fails instead); rank 0 raises once rank 1 is gone (as its next collective
+    would), having written ``erred`` just before: a test can wait until both ends are there to read at
+    once."""
     pid_file = ctx.trial_dir / "pid1"
-    if ctx.rank == 1:
+    if ctx.rank == 0:
+        (ctx.trial_dir / "in0").write_text("")
+    else:
+        while not (ctx.trial_dir / "in0").exists():
+            time.sleep(0.01)
         write_atomic(pid_file, str(os.getpid()), durable=False)
         os.kill(os.getpid(), signal.SIGKILL)
     while not pid_file.exists():
