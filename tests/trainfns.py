@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -83,9 +85,10 @@ def rank1_dies_rank0_errs(ctx: TrialContext) -> float:
         os.kill(os.getpid(), signal.SIGKILL)
     while not pid_file.exists():
         time.sleep(0.01)
-    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
-    while stat.exists() and stat.read_text().rpartition(")")[2].split()[0] != "Z":  # until dead (or a zombie)
-        time.sleep(0.01)
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone: reaped already
+        peer = psutil.Process(int(pid_file.read_text()))
+        while peer.status() != psutil.STATUS_ZOMBIE:  # until dead
+            time.sleep(0.01)
     (ctx.trial_dir / "erred").write_text("")
     raise RuntimeError("Connection closed by peer (rank 1 is gone)")
 
