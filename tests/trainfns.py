@@ -93,6 +93,38 @@ def rank1_dies_rank0_errs(ctx: TrialContext) -> float:
     raise RuntimeError("Connection closed by peer (rank 1 is gone)")
 
 
+def rank1_ends_late_rank0_errs(ctx: TrialContext) -> float:
+    """Rank 1 dies by SIGKILL, but the engine learns it only 0.3 s later: a child of rank 1 keeps its
+    descriptors (its pipe to the engine among them) that long, and rank 1 stops (SIGSTOP) the
+    forkserver, its parent, which would report its exit, until the child resumes it (SIGCONT) and
+    exits. Rank 0 raises as soon as rank 1 is dead: its error reaches the engine first (as a rank's
+    "Connection closed by peer" can on a loaded machine, while its killed peer's exit is not through).
+    For warm workers only (forked from the forkserver)."""
+    pid_file = ctx.trial_dir / "pid1"
+    if ctx.rank == 0:
+        (ctx.trial_dir / "in0").write_text("")
+    else:
+        forkserver = os.getppid()
+        if "forkserver" not in " ".join(psutil.Process(forkserver).cmdline()):
+            raise RuntimeError("rank 1 is not a forkserver's child (a light worker?)")
+        while not (ctx.trial_dir / "in0").exists():
+            time.sleep(0.01)
+        if os.fork() == 0:  # the child: holds rank 1's descriptors, then resumes the forkserver
+            time.sleep(0.3)
+            os.kill(forkserver, signal.SIGCONT)
+            os._exit(0)
+        os.kill(forkserver, signal.SIGSTOP)
+        write_atomic(pid_file, str(os.getpid()), durable=False)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not pid_file.exists():
+        time.sleep(0.01)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        peer = psutil.Process(int(pid_file.read_text()))
+        while peer.status() != psutil.STATUS_ZOMBIE:  # dead, not reaped: the forkserver is stopped
+            time.sleep(0.01)
+    raise RuntimeError("Connection closed by peer (rank 1 is gone)")
+
+
 def hog_memory(ctx: TrialContext) -> float:
     """Holds ``options.mb`` MB of private memory (every page written) for ``options.hold_s`` seconds."""
     size = int(ctx.options["mb"]) * 2**20

@@ -135,6 +135,19 @@ def test_a_rank_that_died_before_its_peer_failed_is_the_trials_failure(engine: L
     assert (r.error or "").startswith("rank 1 killed by SIGKILL"), r.error
 
 
+def test_a_killed_ranks_end_that_comes_after_its_peers_error_is_still_the_trials_failure(
+        engine: LocalEngine, tmp_path: Path) -> None:
+    """Rank 1 killed, rank 0's error first to reach the engine, rank 1's end 0.3 s after it (its pipe
+    held by a child, the forkserver stopped meanwhile): the engine gives a peer's end up to a second,
+    so the failure is rank 1's death, retryable, not rank 0's "Connection closed by peer"."""
+    assert engine.wait_warm(120)  # rank 1 must be a forkserver's child
+    t0 = time.monotonic()
+    res = run_all(engine, [request(tmp_path, 0, "trainfns:rank1_ends_late_rank0_errs", processes=2)], limit=90)[0]
+    assert res.status == "failed" and res.retryable, res
+    assert (res.error or "").startswith("rank 1 killed by SIGKILL"), res.error
+    assert time.monotonic() - t0 < 60
+
+
 def test_timeout_kills_the_trial(engine: LocalEngine, tmp_path: Path) -> None:
     t0 = time.monotonic()
     res = run_all(engine, [request(tmp_path, 0, "trainfns:sleepy", timeout=1.5)])[0]

@@ -60,6 +60,8 @@ PAUSE_GRACE_S = 120.0  # a paused trial that has not stopped at a step by then i
 __all__ = ["LocalEngine", "plan_placement"]
 
 _LOG_DRAIN_S = 5.0  # how long a result waits for its rank logs' pipes to drain (normally milliseconds)
+# how long a rank's error waits for an unfinished peer's end, which may be its cause (normally there already)
+_PEER_END_GRACE_S = 1.0
 
 
 def _ids(ids: Sequence[GpuId]) -> str:
@@ -502,15 +504,29 @@ class LocalEngine(Engine):
     def _read_peers(self, t: _Trial, w: Worker) -> None:
         """Take in what the other unfinished ranks of ``t`` have said or how they ended, before ``w``'s
         error is taken as the trial's failure: a rank killed (SIGKILL, the OOM killer) breaks its peers'
-        next collective ("Connection closed by peer"), and when its end is already there to read, that
-        end is the failure, whichever of the two ``poll`` would have read first."""
-        for peer in list(t.workers):
-            if peer is w or peer.rank in t.outcomes or not self._pool.alive(peer):
-                continue
-            if peer.conn.poll():  # a message, or the end of a pipe whose process is gone
-                self._drain(peer)
-            elif wait([peer.proc.sentinel], 0):
-                self._on_worker_exit(peer)
+        next collective ("Connection closed by peer"), and its end is the failure, whichever of the two
+        ``poll`` would have read first. That end reaches the engine two ways, its pipe's EOF and the
+        forkserver's word on its exit, and both may come after the peer's error (the dying rank's CPU
+        stalled on a loaded machine; a child of the rank holding its descriptors): up to
+        ``_PEER_END_GRACE_S`` is given for either. A peer that neither ends nor speaks meanwhile (alive,
+        blocked in a collective) is killed after it, by the caller."""
+        deadline = time.monotonic() + _PEER_END_GRACE_S
+        while t.failure is None:
+            peers = [p for p in t.workers if p is not w and p.rank not in t.outcomes and self._pool.alive(p)]
+            if not peers:
+                return
+            left = deadline - time.monotonic()
+            if not wait([x for p in peers for x in (p.conn, p.proc.sentinel)], max(0.0, left)):
+                return
+            for peer in peers:
+                if t.failure is not None or peer.rank in t.outcomes or not self._pool.alive(peer):
+                    continue
+                if peer.conn.poll():  # a message, or the end of a pipe whose process is gone
+                    self._drain(peer)
+                elif wait([peer.proc.sentinel], 0):
+                    self._on_worker_exit(peer)
+            if left <= 0:
+                return
 
     def _on_worker_exit(self, w: Worker) -> None:
         if not self._pool.alive(w):
