@@ -83,12 +83,7 @@ def rank1_dies_rank0_errs(ctx: TrialContext) -> float:
             time.sleep(0.01)
         write_atomic(pid_file, str(os.getpid()), durable=False)
         os.kill(os.getpid(), signal.SIGKILL)
-    while not pid_file.exists():
-        time.sleep(0.01)
-    with contextlib.suppress(psutil.NoSuchProcess):  # gone: reaped already
-        peer = psutil.Process(int(pid_file.read_text()))
-        while peer.status() != psutil.STATUS_ZOMBIE:  # until dead
-            time.sleep(0.01)
+    _wait_until_dead(pid_file)
     (ctx.trial_dir / "erred").write_text("")
     raise RuntimeError("Connection closed by peer (rank 1 is gone)")
 
@@ -116,13 +111,18 @@ def rank1_ends_late_rank0_errs(ctx: TrialContext) -> float:
         os.kill(forkserver, signal.SIGSTOP)
         write_atomic(pid_file, str(os.getpid()), durable=False)
         os.kill(os.getpid(), signal.SIGKILL)
+    _wait_until_dead(pid_file)  # a zombie here: the forkserver that would reap it is stopped
+    raise RuntimeError("Connection closed by peer (rank 1 is gone)")
+
+
+def _wait_until_dead(pid_file: Path) -> None:
+    """Until the process whose pid ``pid_file`` will hold is dead (a zombie, or reaped already)."""
     while not pid_file.exists():
         time.sleep(0.01)
-    with contextlib.suppress(psutil.NoSuchProcess):
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone: reaped already
         peer = psutil.Process(int(pid_file.read_text()))
-        while peer.status() != psutil.STATUS_ZOMBIE:  # dead, not reaped: the forkserver is stopped
+        while peer.status() != psutil.STATUS_ZOMBIE:
             time.sleep(0.01)
-    raise RuntimeError("Connection closed by peer (rank 1 is gone)")
 
 
 def hog_memory(ctx: TrialContext) -> float:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -140,9 +142,16 @@ def test_a_killed_ranks_end_that_comes_after_its_peers_error_is_still_the_trials
     """Rank 1 killed, rank 0's error first to reach the engine, rank 1's end 0.3 s after it (its pipe
     held by a child, the forkserver stopped meanwhile): the engine gives a peer's end up to a second,
     so the failure is rank 1's death, retryable, not rank 0's "Connection closed by peer"."""
+    from multiprocessing import forkserver
+
     assert engine.wait_warm(120)  # rank 1 must be a forkserver's child
     t0 = time.monotonic()
-    res = run_all(engine, [request(tmp_path, 0, "trainfns:rank1_ends_late_rank0_errs", processes=2)], limit=90)[0]
+    try:
+        res = run_all(engine, [request(tmp_path, 0, "trainfns:rank1_ends_late_rank0_errs", processes=2)],
+                      limit=90)[0]
+    finally:  # should rank 1's child die before it resumed the forkserver, later tests still fork
+        with contextlib.suppress(OSError, TypeError):
+            os.kill(forkserver._forkserver._forkserver_pid, signal.SIGCONT)  # type: ignore[attr-defined]
     assert res.status == "failed" and res.retryable, res
     assert (res.error or "").startswith("rank 1 killed by SIGKILL"), res.error
     assert time.monotonic() - t0 < 60
