@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +84,38 @@ def test_oracle_validation_with_a_given_calibration(tmp_path: Path, calibration_
     assert set(figures["ratios"]) == {"mlp@1", "mlp@2", "cnn@1", "cnn@2"}
     assert all(r > 0 for r in figures["ratios"].values()) and figures["rounds"] == 1
     assert set(figures["per_round"]) == set(figures["ratios"])
+
+
+def _bench_module(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_busy_reads_what_the_kernels_process_accounting_wrote() -> None:
+    """``busy.py --processes``'s reading of acct_v3 records, from records made here: turning the kernel's
+    accounting on in a test would turn off one measuring the whole suite (there is one per machine)."""
+    busy = _bench_module("busy")
+
+    def record(comm: bytes, forked: bool, utime: int, stime: int = 0, version: int = 3) -> bytes:
+        return struct.pack("=BBHIIIIIIf8H16s", 0x01 if forked else 0, version, 0, 0, 0, 0, 4321, 1, 0, 0.0,
+                           utime, stime, 0, 0, 0, 0, 0, 0, comm)
+
+    exponent_1 = (1 << 13) | 10  # a comp_t of 10 * 8**1 ticks
+    data = b"".join([record(b"python", False, 250, 50), record(b"python", False, 40), record(b"python", False, 70),
+                     record(b"python", True, 150), record(b"slurmd", False, exponent_1),
+                     record(b"python", False, 9999, version=2)])  # not v3: skipped
+    ended = list(busy.read_accounting(data))
+    assert [(e.command, e.forked, e.cpu_s) for e in ended] == [
+        ("python", False, 3.0), ("python", False, 0.4), ("python", False, 0.7), ("python", True, 1.5),
+        ("slurmd", False, 0.8)]
+    summary = busy.summarize(ended)
+    assert summary["processes"] == 5 and summary["cpu_s"] == pytest.approx(6.4)
+    assert [(r["command"], r["processes"], r["cpu_s"]) for r in summary["by_command"]] == [
+        ("python", 3, 4.1), ("python*", 1, 1.5), ("slurmd", 1, 0.8)]
+    bands = {tuple(r["band_s"]): (r["processes"], r["cpu_s"]) for r in summary["largest_by_band"]}
+    assert bands == {(0.0, 0.5): (1, 0.4), (0.5, 1.0): (1, 0.7), (1.0, 2.5): (0, 0), (2.5, 6.0): (1, 3.0),
+                     (6.0, None): (0, 0)}
