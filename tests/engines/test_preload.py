@@ -194,3 +194,36 @@ def test_a_forkserver_whose_parent_dies_during_its_preload_stops_at_its_next_imp
     # a whole preload costs 2-2.5 CPU-s here (torch's import alone over 1); stopped at the next import
     # after the parent's death, it costs the 0.2 waited for and a few ms more
     assert got["cpu_s"] < 1.0, got
+
+
+def test_the_preload_runs_without_the_cyclic_collector_and_the_processes_forked_after_it_have_it(
+        tmp_path: Path) -> None:
+    """``_preload_guard`` turns the collector off for the preload (its passes over torch's growing heap
+    cost ~0.4 CPU-s there); ``_preload_done`` turns it back on, collects and freezes, so a process
+    forked afterwards (a warm worker) collects as any process does, over its own objects only. A
+    module preloaded between the two records what it saw; a process forked from the forkserver says
+    what it has."""
+    (tmp_path / "gcprobe.py").write_text(textwrap.dedent("""
+        import gc
+        DURING_PRELOAD = gc.isenabled()
+
+        def report(conn):
+            conn.send({"during_preload": DURING_PRELOAD, "forked": gc.isenabled(), "frozen": gc.get_freeze_count()})
+    """))
+    got = _last_json(["-c", textwrap.dedent("""
+        import gc, json
+        import multiprocessing as mp
+        import gcprobe
+        from hpoflow.engines.local._forkserver import use_preload
+        use_preload(["hpoflow.engines.local._preload_guard", "gcprobe", "hpoflow.engines.local._preload_done"])
+        ctx = mp.get_context("forkserver")
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=gcprobe.report, args=(theirs,))
+        p.start()
+        got = mine.recv()
+        p.join()
+        print(json.dumps({**got, "starter": gc.isenabled()}))
+    """)], {**ENV, "PYTHONPATH": f"{ROOT}:{tmp_path}"}, cwd=tmp_path)
+    assert got["during_preload"] is False, got
+    assert got["forked"] is True and got["starter"] is True, got  # on again after it, and never off here
+    assert got["frozen"] > 0, got  # what the preload left is out of the collector's reach
