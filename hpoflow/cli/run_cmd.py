@@ -31,8 +31,8 @@ def _prestart(spec_path: str, run_dir: str | None) -> None:
     """Boot the local engine's processes first, so they start while the rest of hpoflow imports and
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
     (``hpoflow.engines.local.prestart``). Input the run would refuse starts nothing (an invalid spec,
-    ``HPOFLOW_N_TRIALS``, a ``--run-dir`` that cannot be resolved): ``optimize`` says why, and a
-    mistake costs no torch import."""
+    ``HPOFLOW_N_TRIALS``, a ``--run-dir`` that cannot be resolved or is a file): ``optimize`` says
+    why, and a mistake costs no torch import."""
     from pathlib import Path
 
     from hpoflow.errors import HpoflowError
@@ -41,9 +41,10 @@ def _prestart(spec_path: str, run_dir: str | None) -> None:
     try:
         spec, _ = load_spec(spec_path)
         env_int("HPOFLOW_N_TRIALS", minimum=1)
-        if run_dir is not None:
-            Path(run_dir).expanduser().resolve()
+        rd = Path(run_dir).expanduser().resolve() if run_dir is not None else None
     except (HpoflowError, OSError, RuntimeError, ValueError):
+        return
+    if rd is not None and rd.exists() and not rd.is_dir():  # refused: "a file, not a directory"
         return
     spec.storage_url()  # storage_env's variable leaves the environment before any worker process starts
     if spec.engine != "local":

@@ -31,7 +31,9 @@ def _spec(path: Path, **extra: Any) -> Path:
         "study": {"name": "rd", "metric": "value", "direction": "maximize"},
         "space": {"value": {"type": "float", "low": 0.0, "high": 1.0}},
         "search": {"algorithm": "random", "n_trials": 3, "max_concurrent": 2, "seed": 1},
-        "training": {"function": "trainfns:behave"},
+        # torch-free: these tests are about the run directory, the storage and exit codes, not training
+        # (light workers, no forkserver preloading torch for each hpoflow run)
+        "training": {"function": "trainfns_light:behave"},
         "oracle": {"enabled": False},
         **extra,
     }

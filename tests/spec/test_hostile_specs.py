@@ -220,7 +220,8 @@ def test_hpoflow_n_trials_is_parsed_strictly(tmp_path: Path, value: str) -> None
 def test_input_the_run_refuses_starts_no_engine_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``hpoflow run`` boots the local engine's processes (the forkserver's torch preload, light workers)
     before it opens the study; a bad ``HPOFLOW_N_TRIALS`` or a ``--run-dir`` that cannot be resolved
-    starts none of them (the run then refuses it, as the test above shows), and a good one does."""
+    starts none of them (the run then refuses it, as the test above shows), nor does a ``--run-dir`` that
+    is a file (refused as "a file, not a directory"), and a good one does."""
     import hpoflow.engines.local as local
     from hpoflow.cli import run_cmd
 
@@ -234,6 +235,8 @@ def test_input_the_run_refuses_starts_no_engine_process(tmp_path: Path, monkeypa
     run_cmd._prestart(str(spec), str(tmp_path / "run"))
     monkeypatch.setenv("HPOFLOW_N_TRIALS", "2")
     run_cmd._prestart(str(spec), str(tmp_path / "a" / "sub"))
+    (tmp_path / "a-file").write_text("x")
+    run_cmd._prestart(str(spec), str(tmp_path / "a-file"))
     assert started == []
     run_cmd._prestart(str(spec), str(tmp_path / "run"))
     assert len(started) == 1 and not (tmp_path / "run").exists()
