@@ -79,19 +79,17 @@ def _acct(path: str | None) -> None:
 
 def summarize(ended: list[Ended], top: int = 12) -> dict[str, Any]:
     """The CPU by command name (exec'd apart from forked), and the largest group's per-process bands."""
-    groups: dict[tuple[str, bool], list[float]] = defaultdict(list)
+    groups: dict[str, list[float]] = defaultdict(list)  # by name, "name*" for the forked-only
     for e in ended:
-        groups[(e.command, e.forked)].append(e.cpu_s)
+        groups[e.command + ("*" if e.forked else "")].append(e.cpu_s)
     ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
-    by_command = [{"command": name + ("*" if forked else ""), "processes": len(cpu), "cpu_s": round(sum(cpu), 1)}
-                  for (name, forked), cpu in ranked[:top]]
+    by_command = [{"command": name, "processes": len(cpu), "cpu_s": round(sum(cpu), 1)} for name, cpu in ranked[:top]]
     bands: list[dict[str, Any]] = []
     if ranked:
-        (name, forked), cpu = ranked[0]
-        edges = (0.0, *BANDS, float("inf"))
-        for lo, hi in itertools.pairwise(edges):
+        name, cpu = ranked[0]
+        for lo, hi in itertools.pairwise((0.0, *BANDS, float("inf"))):
             inside = [c for c in cpu if lo <= c < hi]
-            bands.append({"command": name + ("*" if forked else ""), "band_s": [lo, hi if hi != float("inf") else None],
+            bands.append({"command": name, "band_s": [lo, hi if hi != float("inf") else None],
                           "processes": len(inside), "cpu_s": round(sum(inside), 1)})
     return {"processes": len(ended), "cpu_s": round(sum(e.cpu_s for e in ended), 1), "by_command": by_command,
             "largest_by_band": bands}

@@ -33,18 +33,16 @@ def _prestart(spec_path: str, run_dir: str | None) -> None:
     (``hpoflow.engines.local.prestart``). Input the run would refuse starts nothing (an invalid spec,
     ``HPOFLOW_N_TRIALS``, a ``--run-dir`` that cannot be resolved or is a file): ``optimize`` says
     why, and a mistake costs no torch import."""
-    from pathlib import Path
-
     from hpoflow.errors import HpoflowError
+    from hpoflow.run import rundir
     from hpoflow.spec import env_int, load_spec, resolve_training, search_dirs, warm_target
 
     try:
         spec, _ = load_spec(spec_path)
         env_int("HPOFLOW_N_TRIALS", minimum=1)
-        rd = Path(run_dir).expanduser().resolve() if run_dir is not None else None
+        if run_dir is not None:
+            rundir.locate(run_dir)  # the run's own first check of it (RunDirError: an HpoflowError)
     except (HpoflowError, OSError, RuntimeError, ValueError):
-        return
-    if rd is not None and rd.exists() and not rd.is_dir():  # refused: "a file, not a directory"
         return
     spec.storage_url()  # storage_env's variable leaves the environment before any worker process starts
     if spec.engine != "local":

@@ -23,17 +23,17 @@ from urllib.parse import urlsplit, urlunsplit
 from hpoflow.errors import RunDirError
 from hpoflow.fileio import write_atomic
 
-__all__ = ["LOCK_FILE", "STATUS_FILE", "RunLock", "disk_error", "disk_errors", "disk_why", "read_status_snapshot",
-           "redact", "resolve", "write_status_snapshot"]
+__all__ = ["LOCK_FILE", "STATUS_FILE", "RunLock", "disk_error", "disk_errors", "disk_why", "locate",
+           "read_status_snapshot", "redact", "resolve", "write_status_snapshot"]
 
 LOCK_FILE = ".hpoflow.lock"
 STATUS_FILE = "status.json"
 _SNAPSHOT_FORMAT = 2  # 2: status holds the interrupted trials
 
 
-def resolve(path: str | os.PathLike[str], *, create: bool) -> Path:
-    """The one absolute path of a run directory; ``RunDirError`` (one line, with the fix) when it is
-    a file, cannot be created, or is not writable. ``create=False`` (readers) never creates it."""
+def locate(path: str | os.PathLike[str]) -> Path:
+    """The one absolute path of a run directory, touching nothing; ``RunDirError`` (one line, with the
+    fix) when it cannot be resolved or is a file. ``resolve`` checks more."""
     try:
         rd = Path(path).expanduser().resolve()
         exists = rd.exists()
@@ -44,6 +44,13 @@ def resolve(path: str | os.PathLike[str], *, create: bool) -> Path:
                           "directory path that exists or can be created (check its symlinks)") from None
     if exists and not rd.is_dir():
         raise RunDirError(f"run directory {rd} is a file, not a directory. Fix: pass a directory as --run-dir")
+    return rd
+
+
+def resolve(path: str | os.PathLike[str], *, create: bool) -> Path:
+    """The one absolute path of a run directory (``locate``); ``RunDirError`` (one line, with the fix)
+    also when it cannot be created or is not writable. ``create=False`` (readers) never creates it."""
+    rd = locate(path)
     if not create:
         if not rd.is_dir():
             raise RunDirError(f"{rd} does not exist. Fix: pass the --run-dir of a run")
