@@ -29,10 +29,11 @@ SCRIPT = ROOT / "examples" / "scripts" / "train_ddp.py"
 SPEC = yaml.safe_load((ROOT / "examples" / "scripts" / "ddp.yaml").read_text())
 
 
-def test_the_script_runs_as_it_is_under_torchrun() -> None:
+def test_the_script_runs_as_it_is_under_torchrun(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    r = subprocess.run([torchrun, "--nproc-per-node", "2", str(SCRIPT), "--epochs", "2"], env=RUN_ENV,
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    # TMPDIR: torchrun's log directories (torchelastic_*, which torch leaves behind) go in the test's directory
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", str(SCRIPT), "--epochs", "2"],
+                       env={**RUN_ENV, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.findall(r"^epoch=(\d) val_loss=\S+ val_accuracy=\S+$", r.stdout, re.M) == ["1", "2"], r.stdout
 

@@ -37,13 +37,19 @@ def _torchrun() -> str:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_script_runs_as_it_is_under_torchrun(case: str) -> None:
+def test_the_script_runs_as_it_is_under_torchrun(tmp_path: Path, case: str) -> None:
+    """Its temporary files (``TMPDIR``: the test's directory) go with it; torch's own (torchrun's log
+    directories ``torchelastic_*``, inductor's cache ``torchinductor_USER``, which torch leaves behind) stay
+    in the test's directory, not the machine's."""
     script, _spec, module, _good, _bad, _extra = CASES[case]
     pytest.importorskip(module)
     r = subprocess.run([_torchrun(), "--nproc-per-node", "2", f"examples/scripts/{script}", "--epochs", "1"],
-                       env=RUN_ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+                       env={**RUN_ENV, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.findall(r"^epoch=(\d) ", r.stdout, re.M) == ["1"], r.stdout[-2000:]
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("torchelastic_", "torchinductor_")))
+    assert left == [], left
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -67,7 +68,10 @@ def main() -> None:
     config = BertConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=2 * args.hidden, max_position_embeddings=LENGTH, num_labels=2)
     model = BertForSequenceClassification(config)
-    out = os.environ.get("HPOFLOW_TRIAL_DIR") or tempfile.mkdtemp(prefix="train_hf-")
+    # the Trainer's output_dir (it saves nothing here: save_strategy "no"): the trial's directory in a
+    # trial, else a temporary one of this rank's, removed at the end
+    scratch = None if os.environ.get("HPOFLOW_TRIAL_DIR") else tempfile.mkdtemp(prefix="train_hf-")
+    out = scratch or os.environ["HPOFLOW_TRIAL_DIR"]
     training = TrainingArguments(
         output_dir=os.path.join(out, "hf"), learning_rate=args.lr, num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=256, eval_strategy="epoch",
@@ -79,6 +83,8 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=Counting(args.samples, args.seed),
                       eval_dataset=Counting(256, args.seed + 1), callbacks=callbacks)
     trainer.train()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # the ranks leave together: one tearing its gloo connections down while a peer still uses them
         # aborts now and then ("terminate called without an active exception", 2 CPU ranks under torchrun)
