@@ -70,8 +70,8 @@ def main() -> None:
     model = BertForSequenceClassification(config)
     # the Trainer's output_dir (it saves nothing here: save_strategy "no"): the trial's directory in a
     # trial, else a temporary one of this rank's, removed at the end
-    scratch = None if os.environ.get("HPOFLOW_TRIAL_DIR") else tempfile.mkdtemp(prefix="train_hf-")
-    out = scratch or os.environ["HPOFLOW_TRIAL_DIR"]
+    trial_dir = os.environ.get("HPOFLOW_TRIAL_DIR")
+    out = trial_dir or tempfile.mkdtemp(prefix="train_hf-")
     training = TrainingArguments(
         output_dir=os.path.join(out, "hf"), learning_rate=args.lr, num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=256, eval_strategy="epoch",
@@ -83,8 +83,8 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=Counting(args.samples, args.seed),
                       eval_dataset=Counting(256, args.seed + 1), callbacks=callbacks)
     trainer.train()
-    if scratch is not None:
-        shutil.rmtree(scratch, ignore_errors=True)
+    if not trial_dir:
+        shutil.rmtree(out, ignore_errors=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # the ranks leave together: one tearing its gloo connections down while a peer still uses them
         # aborts now and then ("terminate called without an active exception", 2 CPU ranks under torchrun)
