@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from hpoflow.cli._args import positive_int
 
 if TYPE_CHECKING:
+    from hpoflow.errors import SpecError
     from hpoflow.run.signals import StopSignals
 
 __all__ = ["register"]
@@ -27,26 +28,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def _prestart(spec_path: str, run_dir: str | None) -> None:
+def _prestart(spec_path: str, run_dir: str | None) -> SpecError | None:
     """Boot the local engine's processes first, so they start while the rest of hpoflow imports and
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
     (``hpoflow.engines.local.prestart``). Input the run would refuse starts nothing (an invalid spec,
     ``HPOFLOW_N_TRIALS``, a ``--run-dir`` that cannot be resolved or is a file): ``optimize`` says
-    why, and a mistake costs no torch import."""
-    from hpoflow.errors import HpoflowError
+    why, and a mistake costs no torch import. A spec that does not load is returned: the first thing
+    ``optimize`` would refuse, said by the command without importing the rest of hpoflow (Optuna, the
+    driver: half of a refusal's CPU)."""
+    from hpoflow.errors import HpoflowError, SpecError
     from hpoflow.run import rundir
     from hpoflow.spec import env_int, load_spec, resolve_training, search_dirs, warm_target
 
     try:
         spec, _ = load_spec(spec_path)
+    except SpecError as exc:
+        return exc
+    except (HpoflowError, OSError, RuntimeError, ValueError):
+        return None
+    try:
         env_int("HPOFLOW_N_TRIALS", minimum=1)
         if run_dir is not None:
             rundir.locate(run_dir)  # the run's own first check of it (RunDirError: an HpoflowError)
     except (HpoflowError, OSError, RuntimeError, ValueError):
-        return
+        return None
     spec.storage_url()  # storage_env's variable leaves the environment before any worker process starts
     if spec.engine != "local":
-        return
+        return None
     from hpoflow.engines.local import prestart
     from hpoflow.engines.machine import machine_cores
     from hpoflow.trial import needs_torch
@@ -64,6 +72,7 @@ def _prestart(spec_path: str, run_dir: str | None) -> None:
             function, res.processes, res.gpus_per_process, search_dirs(spec_path), command=command, warm=warm):
         light = min(spec.search.max_concurrent, len(machine_cores()) // (res.processes * res.cpus_per_process))
     prestart(light=light)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     # which says why): before the study opens the command ends at its next step, then the driver stops.
     with stop_signals() as stop:
         try:
-            _prestart(args.spec, args.run_dir)
-            return _run(args, stop)
+            refused = _prestart(args.spec, args.run_dir)
+            return _run(args, stop, refused)
         finally:
             # what _prestart started is the engine's once it exists; until then (a Ctrl-C or an error
             # before it) it is stopped here, rather than importing torch for seconds after the command ended
@@ -88,9 +97,11 @@ def _interrupted() -> int:
     return 130
 
 
-def _run(args: argparse.Namespace, stop: StopSignals) -> int:
+def _run(args: argparse.Namespace, stop: StopSignals, refused: SpecError | None) -> int:
     if stop.reason is not None:
         return _interrupted()
+    if refused is not None:  # what optimize's first step would raise (load_spec), read once
+        raise refused
     if os.environ.get("SLURM_JOB_ID"):  # in a batch job: pause the trials before its walltime, whoever wrote it
         from hpoflow.engines.slurm.walltime import arm_walltime_warning
 

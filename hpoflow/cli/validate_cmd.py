@@ -20,10 +20,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpoflow.api.preflight import check_runnable, check_share
     from hpoflow.spec import load_spec
 
-    spec, text = load_spec(args.spec)
+    spec, text = load_spec(args.spec)  # a spec that does not load is refused before Optuna is imported
+    from hpoflow.api.preflight import check_runnable, check_share
+
     check_runnable(spec, text, args.spec)
     check_share(spec, text, args.spec)
     r = spec.resources
