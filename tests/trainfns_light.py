@@ -11,13 +11,18 @@ from typing import Any
 
 
 def torch_probe(ctx: Any) -> dict[str, float]:
-    """Whether torch was loaded before this function ran; then a draw from torch's generator and its
-    thread count (seeded and set by the runner the moment torch is imported)."""
+    """Whether torch and NumPy were loaded before this function ran; then a draw from NumPy's global
+    generator, a draw from torch's and torch's thread count (each seeded, and torch's threads set, by
+    the runner the moment the library is imported)."""
     loaded_before = "torch" in sys.modules
+    numpy_before = "numpy" in sys.modules
+    np = importlib.import_module("numpy")
+    np_draw = float(np.random.rand())
     torch = importlib.import_module("torch")  # a name no source shows: hpoflow cannot tell it needs torch
 
     return {"value": 0.0, "torch_was_loaded": float(loaded_before), "draw": float(torch.rand(1).item()),
-            "threads": float(torch.get_num_threads())}
+            "threads": float(torch.get_num_threads()), "numpy_was_loaded": float(numpy_before),
+            "np_draw": np_draw}
 
 
 def sim_cost(params: dict[str, Any], number: int) -> dict[str, Any]:

@@ -34,8 +34,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig, import_plugins
 from hpoflow.train.context import PauseRequest, TrialContext, metric_dict, real_number
@@ -116,19 +114,31 @@ def _torch_setup(seed: int, threads: int) -> Callable[[ModuleType], None]:
     return setup
 
 
-def _seed_everything(seed: int, threads: int) -> _WhenImported | None:
-    """Seed Python's, NumPy's and torch's generators and give torch the rank's threads; when torch
-    is not imported yet, do torch's part the moment it is (the hook returned, to remove after)."""
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    setup = _torch_setup(seed, max(1, threads))
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        setup(torch)
+def _numpy_setup(seed: int) -> Callable[[ModuleType], None]:
+    def setup(np: ModuleType) -> None:
+        np.random.seed(seed % (2**32))
+    return setup
+
+
+def _when_imported(name: str, then: Callable[[ModuleType], None]) -> _WhenImported | None:
+    """``then(module)`` now if ``name`` is imported, else the moment it is (the hook returned)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
         return None
-    hook = _WhenImported("torch", setup)
+    hook = _WhenImported(name, then)
     hook.install()
     return hook
+
+
+def _seed_everything(seed: int, threads: int) -> tuple[_WhenImported | None, _WhenImported | None]:
+    """Seed Python's, NumPy's and torch's generators and give torch the rank's threads; NumPy's and
+    torch's part, when that library is not imported yet, the moment it is (the hooks returned, torch's
+    then NumPy's, to remove after): a light worker imports neither for a function that uses neither
+    (NumPy's import is a seventh of a light worker's start)."""
+    random.seed(seed)
+    numpy_hook = _when_imported("numpy", _numpy_setup(seed))
+    return _when_imported("torch", _torch_setup(seed, max(1, threads))), numpy_hook
 
 
 def _final_metrics(ret: Any, ctx: TrialContext) -> dict[str, float]:
@@ -230,7 +240,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         import torch
 
         use_cuda = torch.cuda.is_available()
-    hook = _seed_everything(req.seed, job.threads)
+    hook, numpy_hook = _seed_everything(req.seed, job.threads)
     # energy (hpoflow.train.energy): the rank's own GPUs, and the node's CPU counter at its local rank 0
     energy = meter_for_rank(job.local_rank, max(1, job.world_size // max(1, req.nodes)), req.cpus_per_process,
                             req.gpus_per_process)
@@ -328,8 +338,9 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
                 ctx.flush_checkpoints()  # an async save still being written must land first
             except Exception as exc:  # a failed write is reported, never raised from here
                 log.warning("rank %d: last checkpoint not written: %s", job.rank, exc)
-        if hook is not None:
-            hook.remove()
+        for h in (hook, numpy_hook):
+            if h is not None:
+                h.remove()
         if "torch.distributed" in sys.modules:  # else no process group can exist
             from hpoflow.train import dist as hdist
 

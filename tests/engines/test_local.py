@@ -258,6 +258,7 @@ def test_pruning_decision_reaches_every_rank_at_the_same_step(engine: LocalEngin
 
 def test_a_torch_free_trial_runs_on_a_light_worker_and_torch_is_seeded_when_it_is_imported(
         tmp_path: Path) -> None:
+    import numpy as np
     import torch
 
     from hpoflow.engines.local import prestart
@@ -275,6 +276,10 @@ def test_a_torch_free_trial_runs_on_a_light_worker_and_torch_is_seeded_when_it_i
     assert res.metrics["torch_was_loaded"] == 0.0  # the light worker had not imported torch
     assert again.metrics["torch_was_loaded"] == 1.0  # learnt: the function runs on a warm worker now
     assert res.metrics["draw"] == again.metrics["draw"] == expected  # seeded alike either way
+    # NumPy too: not imported by the light worker, seeded when the function imports it; already
+    # imported (and seeded again) on the warm worker
+    assert res.metrics["numpy_was_loaded"] == 0.0 and again.metrics["numpy_was_loaded"] == 1.0
+    assert res.metrics["np_draw"] == again.metrics["np_draw"] == np.random.RandomState(123).rand()
     assert res.metrics["threads"] == 1.0
     # the cold import is a timing of its own, left out of the trial's duration and run time
     assert res.timings["cold_start_s"] > 0 and "cold_start_s" not in again.timings
