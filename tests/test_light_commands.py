@@ -37,6 +37,18 @@ def test_a_light_command_does_not_import_torch(args: list[str], tmp_path: Path) 
     assert code == 0 and not torch_loaded, args
 
 
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_spec_that_does_not_load_is_refused_without_importing_optuna(command: str, tmp_path: Path) -> None:
+    """The spec is read first: a mistake in it costs the command no Optuna import (half of a refusal's
+    CPU), whose message is the same as the run's own check would give (tests/spec)."""
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("study: {name: light, metric: value, direction: sideways}\n")
+    optuna_loaded, code = _heavy([command, str(spec), *(["--run-dir", str(tmp_path / "run")] if command == "run"
+                                                       else [])], tmp_path, "optuna")
+    assert code == 2 and not optuna_loaded, command
+    assert not (tmp_path / "run").exists()
+
+
 def test_help_names_the_engines_truthfully() -> None:
     """It said "(local or PyCOMPSs)"; hpoflow also runs studies on SLURM."""
     from hpoflow.cli.main import build_parser
