@@ -42,14 +42,11 @@ def _prestart(spec_path: str, run_dir: str | None) -> SpecError | None:
 
     try:
         spec, _ = load_spec(spec_path)
-    except SpecError as exc:
-        return exc
-    except (HpoflowError, OSError, RuntimeError, ValueError):
-        return None
-    try:
         env_int("HPOFLOW_N_TRIALS", minimum=1)
         if run_dir is not None:
             rundir.locate(run_dir)  # the run's own first check of it (RunDirError: an HpoflowError)
+    except SpecError as exc:  # (load_spec's; the other two raise other HpoflowErrors)
+        return exc
     except (HpoflowError, OSError, RuntimeError, ValueError):
         return None
     spec.storage_url()  # storage_env's variable leaves the environment before any worker process starts

@@ -135,7 +135,7 @@ def _seed_everything(seed: int, threads: int) -> tuple[_WhenImported | None, _Wh
     """Seed Python's, NumPy's and torch's generators and give torch the rank's threads; NumPy's and
     torch's part, when that library is not imported yet, the moment it is (the hooks returned, torch's
     then NumPy's, to remove after): a light worker imports neither for a function that uses neither
-    (NumPy's import is a seventh of a light worker's start)."""
+    (NumPy's import is about a quarter of a light worker's start: 0.1 of 0.38 CPU-s)."""
     random.seed(seed)
     numpy_hook = _when_imported("numpy", _numpy_setup(seed))
     return _when_imported("torch", _torch_setup(seed, max(1, threads))), numpy_hook
