@@ -13,8 +13,10 @@ tests) is not charged to it, and neither are the other workers' tests. A session
 charged to the first test that uses it, and what a worker's daemons spend idle to the test that runs
 meanwhile. Needs root (or a writable cgroup); where none is, the run fails at once with the reason.
 
-Writes ``DIR/tests-<worker>.jsonl`` (one line per test: nodeid, cpu, wall), prints the 25 costliest files
-and tests, and ends with one JSON line: tests, total CPU, wall, the pytest exit code.
+Writes ``DIR/tests-<worker>.jsonl`` (one line per test: nodeid, cpu, wall, and own: the CPU of the pytest
+process itself, its threads included, without the processes it starts), prints the 25 costliest files and
+tests and the 25 whose pytest process spent the most itself, and ends with one JSON line: tests, total CPU,
+own CPU, wall, the pytest exit code.
 (``bench/suite_profile.py`` samples instead which kinds of process the CPU went to, serially.)
 """
 
@@ -83,9 +85,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if group is None:
         yield
         return
-    c0, t0 = group.cpu_s(), time.monotonic()
+    c0, own0, t0 = group.cpu_s(), time.process_time(), time.monotonic()
     yield
-    line = {"test": item.nodeid, "cpu": round(group.cpu_s() - c0, 3), "wall": round(time.monotonic() - t0, 3)}
+    line = {"test": item.nodeid, "cpu": round(group.cpu_s() - c0, 3), "wall": round(time.monotonic() - t0, 3),
+            "own": round(time.process_time() - own0, 3)}
     with open(_state["file"], "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -102,7 +105,11 @@ def summarize(out: Path, top: int = 25) -> dict[str, Any]:
     print(f"{'CPU s':>8} {'wall s':>7}  test (the {top} costliest of {len(rows)})")
     for r in sorted(rows, key=lambda r: -r["cpu"])[:top]:
         print(f"{r['cpu']:8.1f} {r['wall']:7.1f}  {r['test']}")
+    print(f"{'own s':>8} {'CPU s':>7}  test (the {top} whose pytest process spent the most itself)")
+    for r in sorted(rows, key=lambda r: -r.get("own", 0.0))[:top]:
+        print(f"{r.get('own', 0.0):8.1f} {r['cpu']:7.1f}  {r['test']}")
     return {"tests": len(rows), "cpu_s": round(sum(r["cpu"] for r in rows), 1),
+            "own_cpu_s": round(sum(r.get("own", 0.0) for r in rows), 1),
             "costliest_file": max(by_file, key=by_file.__getitem__) if by_file else None}
 
 
