@@ -106,10 +106,10 @@ def summarize(out: Path, top: int = 25) -> dict[str, Any]:
     for r in sorted(rows, key=lambda r: -r["cpu"])[:top]:
         print(f"{r['cpu']:8.1f} {r['wall']:7.1f}  {r['test']}")
     print(f"{'own s':>8} {'CPU s':>7}  test (the {top} whose pytest process spent the most itself)")
-    for r in sorted(rows, key=lambda r: -r.get("own", 0.0))[:top]:
-        print(f"{r.get('own', 0.0):8.1f} {r['cpu']:7.1f}  {r['test']}")
+    for r in sorted(rows, key=lambda r: -r["own"])[:top]:
+        print(f"{r['own']:8.1f} {r['cpu']:7.1f}  {r['test']}")
     return {"tests": len(rows), "cpu_s": round(sum(r["cpu"] for r in rows), 1),
-            "own_cpu_s": round(sum(r.get("own", 0.0) for r in rows), 1),
+            "own_cpu_s": round(sum(r["own"] for r in rows), 1),
             "costliest_file": max(by_file, key=by_file.__getitem__) if by_file else None}
 
 
