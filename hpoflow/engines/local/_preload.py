@@ -11,7 +11,14 @@ worker on the digits study of ``bench/peers.py``, and part of the first trial's 
 
 It runs on one thread (``torch.set_num_threads(1)``; the previous count is restored, which starts no
 thread): the intra-op pool never starts here, so forking afterwards stays safe
-(``tests/engines/test_preload.py`` checks that the warm-up adds no thread).
+(``tests/engines/test_preload.py`` checks that the warm-up adds no thread). A torch built for GPUs
+(``torch.backends.cuda.is_built()``) runs the forward passes only, with no ``backward()`` and no optimizer
+step: on a machine with a GPU, the autograd engine's first run starts a thread per GPU, and an optimizer's
+step checks for CUDA graph capture, which initialises CUDA; every worker forked afterwards then failed its
+trials ("Unable to handle autograd's threading in combination with fork-based multiprocessing",
+"Cannot re-initialize CUDA in forked subprocess", "CUDA error: initialization error": ``bench/gpu_check.py``
+on an H100 and an H200, torch 2.11+cu130). The optimizers are still constructed (the ``torch._dynamo``
+import).
 ``HPOFLOW_NO_WARMUP=1`` skips the warm-up (torch is still imported).
 """
 
@@ -35,6 +42,8 @@ from hpoflow.spec import TrainConfig
 
 __all__ = ["warm_up"]
 
+_GPU_BUILD = torch.backends.cuda.is_built()
+
 
 def _train_steps() -> None:
     """Two training steps and an evaluation pass of a small CNN on random data, on one thread."""
@@ -52,8 +61,10 @@ def _train_steps() -> None:
                     torch.optim.Adam(model.parameters())):
             model.train()
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x[torch.randperm(8, generator=gen)]), y).backward()
-            opt.step()
+            loss = nn.functional.cross_entropy(model(x[torch.randperm(8, generator=gen)]), y)
+            if not _GPU_BUILD:  # no autograd engine and no optimizer step in its forkserver (the docstring)
+                loss.backward()
+                opt.step()
         model.eval()
         with torch.no_grad():
             float((model(x).argmax(1) == y).float().mean())
