@@ -85,6 +85,9 @@ class PeakMemory:
         self._base_file_kib: int | None = None
         self._reset = False
         if device.type == "cuda":
+            # CUDA's caching allocator exists only once CUDA is initialised: before (a whole GPU's first
+            # trial, nothing on the device yet) the reset raised "Invalid device argument" (torch 2.11)
+            torch.cuda.init()
             torch.cuda.reset_peak_memory_stats(device)
             return
         _own_mappings()
