@@ -40,6 +40,7 @@ CASES = {
                  {"digits_wall_ratio", "digits_pss_ratio", "digits_first_vs_later_duration",
                   "short_hpoflow_overhead_ms_per_trial_slot", "short_optuna_overhead_ms_per_trial_slot"}),
     "busy.py": (["true"], {"exit", "wall_s", "busy_core_s", "idle_core_s", "mean_busy_cores"}),
+    "gpu_check.py": (["--dry-run"], {"environment", "trials", "epochs", "cpu", "gpu", "share"}),
     "suite_cpu.py": (["--out", "cpu", "-n", "2", "-q", "tests/test_layers.py"],
                      {"tests", "cpu_s", "wall_s", "pytest_exit"}),
     "slurm_steps.py": (["--trials", "4", "--repeats", "1", "--no-torch-preload"],
@@ -70,6 +71,10 @@ def test_bench_script_ends_with_its_json_line(script: str, tmp_path: Path) -> No
     assert keys <= set(figures), f"{script} JSON line lacks {sorted(keys - set(figures))}: {figures}"
     if script == "peers.py":  # measured, not None: a later digits trial ran beside the first ones
         assert figures["digits_first_vs_later_duration"] is not None, figures
+    if script == "gpu_check.py":  # the cpu study ran every trial; the GPU studies only where CUDA is
+        assert figures["cpu"]["complete"] == figures["trials"] == 2 and figures["cpu"]["failed"] == 0, figures
+        if not figures["environment"]["cuda_available"]:
+            assert figures["gpu"] is None and figures["share"] is None, figures
     if script == "suite_cpu.py":  # the two tests of tests/test_layers.py, each charged what its worker spent
         assert figures["tests"] == 2 and figures["cpu_s"] > 0 and figures["pytest_exit"] == 0, figures
 
