@@ -22,9 +22,6 @@ import yaml
 from hpoflow.oracle import Plan, Prediction, load_cluster, model_facts, predict
 from hpoflow.oracle.baseline import Baseline, calibrate_scale
 
-# One xdist worker runs the tests that measure the published models (test_published.py, test_trace_units.py),
-# so each model's trace on the meta device (seconds; ``model_facts`` keeps it per process) is made once.
-pytestmark = pytest.mark.xdist_group("oracle-published-models")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "oracle.md"
 _CASE = re.compile(r"```yaml\n# validation case: ([\w.-]+)\n(.*?)```", re.S)
 _ROW = re.compile(r"^\| (\S+) \| (\d+) \| ([^|]+?) \| ([^|]+?) \| ([^|]+?) \| ([^|]+?) \|$", re.M)

@@ -12,9 +12,6 @@ from hpoflow.oracle import model_facts
 from hpoflow.oracle._trace import sharding_units
 from hpoflow.oracle._zoo import ZOO
 
-# One xdist worker runs the tests that measure the published models (test_published.py, test_trace_units.py),
-# so each model's trace on the meta device (seconds; ``model_facts`` keeps it per process) is made once.
-pytestmark = pytest.mark.xdist_group("oracle-published-models")
 SMALL = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 4, "ffn": 512}
 
 
