@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,40 @@ def test_busy_reads_what_the_kernels_process_accounting_wrote() -> None:
     bands = {tuple(r["band_s"]): (r["processes"], r["cpu_s"]) for r in summary["largest_by_band"]}
     assert bands == {(0.0, 0.5): (1, 0.4), (0.5, 1.0): (1, 0.7), (1.0, 2.5): (0, 0), (2.5, 6.0): (1, 3.0),
                      (6.0, None): (0, 0)}
+
+
+def test_busy_names_each_process_by_its_command_line() -> None:
+    """``busy.py --kinds``: the kind of a process from its command line, and a process of the accounting
+    found among those a ``Sightings`` saw running (a real child here), or by its parent when it forked without
+    an exec; what it never saw is named as such."""
+    busy = _bench_module("busy")
+    py = "/usr/bin/python3"
+    assert [busy.kind(a) for a in (
+        [py, "-c", "from multiprocessing.forkserver import main; main(8, 9, ['x'], **{})"],
+        [py, "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"],
+        [py, "-m", "hpoflow", "run", "spec.yaml", "--json"],
+        ["/usr/bin/python3", "/usr/local/bin/hpoflow", "validate", "spec.yaml"],
+        [py, "-m", "hpoflow.engines.cluster.node", "rank", "--world", "2"],
+        [py, "-X", "importtime", "-m", "pytest", "-q"],
+        [py, "-u", "examples/scripts/train_hf.py", "--epochs", "1"],
+        [py, "-c", "print(1)"],
+        [py, "-m", "hpoflow.engines.agent", "--port", "1"],
+    )] == ["forkserver", "pytest-xdist worker", "hpoflow run", "hpoflow validate",
+           "hpoflow.engines.cluster.node rank", "pytest", "train_hf.py", "python -c", "hpoflow.engines.agent"]
+
+    seen = busy.Sightings(every_s=0.02)
+    seen.start()
+    began = int(time.time())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    child.wait()
+    seen.stop()
+    argv = seen.find(child.pid, began)
+    assert argv is not None and argv[1:] == ["-c", "import time; time.sleep(0.5)"], argv
+    ended = [busy.Ended("python", False, 1.0, child.pid, os.getpid(), began),
+             busy.Ended("python", True, 0.5, child.pid + 1, child.pid, began),  # forked by the child
+             busy.Ended("python", True, 0.25, child.pid + 1, child.pid, began),
+             busy.Ended("python", False, 2.0, 1, 0, began - 3600),  # not seen (pid 1 began long before)
+             busy.Ended("srun", False, 0.125, child.pid, os.getpid(), began)]  # exec'd after the sighting
+    rows = [(r["kind"], r["processes"], r["cpu_s"]) for r in busy.summarize_kinds(ended, seen)]
+    assert rows == [("python (unseen)", 1, 2.0), ("python -c", 1, 1.0), ("forked from python -c", 2, 0.8),
+                    ("srun", 1, 0.1)], rows
