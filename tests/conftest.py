@@ -34,9 +34,9 @@ TINY: dict[str, Any] = {
 }
 
 
-# The xdist_group of the oracle's tests (tests/oracle) that use no shared fixture: one worker runs them, so a
-# model's trace on the meta device (``model_facts``, ``trace_model``: up to seconds each, kept per process)
-# is made once per run, not once per worker that meets the model.
+# The xdist_group of the oracle's in-process tests (tests/oracle) that use no shared fixture: one worker runs
+# them, so a model's trace on the meta device (``model_facts``, ``trace_model``: up to seconds each, kept per
+# process) is made once per run, not once per worker that meets the model.
 ORACLE_GROUP = "oracle-models"
 
 RUN_ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}  # trial functions importable
@@ -235,6 +235,6 @@ def _group(item: pytest.Item) -> str | None:
             return f"module:{fixture[0].baseid}"
         if fixture[0].scope == "session":
             return f"session:{name}"
-    if item.path.is_relative_to(ROOT / "tests" / "oracle"):
-        return ORACLE_GROUP
+    if item.path.is_relative_to(ROOT / "tests" / "oracle") and item.path.name != "test_cli_calibrate.py":
+        return ORACLE_GROUP  # (the oracle's commands, test_cli_calibrate.py, trace in processes of their own)
     return None
