@@ -146,7 +146,8 @@ _PY_FLAGS_WITH_VALUE = {"-W", "-X", "-Q"}
 
 
 def kind(argv: list[str]) -> str:
-    """The kind of a Python process, from its command line (see the module docstring)."""
+    """The kind of a process, from its command line (see the module docstring); another program than Python
+    by its name."""
     line = " ".join(argv)
     if "multiprocessing.forkserver import main" in line:
         return "forkserver"
@@ -156,6 +157,8 @@ def kind(argv: list[str]) -> str:
         return "spawned (multiprocessing)"
     if "exec(eval(sys.stdin.readline()))" in line:
         return "pytest-xdist worker"
+    if not os.path.basename(argv[0]).startswith("python"):  # not Python (a script's is: its interpreter's)
+        return os.path.basename(argv[0])
     args = argv[1:]
     while args and args[0].startswith("-") and args[0] not in ("-m", "-c", "-"):
         args = args[2:] if args[0] in _PY_FLAGS_WITH_VALUE else args[1:]

@@ -143,8 +143,10 @@ def test_busy_names_each_process_by_its_command_line() -> None:
         [py, "-u", "examples/scripts/train_hf.py", "--epochs", "1"],
         [py, "-c", "print(1)"],
         [py, "-m", "hpoflow.engines.agent", "--port", "1"],
+        ["/usr/sbin/slurmd", "-N", "n1"],
     )] == ["forkserver", "pytest-xdist worker", "hpoflow run", "hpoflow validate",
-           "hpoflow.engines.cluster.node rank", "pytest", "train_hf.py", "python -c", "hpoflow.engines.agent"]
+           "hpoflow.engines.cluster.node rank", "pytest", "train_hf.py", "python -c", "hpoflow.engines.agent",
+           "slurmd"]
 
     seen = busy.Sightings(every_s=0.02)
     seen.start()
