@@ -19,12 +19,13 @@ off afterwards, whatever it was before, and there is one per machine: two ``--pr
 spoil each other's counts.
 
 ``--kinds`` (implies ``--processes``) also samples every process's command line from ``/proc`` (every 50 ms,
-in a thread of this script: ~1-3 % of a core) and prints the CPU by kind of process, read from the command line
-that ran: a forkserver (``multiprocessing.forkserver``), a pytest-xdist worker, ``hpoflow run``, a module run with
-``-m`` (and its first argument: ``hpoflow.engines.cluster.node rank``), a script by its file name; a process
-forked without an exec by its parent's kind (``forked from forkserver``: the local engine's workers and what
-they fork). A process that ended within 50 ms of its start may go unseen (``python (unseen)``); one that is not
-Python by its name (``srun``, ``postgres``).
+in a thread of this script: 0.7 % of a core with a hundred processes running) and prints the CPU by kind
+of process, read from the command line that ran: a forkserver (``multiprocessing.forkserver``), a
+pytest-xdist worker, ``hpoflow run``, a module run with ``-m`` (and its first argument:
+``hpoflow.engines.cluster.node rank``), a script by its file name; a process forked without an exec by its
+parent's kind (``forked from forkserver``: the local engine's workers and what they fork). A process that
+ended within 50 ms of its start may go unseen (``python (unseen)``); one that is not Python by its name
+(``srun``, ``postgres``).
 """
 
 from __future__ import annotations
