@@ -26,8 +26,6 @@ machine: the plumbing, before a GPU's minutes are spent.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _common import BENCH, emit
+from _common import BENCH, emit, median
 
 ROOT = BENCH.parent
 
@@ -50,7 +48,7 @@ def _spec(name: str, trials: int, epochs: int, gpus: float, concurrent: int) -> 
 
 
 def _median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 4) if values else None
+    return round(median(values), 4) if values else None
 
 
 def _study(name: str, spec: dict[str, Any], gpus: list[int], cores: list[int], out: Path) -> dict[str, Any]:
@@ -92,6 +90,8 @@ def _environment() -> dict[str, Any]:
 
 
 def main() -> int:
+    from hpoflow.engines.machine import machine_cores
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=12)
     ap.add_argument("--epochs", type=int, default=15)
@@ -100,7 +100,7 @@ def main() -> int:
     trials, epochs = (2, 1) if args.dry_run else (args.trials, args.epochs)
     env = _environment()
     gpus = list(range(int(env.get("gpus", 0))))
-    cores = sorted(os.sched_getaffinity(0))[:4] if hasattr(os, "sched_getaffinity") else [0, 1]
+    cores = machine_cores()[:4]
     specs = {"cpu": _spec("cpu", trials, epochs, 0, 2),
              "gpu": _spec("gpu", trials, epochs, 1, max(1, len(gpus))),
              "share": _spec("share", trials, epochs, 0.25, 4 * max(1, len(gpus)))}
