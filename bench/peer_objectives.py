@@ -13,19 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from peer_space import SPACE
 from sklearn.datasets import load_digits
 from torch import nn
 
 EPOCHS = 15
 BATCH = 64
 CHANNELS = 16
-
-
-def space_spec() -> dict[str, Any]:
-    """The search space, in hpoflow's spec form (``optuna_objective`` suggests the same)."""
-    return {"lr": {"type": "float", "low": 1e-3, "high": 0.3, "log": True},
-            "momentum": {"type": "float", "low": 0.5, "high": 0.99},
-            "weight_decay": {"type": "float", "low": 1e-6, "high": 1e-3, "log": True}}
 
 
 def train_digits(params: dict[str, Any], epochs: int, report: Callable[[int, float], None]) -> float:
@@ -64,13 +58,13 @@ def digits_cnn(ctx: Any) -> dict[str, float]:
 
 
 def optuna_objective(epochs: int, log: list[tuple[float, float]]) -> Callable[[Any], float]:
-    """Plain Optuna's objective over the same space; appends (start, end) wall times to ``log``."""
+    """Plain Optuna's objective over the same space (``peer_space.SPACE``); appends (start, end) wall
+    times to ``log``."""
 
     def objective(trial: Any) -> float:
         t0 = time.time()
-        params = {"lr": trial.suggest_float("lr", 1e-3, 0.3, log=True),
-                  "momentum": trial.suggest_float("momentum", 0.5, 0.99),
-                  "weight_decay": trial.suggest_float("weight_decay", 1e-6, 1e-3, log=True)}
+        params = {name: trial.suggest_float(name, p["low"], p["high"], log=bool(p.get("log", False)))
+                  for name, p in SPACE.items()}
         acc = train_digits(params, epochs, lambda e, a: trial.report(a, e))
         log.append((t0, time.time()))
         return acc
