@@ -307,9 +307,24 @@ def kill_netns_processes(name: str, grace: float = 5.0) -> None:
             time.sleep(0.1)
 
 
-def sweep_stale() -> list[str]:
+@contextlib.contextmanager
+def sweep_lock() -> Iterator[None]:
+    """Held by each sweep (``sweep_stale``): one process sweeps at a time. A test that makes leftovers
+    and sweeps them holds it across both (``sweep_stale(locked=True)``), so another worker's ``create()``
+    cannot sweep them first."""
+    path = Path(tempfile.gettempdir()) / "hpoflow-netns-sweep.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def sweep_stale(*, locked: bool = False) -> list[str]:
     """Delete the namespaces (killing what runs in them) and links of this module's naming scheme whose
-    creating process is dead; returns their names. Names of live processes, ours included, are kept."""
+    creating process is dead; returns their names. Names of live processes, ours included, are kept.
+    Under ``sweep_lock`` (``locked``: the caller holds it already)."""
     def dead(name: str) -> bool:
         match = STALE.fullmatch(name)
         if match is None:
@@ -323,15 +338,16 @@ def sweep_stale() -> list[str]:
         return False
 
     swept = []
-    for name in ip("netns", "list", check=False).stdout.split():
-        if dead(name):
-            kill_netns_processes(name)
-            ip("netns", "del", name, check=False)
-            swept.append(name)
-    for line in ip("-o", "link", "show", check=False).stdout.splitlines():
-        parts = line.split(":", 2)
-        name = parts[1].strip().split("@")[0] if len(parts) > 2 else ""
-        if dead(name):
-            ip("link", "del", name, check=False)
-            swept.append(name)
+    with contextlib.nullcontext() if locked else sweep_lock():
+        for name in ip("netns", "list", check=False).stdout.split():
+            if dead(name):
+                kill_netns_processes(name)
+                ip("netns", "del", name, check=False)
+                swept.append(name)
+        for line in ip("-o", "link", "show", check=False).stdout.splitlines():
+            parts = line.split(":", 2)
+            name = parts[1].strip().split("@")[0] if len(parts) > 2 else ""
+            if dead(name):
+                ip("link", "del", name, check=False)
+                swept.append(name)
     return swept

@@ -16,7 +16,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.infra.netns import NETNS_DIR, NetnsCluster, NetnsError, ip, sweep_stale, unavailable_reason
+from tests.infra.netns import (
+    NETNS_DIR,
+    NetnsCluster,
+    NetnsError,
+    ip,
+    sweep_lock,
+    sweep_stale,
+    unavailable_reason,
+)
 from tests.infra.postgres import PostgresServer
 from tests.infra.slurm import SlurmCluster, write_script
 
@@ -103,11 +111,12 @@ def test_what_a_killed_session_left_is_swept(netns_cluster: NetnsCluster) -> Non
     names = [f"hin{gone.pid}x0n0", f"hib{gone.pid}x0"]
     mine = f"hin{os.getpid()}x99n0"
     try:
-        ip("netns", "add", names[0])
-        ip("netns", "add", mine)
-        if ip("link", "add", names[1], "type", "bridge", check=False).returncode != 0:
-            pytest.skip("cannot create links here")
-        swept = sweep_stale()
+        with sweep_lock():  # another worker's create() sweeps too: it must not take these first
+            ip("netns", "add", names[0])
+            ip("netns", "add", mine)
+            if ip("link", "add", names[1], "type", "bridge", check=False).returncode != 0:
+                pytest.skip("cannot create links here")
+            swept = sweep_stale(locked=True)
         assert set(names) <= set(swept) and mine not in swept
         assert names[0] not in ip("netns", "list").stdout.split()
         assert ip("link", "show", names[1], check=False).returncode != 0
