@@ -266,8 +266,14 @@ def _tc(namespace: str, *args: str) -> None:
 def _subnet_lock() -> Iterator[None]:
     """Held while a subnet is checked free and its bridge address added: two processes creating clusters
     at once never take the same 198.18.X.0/24."""
-    path = Path(tempfile.gettempdir()) / "hpoflow-netns-subnet.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with _file_lock("hpoflow-netns-subnet.lock"):
+        yield
+
+
+@contextlib.contextmanager
+def _file_lock(name: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``name`` in the system temp dir, shared by every test process."""
+    fd = os.open(Path(tempfile.gettempdir()) / name, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -312,13 +318,8 @@ def sweep_lock() -> Iterator[None]:
     """Held by each sweep (``sweep_stale``): one process sweeps at a time. A test that makes leftovers
     and sweeps them holds it across both (``sweep_stale(locked=True)``), so another worker's ``create()``
     cannot sweep them first."""
-    path = Path(tempfile.gettempdir()) / "hpoflow-netns-sweep.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with _file_lock("hpoflow-netns-sweep.lock"):
         yield
-    finally:
-        os.close(fd)  # drops the lock
 
 
 def sweep_stale(*, locked: bool = False) -> list[str]:
