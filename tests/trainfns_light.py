@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -23,6 +24,18 @@ def torch_probe(ctx: Any) -> dict[str, float]:
     return {"value": 0.0, "torch_was_loaded": float(loaded_before), "draw": float(torch.rand(1).item()),
             "threads": float(torch.get_num_threads()), "numpy_was_loaded": float(numpy_before),
             "np_draw": np_draw}
+
+
+def forkservers_seen(ctx: Any) -> dict[str, float]:
+    """How many forkservers the driver runs while this trial does (on a light worker: the driver's child,
+    so its parent), and whether torch was loaded in this worker."""
+    import psutil
+
+    n = 0
+    for p in psutil.Process(os.getppid()).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # (a process that ended meanwhile)
+            n += "multiprocessing.forkserver" in " ".join(p.cmdline())
+    return {"value": float(n), "torch_was_loaded": float("torch" in sys.modules)}
 
 
 def sim_cost(params: dict[str, Any], number: int) -> dict[str, Any]:

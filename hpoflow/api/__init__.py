@@ -7,9 +7,10 @@ exceeds ``n_trials``. ``preflight.check_runnable`` is every check made before th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def _optimize(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str], run_
     new_dir = not os.path.lexists(os.path.expanduser(where))
     rd = rundir.resolve(where, create=True)
     url = study_url(parsed)  # storage_env's variable leaves os.environ here: no process started later sees it
-    with rundir.RunLock(rd) as lock:
+    with _prestarted(parsed, dirs, own_engine=engine is None), rundir.RunLock(rd) as lock:
         with rundir.disk_errors(rd):
             try:
                 study, label = open_study(rd, parsed, text, url, pruner=make_pruner(parsed.search.pruner),
@@ -93,6 +94,23 @@ def _optimize(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str], run_
         if stop.reason == "signal" and summary.stopped_by in ("budget", "timeout", "energy_budget", "grid_exhausted"):
             summary.stopped_by = "signal"  # after its last trial, but interrupted all the same (exit 130)
         return StudyResult(rd, study, summary, label)
+
+
+@contextlib.contextmanager
+def _prestarted(spec: StudySpec, dirs: tuple[str, ...], *, own_engine: bool) -> Iterator[None]:
+    """The local engine's processes boot while the study opens (``hpoflow.engines.local.prestart_for``:
+    light workers when the trials need no torch, no torch import then; else the forkserver); what no
+    engine adopted (the study did not open, another driver holds the run) is stopped on the way out."""
+    if not own_engine or spec.engine != "local":
+        yield
+        return
+    from hpoflow.engines.local import discard_prestarted, prestart_for
+
+    prestart_for(spec, dirs)
+    try:
+        yield
+    finally:
+        discard_prestarted()
 
 
 def _listener(spec: StudySpec, rd: Path, listener: DriverListener | None, progress: bool) -> DriverListener | None:

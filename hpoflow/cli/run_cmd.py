@@ -31,14 +31,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _prestart(spec_path: str, run_dir: str | None) -> SpecError | None:
     """Boot the local engine's processes first, so they start while the rest of hpoflow imports and
     the study opens: the forkserver's torch preload, and light workers when the trials need no torch
-    (``hpoflow.engines.local.prestart``). Input the run would refuse starts nothing (an invalid spec,
+    (``hpoflow.engines.local.prestart_for``). Input the run would refuse starts nothing (an invalid spec,
     ``HPOFLOW_N_TRIALS``, a ``--run-dir`` that cannot be resolved or is a file): ``optimize`` says
     why, and a mistake costs no torch import. A spec that does not load is returned: the first thing
     ``optimize`` would refuse, said by the command without importing the rest of hpoflow (Optuna, the
     driver: half of a refusal's CPU)."""
     from hpoflow.errors import HpoflowError, SpecError
     from hpoflow.run import rundir
-    from hpoflow.spec import env_int, load_spec, resolve_training, search_dirs, warm_target
+    from hpoflow.spec import env_int, load_spec, search_dirs
 
     try:
         spec, _ = load_spec(spec_path)
@@ -52,23 +52,9 @@ def _prestart(spec_path: str, run_dir: str | None) -> SpecError | None:
     spec.storage_url()  # storage_env's variable leaves the environment before any worker process starts
     if spec.engine != "local":
         return None
-    from hpoflow.engines.local import prestart
-    from hpoflow.engines.machine import machine_cores
-    from hpoflow.trial import needs_torch
+    from hpoflow.engines.local import prestart_for
 
-    res = spec.resources
-    function = spec.training.get("function")  # a ${param} placeholder: known per trial only
-    light = 0
-    try:
-        argv = resolve_training(spec.training, {}).command  # placeholders left out: the program is what counts
-    except ValueError:  # (pydantic's ValidationError) the run says why
-        argv = None
-    command = argv is not None
-    warm = argv is not None and not spec.training.get("isolate") and warm_target(argv) is not None
-    if (command or (isinstance(function, str) and "${" not in function)) and not needs_torch(
-            function, res.processes, res.gpus_per_process, search_dirs(spec_path), command=command, warm=warm):
-        light = min(spec.search.max_concurrent, len(machine_cores()) // (res.processes * res.cpus_per_process))
-    prestart(light=light)
+    prestart_for(spec, search_dirs(spec_path))
     return None
 
 

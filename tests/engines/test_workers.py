@@ -27,7 +27,7 @@ from hpoflow.engines.local._modules import MARK, ModuleKeeper
 from hpoflow.engines.logcap import CAP_ENV, LogPump
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, RUN_ENV
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -253,6 +253,30 @@ def test_the_api_runs_its_trials_however_the_caller_was_started(tmp_path: Path, 
     assert p.returncode == 0, p.stderr[-3000:]
     assert "COMPLETE 2 2" in p.stdout, p.stderr[-3000:]
     assert p.stderr.count("MAIN-RAN") == 1, p.stderr[-3000:]  # the caller's process only: no worker ran it
+
+
+API_LIGHT = '''
+import json, sys
+import hpoflow
+
+spec = {"study": {"name": "light", "metric": "value", "direction": "maximize"},
+        "space": {"x": {"type": "float", "low": 0, "high": 1}},
+        "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 1, "seed": 0},
+        "training": {"function": "trainfns_light:forkservers_seen"}}
+res = hpoflow.optimize(spec, run_dir=sys.argv[1])
+print(json.dumps([t.user_attrs["metrics"] for t in res.study.trials]))
+'''
+
+
+def test_the_api_runs_torch_free_trials_on_light_workers_without_starting_a_forkserver(tmp_path: Path) -> None:
+    """``optimize`` boots what its study needs, as ``hpoflow run`` does (``prestart_for``): for trials whose
+    code imports no torch, light workers and no forkserver, whose torch import would cost seconds of CPU
+    for nothing. A fresh interpreter: no forkserver of an earlier test is about."""
+    p = subprocess.run([sys.executable, "-c", API_LIGHT, str(tmp_path / "run")], capture_output=True, text=True,
+                       cwd=tmp_path, env=RUN_ENV, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    metrics = json.loads(p.stdout.strip().splitlines()[-1])
+    assert metrics == [{"value": 0.0, "torch_was_loaded": 0.0}] * 2, metrics
 
 
 @pytest.mark.parametrize("case", ["main_function", "unguarded_self_import"])

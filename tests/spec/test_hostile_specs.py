@@ -225,8 +225,8 @@ def test_input_the_run_refuses_starts_no_engine_process(tmp_path: Path, monkeypa
     import hpoflow.engines.local as local
     from hpoflow.cli import run_cmd
 
-    started: list[int] = []
-    monkeypatch.setattr(local, "prestart", lambda light: started.append(light))
+    started: list[str] = []
+    monkeypatch.setattr(local, "prestart_for", lambda spec, python_path=(): started.append(spec.study.name))
     spec = tmp_path / "spec.yaml"
     spec.write_text(_text())
     (tmp_path / "a").symlink_to(tmp_path / "b")

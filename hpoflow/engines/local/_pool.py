@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpoflow.credentials import scrub_environ
 from hpoflow.engines.local._forkserver import (
@@ -45,9 +45,12 @@ from hpoflow.engines.machine import GpuId
 from hpoflow.engines.proc import kill_tree, sigint_blocked, start_without_main
 from hpoflow.errors import EngineError
 
+if TYPE_CHECKING:
+    from hpoflow.spec import StudySpec
+
 log = logging.getLogger(__name__)
 
-__all__ = ["PRELOAD", "Worker", "WorkerPool", "discard_prestarted", "prestart"]
+__all__ = ["PRELOAD", "Worker", "WorkerPool", "discard_prestarted", "prestart", "prestart_for"]
 
 PRELOAD = ["hpoflow.engines.local._preload"]  # torch and the trainer (its digits need no scikit-learn)
 _PRELOAD_GUARD = "hpoflow.engines.local._preload_guard"  # always imported first: exits if the parent is gone
@@ -119,6 +122,35 @@ def prestart(light: int, preload: list[str] | None = None) -> None:
     ctx = _light_context()
     for i in range(light):
         _PRESTARTED.append(_start_light(ctx, -1 - i))
+
+
+def prestart_for(spec: StudySpec, python_path: tuple[str, ...] = ()) -> None:
+    """``prestart`` what a local run of ``spec`` needs first: light workers (as many as trials may run at
+    once on the engine's cores) when its trials need no torch (``hpoflow.trial.needs_torch``: a single
+    CPU rank of a function whose source imports no torch, a command that runs in a fresh interpreter),
+    else the forkserver. A function given by a ``${param}`` placeholder is known per trial only: the
+    forkserver. Nothing while processes prestarted before still wait for their pool (``hpoflow run``
+    prestarts before it imports ``optimize``, which calls this too)."""
+    if _PRESTARTED or _PRESTARTED_FORKSERVER:
+        return
+    from hpoflow.engines.machine import machine_cores
+    from hpoflow.spec import resolve_training, warm_target
+    from hpoflow.trial import needs_torch
+
+    res = spec.resources
+    function = spec.training.get("function")
+    try:
+        argv = resolve_training(spec.training, {}).command  # placeholders left out: the program is what counts
+    except ValueError:  # (pydantic's ValidationError) the run says why
+        argv = None
+    light = 0
+    if argv is not None or (isinstance(function, str) and "${" not in function):
+        warm = argv is not None and not spec.training.get("isolate") and warm_target(argv) is not None
+        if not needs_torch(function, res.processes, res.gpus_per_process, python_path, command=argv is not None,
+                           warm=warm):
+            cores = spec.engine_option_values().get("cores") or machine_cores()
+            light = min(spec.search.max_concurrent, len(cores) // (res.processes * res.cpus_per_process))
+    prestart(light=light)
 
 
 def discard_prestarted() -> None:
