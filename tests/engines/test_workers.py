@@ -264,19 +264,35 @@ spec = {"study": {"name": "light", "metric": "value", "direction": "maximize"},
         "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 1, "seed": 0},
         "training": {"function": "trainfns_light:forkservers_seen"}}
 res = hpoflow.optimize(spec, run_dir=sys.argv[1])
-print(json.dumps([t.user_attrs["metrics"] for t in res.study.trials]))
+metrics = [t.user_attrs["metrics"] for t in res.study.trials]
+
+# an engine that leaves its forkserver preloaded (closed after its preload): the next study forks from it
+import psutil
+from hpoflow.api import prepare_spec
+from hpoflow.engines.local import LocalEngine, discard_prestarted, prestart_for
+
+engine = LocalEngine(cores=[0])
+engine.wait_warm()
+engine.close()
+before = {p.pid for p in psutil.Process().children()}
+prestart_for(prepare_spec(spec)[0])
+spawned = len({p.pid for p in psutil.Process().children()} - before)
+discard_prestarted()
+print(json.dumps({"metrics": metrics, "spawned": spawned}))
 '''
 
 
 def test_the_api_runs_torch_free_trials_on_light_workers_without_starting_a_forkserver(tmp_path: Path) -> None:
     """``optimize`` boots what its study needs, as ``hpoflow run`` does (``prestart_for``): for trials whose
     code imports no torch, light workers and no forkserver, whose torch import would cost seconds of CPU
-    for nothing. A fresh interpreter: no forkserver of an earlier test is about."""
+    for nothing; but where an earlier engine of the process left its forkserver preloaded, no light
+    worker: the workers fork from it. A fresh interpreter: no forkserver of an earlier test is about."""
     p = subprocess.run([sys.executable, "-c", API_LIGHT, str(tmp_path / "run")], capture_output=True, text=True,
                        cwd=tmp_path, env=RUN_ENV, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    metrics = json.loads(p.stdout.strip().splitlines()[-1])
-    assert metrics == [{"value": 0.0, "torch_was_loaded": 0.0}] * 2, metrics
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["metrics"] == [{"value": 0.0, "torch_was_loaded": 0.0}] * 2, out
+    assert out["spawned"] == 0, out
 
 
 @pytest.mark.parametrize("case", ["main_function", "unguarded_self_import"])

@@ -23,7 +23,8 @@ from typing import Any
 
 from hpoflow.engines.proc import sigint_blocked
 
-__all__ = ["ensure_forkserver", "forkserver_stopped", "kill_forkserver", "stop_forkserver", "use_preload"]
+__all__ = ["ensure_forkserver", "forkserver_stopped", "kill_forkserver", "running_with", "stop_forkserver",
+           "use_preload"]
 
 
 def _server() -> Any:
@@ -76,6 +77,14 @@ def forkserver_stopped() -> bool:
     """Whether the forkserver was stopped under a fork in progress (another engine of this process closed
     while its forkserver preloaded): the fork then fails with a TypeError (no fd)."""
     return getattr(_server(), "_forkserver_alive_fd", 0) is None
+
+
+def running_with(preload: list[str]) -> bool:
+    """Whether this process's forkserver runs, started with ``preload`` (an earlier engine's, which a closed
+    engine leaves once it has preloaded: the next engine's workers fork from it in milliseconds)."""
+    server = _server()
+    return (getattr(server, "_forkserver_pid", None) is not None and not forkserver_stopped()
+            and list(getattr(server, "_preload_modules", ())) == preload)
 
 
 _PRELOAD_LOCK = threading.Lock()

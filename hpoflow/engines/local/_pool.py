@@ -38,6 +38,7 @@ from hpoflow.engines.local._forkserver import (
     ensure_forkserver,
     forkserver_stopped,
     kill_forkserver,
+    running_with,
     stop_forkserver,
     use_preload,
 )
@@ -129,9 +130,11 @@ def prestart_for(spec: StudySpec, python_path: tuple[str, ...] = ()) -> None:
     once on the engine's cores) when its trials need no torch (``hpoflow.trial.needs_torch``: a single
     CPU rank of a function whose source imports no torch, a command that runs in a fresh interpreter),
     else the forkserver. A function given by a ``${param}`` placeholder is known per trial only: the
-    forkserver. Nothing while processes prestarted before still wait for their pool (``hpoflow run``
-    prestarts before it imports ``optimize``, which calls this too)."""
-    if _PRESTARTED or _PRESTARTED_FORKSERVER:
+    forkserver. A forkserver an earlier engine of this process left preloaded is used whatever the trials
+    (forking from it costs less than a light worker's start). Nothing while processes prestarted before
+    still wait for their pool (``hpoflow run`` prestarts before it imports ``optimize``, which calls this
+    too)."""
+    if _PRESTARTED or _PRESTARTED_FORKSERVER or running_with(_preload_list(None)):
         return
     from hpoflow.engines.machine import machine_cores
     from hpoflow.spec import resolve_training, warm_target
