@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpoflow.spec._command import UNBOUNDED_EPOCHS, program, warm_target
+from hpoflow.spec._command import UNBOUNDED_EPOCHS, program, runs_warm, warm_target
 from hpoflow.spec._fingerprint import study_fingerprint
 from hpoflow.spec._gpus import share_error, shares_per_gpu
 from hpoflow.spec._load import (
@@ -75,6 +75,7 @@ __all__ = [
     "prepare_spec",
     "program",
     "resolve_training",
+    "runs_warm",
     "search_dirs",
     "share_error",
     "shares_per_gpu",

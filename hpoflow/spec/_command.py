@@ -159,3 +159,10 @@ def warm_target(argv: list[str]) -> tuple[str, str, list[str]] | None:
     if rest and not rest[0].startswith("-"):
         return "path", rest[0], rest[1:]
     return None
+
+
+def runs_warm(command: object, isolate: object) -> bool:
+    """Whether a command trial's program runs warm (``hpoflow.train.command``: forked from the rank's
+    process, torch imported): a command (a list) that ``warm_target`` can run itself, and
+    ``training.isolate`` not set."""
+    return isinstance(command, list) and not isolate and warm_target([str(a) for a in command]) is not None

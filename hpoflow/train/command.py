@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpoflow.spec import UNBOUNDED_EPOCHS, program, warm_target
+from hpoflow.spec import UNBOUNDED_EPOCHS, program, runs_warm, warm_target
 from hpoflow.train.context import TrialContext, metric_dict
 from hpoflow.train.transport import LineServer, ReportReader
 from hpoflow.trial import RankJob, describe_exit
@@ -616,10 +616,9 @@ def _become(order_fd: int, out: int, err: int, threads: int) -> int:
 def prefork(train: dict[str, Any], threads: int) -> Zygote | None:
     """A ``Zygote`` for a command trial that can run warm (see the module docstring), else None. Call it
     when the rank starts, before any thread or process group exists in this process."""
-    argv = train.get("command")
-    if not isinstance(argv, list) or train.get("isolate") or "torch" not in sys.modules or not hasattr(os, "fork"):
+    if "torch" not in sys.modules or not hasattr(os, "fork"):
         return None
-    if warm_target([str(a) for a in argv]) is None:
+    if not runs_warm(train.get("command"), train.get("isolate")):
         return None
     return Zygote(threads)
 

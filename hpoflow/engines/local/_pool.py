@@ -137,7 +137,7 @@ def prestart_for(spec: StudySpec, python_path: tuple[str, ...] = ()) -> None:
     if _PRESTARTED or _PRESTARTED_FORKSERVER or running_with(_preload_list(None)):
         return
     from hpoflow.engines.machine import machine_cores
-    from hpoflow.spec import resolve_training, warm_target
+    from hpoflow.spec import resolve_training, runs_warm
     from hpoflow.trial import needs_torch
 
     res = spec.resources
@@ -148,9 +148,8 @@ def prestart_for(spec: StudySpec, python_path: tuple[str, ...] = ()) -> None:
         argv = None
     light = 0
     if argv is not None or (isinstance(function, str) and "${" not in function):
-        warm = argv is not None and not spec.training.get("isolate") and warm_target(argv) is not None
         if not needs_torch(function, res.processes, res.gpus_per_process, python_path, command=argv is not None,
-                           warm=warm):
+                           warm=runs_warm(argv, spec.training.get("isolate"))):
             cores = spec.engine_option_values().get("cores") or machine_cores()
             light = min(spec.search.max_concurrent, len(cores) // (res.processes * res.cpus_per_process))
     prestart(light=light)

@@ -49,7 +49,7 @@ from hpoflow.engines.machine import GpuId, check_fits, detect_gpus, gpus_needed,
 from hpoflow.engines.proc import tail
 from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
-from hpoflow.spec import shares_per_gpu, warm_target
+from hpoflow.spec import runs_warm, shares_per_gpu
 from hpoflow.train.rendezvous import private_dir, remove_private_dir, store_path, sweep_private_dirs
 from hpoflow.trial import RankJob, RankOutcome, needs_torch, rank_died, result_from_ranks
 
@@ -231,7 +231,7 @@ class LocalEngine(Engine):
         command = request.train.get("command")
         torch_first = function in self._torch_functions or needs_torch(
             function, request.processes, request.gpus_per_process, request.python_path, command=command is not None,
-            warm=command is not None and not request.train.get("isolate") and warm_target(command) is not None)
+            warm=runs_warm(command, request.train.get("isolate")))
         if torch_first:  # light so far: now a trial needs the preload
             self._pool.start_warm()
         with self._pool.lock:
