@@ -25,7 +25,7 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 __all__ = ["PYTHON_NAMES", "UNBOUNDED_EPOCHS", "command_argv", "command_placeholders", "command_problem",
-           "program", "substitute_command", "warm_target"]
+           "program", "runs_warm", "substitute_command", "warm_target"]
 
 # A command trial without training.epochs has no step limit: its epochs are this (a program ends itself).
 UNBOUNDED_EPOCHS = 2**31 - 1
