@@ -10,7 +10,10 @@ double fork with ``setsid`` does not escape), send the outcome, and reset the st
 changed before the next: environment, working directory, ``sys.path``, the trial's own modules
 (dropped from ``sys.modules`` so module globals start fresh; libraries stay, see ``_modules``),
 torch global settings, thread counts and affinity (set per trial), and signal handlers. Seeds are set
-by the runner at the start of every trial. A worker whose trial crashed, hung, timed out or was
+by the runner at the start of every trial. Before each trial ``multiprocessing``'s state becomes a fresh
+main process's (``hpoflow.train.processes.become_main_process``: not daemonic, no resource tracker or
+forkserver of the engine's), so a trial starts DataLoader workers, a ``Pool`` or ``mp.spawn`` as a
+program does; what they leave is reaped with the trial. A worker whose trial crashed, hung, timed out or was
 cancelled is killed by the engine (with its whole tree) and replaced, never reused. A worker whose
 engine dies (a driver killed with SIGKILL, alone) kills what its trial runs, daemons included, then
 itself (``_die_with_engine``).
@@ -32,6 +35,7 @@ from multiprocessing.reduction import recv_handle
 
 from hpoflow.engines.local._modules import ModuleKeeper
 from hpoflow.engines.proc import become_subreaper, reap_descendants, unblock_sigint
+from hpoflow.train.processes import become_main_process
 from hpoflow.train.runner import run_rank
 from hpoflow.train.transport import NullChannel, PipeChannel
 from hpoflow.trial import RankJob, RankOutcome
@@ -159,6 +163,7 @@ def worker_main(conn: Connection, worker_id: int) -> None:
 
 
 def _run_one(conn: Connection, job: RankJob, env: dict[str, str], cores: tuple[int, ...], out: int) -> RankOutcome:
+    become_main_process()  # the trial may start processes (DataLoader workers, Pool, mp.spawn); see that function
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(out, 1)
