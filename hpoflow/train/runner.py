@@ -244,7 +244,7 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     # energy (hpoflow.train.energy): the rank's own GPUs, and the node's CPU counter at its local rank 0
     energy = meter_for_rank(job.local_rank, max(1, job.world_size // max(1, req.nodes)), req.cpus_per_process,
                             req.gpus_per_process)
-    usage = UsageSampler(cuda_device=0 if use_cuda else None, energy=energy)
+    usage = UsageSampler(cuda_device=0 if use_cuda else None, energy=energy, tree=command)  # a program's processes
     if os.environ.get("HPOFLOW_USAGE", "1") != "0":  # HPOFLOW_USAGE=0: no system usage sampled
         usage.start()
     ctx: TrialContext | None = None

@@ -8,6 +8,11 @@ has run ``quiet_s``, so a long trial's peak and mean memory are seen while it ru
 
 - ``cpu_percent``: CPU time of the process (all its threads) over wall time, in % of one core;
 - ``rss_peak_mb`` / ``rss_mean_mb``: resident memory, peak and mean over the samples;
+- with ``tree`` (a command trial's rank, whose program runs in processes of its own): the CPU time of
+  the descendants that ended (the program and what it started, from the kernel's accounting of waited-for
+  children) is added, the resident memory of the live descendants is added to each sample, the peak is
+  at least the largest a descendant reached (where it rose during the trial), and the bytes the
+  descendants wrote, as sampled, are added to ``disk_write_mb``; network bytes stay the rank process's;
 - ``net_sent_mb`` / ``net_recv_mb``: bytes this process's TCP connections sent (acknowledged by the
   peer) and received, read from the kernel's per-socket counters (``TCP_INFO``: ``tcpi_bytes_acked``,
   ``tcpi_bytes_received``; Linux >= 4.2) of every TCP socket the process holds: the process group's
@@ -136,8 +141,11 @@ class UsageSampler:
     sample before the trial has run that long (the one at ``stop`` measures a short trial)."""
 
     def __init__(self, interval_s: float = 0.5, cuda_device: int | None = None, quiet_s: float = 1.0,
-                 energy: EnergyMeter | None = None) -> None:
+                 energy: EnergyMeter | None = None, tree: bool = False) -> None:
         self.interval_s = interval_s
+        self.tree = tree
+        self._tree_io: dict[int, tuple[int, int]] = {}  # descendant pid -> (write bytes at first sight, last)
+        self._maxrss0 = 0.0
         self.energy = energy
         self._energy_lock = threading.Lock()
         self.quiet_s = quiet_s
@@ -161,7 +169,9 @@ class UsageSampler:
         except ImportError:  # psutil is a dependency; a stripped environment still runs trials
             return self
         self._t0 = time.monotonic()
-        self._cpu0 = _cpu_s()
+        self._cpu0 = _cpu_s(self.tree)
+        self._maxrss0 = _children_maxrss_mb()
+        self._tree_io = {}
         self._io0 = self._write_bytes()
         self._sockets = {}  # sockets of an earlier trial in this worker count only what they add now
         self._base = _tcp_counters()
@@ -186,6 +196,8 @@ class UsageSampler:
             rss = self._proc.memory_info().rss / _MB
         except Exception:  # the process is going away
             return
+        if self.tree:
+            rss += self._descendants()
         counters = _tcp_counters()
         util = None
         if self._nvml is not None:
@@ -203,6 +215,23 @@ class UsageSampler:
                 old = self._sockets.get(key, (0, 0))
                 self._sockets[key] = (max(old[0], acked - a0), max(old[1], received - r0))
 
+    def _descendants(self) -> float:
+        """The resident memory (MB) of this process's live descendants now; notes their bytes written."""
+        total = 0.0
+        try:
+            children = self._proc.children(recursive=True)
+        except Exception:  # the process is going away
+            return 0.0
+        for child in children:
+            try:
+                total += child.memory_info().rss / _MB
+                written = int(child.io_counters().write_bytes)
+            except Exception:  # gone meanwhile, or not ours to read
+                continue
+            first, _ = self._tree_io.get(child.pid, (written, written))
+            self._tree_io[child.pid] = (first, written)
+        return total
+
     def stop(self) -> dict[str, float]:
         """Take a last sample, leave the sampling thread, return the summary (``{}`` without psutil)."""
         if self._summary is not None:
@@ -218,15 +247,19 @@ class UsageSampler:
             with self._energy_lock:
                 energy = self.energy.stop()
         wall = max(1e-9, time.monotonic() - self._t0)
-        cpu_s = max(0.0, _cpu_s() - self._cpu0)
+        cpu_s = max(0.0, _cpu_s(self.tree) - self._cpu0)
+        peak = max(self._rss, default=0.0)
+        if self.tree and (maxrss := _children_maxrss_mb()) > self._maxrss0:  # a descendant's peak, once reaped
+            peak = max(peak, maxrss)
         with self._lock:
             sent = sum(a for a, _ in self._sockets.values())
             recv = sum(r for _, r in self._sockets.values())
             summary = {"cpu_percent": round(100.0 * cpu_s / wall, 1),
-                       "rss_peak_mb": round(max(self._rss, default=0.0), 1),
+                       "rss_peak_mb": round(peak, 1),
                        "rss_mean_mb": round(sum(self._rss) / len(self._rss), 1) if self._rss else 0.0,
                        "net_sent_mb": round(sent / _MB, 3), "net_recv_mb": round(recv / _MB, 3),
-                       "disk_write_mb": round(max(0, self._write_bytes() - self._io0) / _MB, 3)}
+                       "disk_write_mb": round((max(0, self._write_bytes() - self._io0)
+                                               + sum(last - first for first, last in self._tree_io.values())) / _MB, 3)}
             if self._gpu_util:
                 summary["gpu_util_percent"] = round(sum(self._gpu_util) / len(self._gpu_util), 1)
         torch = sys.modules.get("torch")
@@ -237,10 +270,18 @@ class UsageSampler:
         return summary
 
 
-def _cpu_s() -> float:
-    """CPU time of this process, all its threads (user + system)."""
+def _cpu_s(tree: bool = False) -> float:
+    """CPU time of this process, all its threads (user + system); with ``tree``, also of the descendants it
+    (and they, recursively) waited for: a command trial's program and what it started, once ended."""
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + ((t.children_user + t.children_system) if tree else 0.0)
+
+
+def _children_maxrss_mb() -> float:
+    """The largest resident memory any waited-for descendant of this process reached (MB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # (Linux: kB)
 
 
 def _nvml_handle(index: int) -> tuple[Any, Any] | None:
