@@ -93,7 +93,7 @@ def _number(name: str, value: Any) -> float:
                         "float, a NumPy scalar, a one-element tensor)") from None
 
 
-def report(step: int, **metrics: Any) -> None:
+def report(step: int, /, **metrics: Any) -> None:
     """Report ``metrics`` at ``step`` (an epoch, a global step). Rank 0's reports reach the study, where the
     pruner or scheduler decides on them; it returns once they have (``should_stop()`` then knows)."""
     if isinstance(step, bool) or not isinstance(step, int):

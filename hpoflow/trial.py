@@ -14,6 +14,7 @@ import functools
 import importlib.machinery
 import json
 import os
+import re
 import signal
 import site
 import sys
@@ -23,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 __all__ = ["GPU_SHARE_ENV", "RANK_DIED", "Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport",
-           "TrialRequest", "TrialResult", "TrialStatus", "Verdict", "aggregate_usage", "describe_exit",
-           "imports_torch", "needs_torch", "rank_died", "result_from_ranks"]
+           "TrialRequest", "TrialResult", "TrialStatus", "Verdict", "aggregate_usage", "clip_error", "describe_exit",
+           "error_cause", "imports_torch", "needs_torch", "rank_died", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 
@@ -436,6 +437,31 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+# the line that names an exception, as Python prints it last in a traceback: "OSError: [Errno 9] ..."
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Warning|Failure)\b(?::|$)")
+
+
+def error_cause(text: str) -> str:
+    """The line of a program's stderr that says why it failed: the last line naming an exception (a
+    traceback's last line; also one printed by a library after its own traceback), else the last non-empty
+    line; '' for no text."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return lines[-1] if lines else ""
+
+
+def clip_error(text: str, limit: int = 2000) -> str:
+    """``text`` in at most about ``limit`` characters: its first line (what failed) and its end (the cause:
+    a traceback's last lines), joined by ``...``; whole where it fits."""
+    if len(text) <= limit:
+        return text
+    head = text.split("\n", 1)[0][: limit // 4]
+    return f"{head}\n...\n{text[-(limit - len(head) - 5):]}"
 
 
 _USAGE_MEAN = ("cpu_percent", "rss_mean_mb", "gpu_util_percent", "cpu_energy_share", "gpu_energy_share")

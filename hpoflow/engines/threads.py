@@ -30,7 +30,7 @@ class Reporter:
         self._answers: queue.Queue[bool] = queue.Queue()
         self.pruned = False
 
-    def report(self, step: int, **metrics: float) -> bool:
+    def report(self, step: int, /, **metrics: float) -> bool:
         wants = self._request.pruning and self._request.metric in metrics
         self._engine._events.put(TrialReport(self._request.number, step, dict(metrics), wants))
         if wants:

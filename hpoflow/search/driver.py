@@ -58,7 +58,7 @@ from hpoflow.search.summary import (
     write_result,
 )
 from hpoflow.spec import StudySpec, parse_constraint, resolve_training
-from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, Verdict
+from hpoflow.trial import Event, TrialReport, TrialRequest, TrialResult, Verdict, clip_error
 
 __all__ = ["Driver", "DriverListener", "DriverSummary", "Precheck"]
 
@@ -568,7 +568,7 @@ class Driver:
         if res.system:
             trial.set_user_attr("system", res.system)
         if res.error:
-            trial.set_user_attr("error", res.error[:2000])
+            trial.set_user_attr("error", clip_error(res.error))  # its first line and its cause at the end
         if not self._write_result(fl.request, res) and res.status == "failed":
             res = replace(res, status="cancelled")  # the disk filled under it: rerun it on resume, uncounted
         if res.status == "cancelled":

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from hpoflow.spec._command import UNBOUNDED_EPOCHS, program, runs_warm, warm_target
+from hpoflow.spec._command import (
+    RUN_PLACEHOLDERS,
+    UNBOUNDED_EPOCHS,
+    anchor_paths,
+    program,
+    run_values,
+    runs_warm,
+    warm_target,
+)
 from hpoflow.spec._fingerprint import study_fingerprint
 from hpoflow.spec._gpus import share_error, shares_per_gpu
 from hpoflow.spec._load import (
@@ -45,6 +53,7 @@ from hpoflow.spec._models import (
 __all__ = [
     "BUILTIN_MEASURES",
     "BUILTIN_METRICS",
+    "RUN_PLACEHOLDERS",
     "SCHEDULABLE",
     "SYSTEM_PREFIX",
     "UNBOUNDED_EPOCHS",
@@ -63,6 +72,7 @@ __all__ = [
     "StudySpec",
     "TrackingSpec",
     "TrainConfig",
+    "anchor_paths",
     "env_int",
     "extremes",
     "import_plugins",
@@ -75,6 +85,7 @@ __all__ = [
     "prepare_spec",
     "program",
     "resolve_training",
+    "run_values",
     "runs_warm",
     "search_dirs",
     "share_error",

@@ -7,6 +7,17 @@ than the one argument it stands in. An argument naming a parameter that is inact
 ``when`` condition unmet) is left out, and so is the option just before a whole placeholder
 (``--momentum "${momentum}"``: both go).
 
+``${trial_dir}`` and ``${checkpoint_dir}`` (``RUN_PLACEHOLDERS``) are no parameters: they stand for the
+trial's directory and its checkpoint directory, known where the trial runs, and are replaced there
+(``run_values``), in ``command`` and in ``training.workdir``.
+
+The program runs in ``training.workdir``: by default its trial directory (``${trial_dir}``), so files a
+program writes under fixed names (``model.pt``, ``lightning_logs/``) are the trial's own; ``.`` is the
+directory ``hpoflow`` runs in. Relative paths of the command keep meaning what they mean there: an
+argument (or an ``--option=value``'s value) that names an existing file or directory relative to the
+directory ``hpoflow`` runs in is made absolute (``anchor_paths``); a path that does not exist yet (an
+output) stays relative, so it lands in the working directory.
+
 The program is found like a shell would: a name without ``/`` on ``PATH``, a path relative to the
 directory ``hpoflow`` runs in; ``python``/``python3`` mean the interpreter running hpoflow (as
 ``torchrun`` runs a script with its own interpreter).
@@ -24,14 +35,17 @@ from typing import Any
 
 from pydantic_core import PydanticCustomError
 
-__all__ = ["PYTHON_NAMES", "UNBOUNDED_EPOCHS", "command_argv", "command_placeholders", "command_problem",
-           "program", "runs_warm", "substitute_command", "warm_target"]
+__all__ = ["PYTHON_NAMES", "RUN_PLACEHOLDERS", "UNBOUNDED_EPOCHS", "anchor_paths", "command_argv",
+           "command_placeholders", "command_problem", "program", "run_values", "runs_warm", "substitute_command",
+           "warm_target"]
 
 # A command trial without training.epochs has no step limit: its epochs are this (a program ends itself).
 UNBOUNDED_EPOCHS = 2**31 - 1
 PYTHON_NAMES = ("python", "python3")
 _ANY_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _WHOLE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+# placeholders of where a trial runs, not of its parameters: replaced on the trial's host (run_values)
+RUN_PLACEHOLDERS = ("trial_dir", "checkpoint_dir")
 
 
 def command_argv(value: Any) -> list[str] | None:
@@ -86,12 +100,45 @@ def substitute_command(value: Any, params: Mapping[str, Any]) -> list[str] | Non
         return None
     out: list[str] = []
     for arg in argv:
-        names = [m.group(1) for m in _ANY_PLACEHOLDER.finditer(arg)]
+        names = [m.group(1) for m in _ANY_PLACEHOLDER.finditer(arg) if m.group(1) not in RUN_PLACEHOLDERS]
         if any(n not in params for n in names):
             if _WHOLE.match(arg) and out and out[-1].startswith("-") and "=" not in out[-1] and len(out) > 1:
                 out.pop()  # the option whose value this was
             continue
-        out.append(_ANY_PLACEHOLDER.sub(lambda m: _text(params[m.group(1)]), arg))
+        out.append(_ANY_PLACEHOLDER.sub(lambda m: m.group(0) if m.group(1) in RUN_PLACEHOLDERS
+                                        else _text(params[m.group(1)]), arg))
+    return out
+
+
+def run_values(text: str, values: Mapping[str, str]) -> str:
+    """``text`` with each ``${trial_dir}``/``${checkpoint_dir}`` (``RUN_PLACEHOLDERS``) replaced by ``values``."""
+    return _ANY_PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)) if m.group(1) in RUN_PLACEHOLDERS
+                                else m.group(0), text)
+
+
+def anchor_paths(argv: list[str], base: str) -> list[str]:
+    """``argv`` with every relative path that names an existing file or directory under ``base`` (the
+    directory ``hpoflow`` runs in) made absolute: the program itself, a script, an argument, the value of an
+    ``--option=value``. A module after ``-m`` and code after ``-c`` are left alone, as is a path that
+    does not exist there (an output the program will write: it goes to its working directory)."""
+
+    def anchored(path: str) -> str:
+        if not path or os.path.isabs(path) or "${" in path:
+            return path
+        full = os.path.join(base, path)
+        return os.path.normpath(full) if os.path.exists(full) else path
+
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if i == 0:
+            out.append(anchored(arg) if "/" in arg else arg)  # a name on PATH stays a name
+        elif out[-1] in ("-m", "-c") and argv[0] in PYTHON_NAMES:
+            out.append(arg)
+        elif arg.startswith("-"):
+            name, eq, value = arg.partition("=")
+            out.append(f"{name}={anchored(value)}" if eq and arg.startswith("--") else arg)
+        else:
+            out.append(anchored(arg))
     return out
 
 

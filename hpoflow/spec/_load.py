@@ -23,7 +23,13 @@ from pydantic_core import PydanticCustomError
 
 from hpoflow.errors import HpoflowError, Issue, SpecError, did_you_mean
 from hpoflow.registry import MODELS
-from hpoflow.spec._command import command_argv, command_placeholders, command_problem, substitute_command
+from hpoflow.spec._command import (
+    RUN_PLACEHOLDERS,
+    command_argv,
+    command_placeholders,
+    command_problem,
+    substitute_command,
+)
 from hpoflow.spec._models import (
     PLACEHOLDER,
     CategoricalParam,
@@ -240,7 +246,13 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
                         f"value(s) {bad!r} are not among {parent!r}'s choices {pp.choices!r}")
     # Placeholders: every ${name} is a parameter and its values fit the field.
     used: dict[str, list[tuple[str | int, ...]]] = {}
+    for reserved in RUN_PLACEHOLDERS:
+        if reserved in spec.space:
+            add(("space", reserved), f"${{{reserved}}} is the trial's {reserved.replace('_', ' ')} where the trial "
+                f"runs, not a parameter. Fix: give the parameter another name")
     for path, pname in _training_placeholders(spec.training):
+        if pname in RUN_PLACEHOLDERS:
+            continue  # replaced where the trial runs (hpoflow.spec._command.run_values)
         if pname not in spec.space:
             add(("training", *path),
                 f"${{{pname}}} refers to no search parameter{did_you_mean(pname, names)}; "
@@ -253,7 +265,7 @@ def _semantic_issues(spec: StudySpec, lines: Mapping[Path, int], source: str,
             resolve_training(spec.training, base)
         except ValidationError as exc:
             where = {".".join(str(x) for x in ("training", *path)): n
-                     for path, n in _training_placeholders(spec.training)}
+                     for path, n in _training_placeholders(spec.training) if n not in RUN_PLACEHOLDERS}
             for issue in _issues_from_validation(exc, lines, source, ("training",)):
                 found = where.get(issue.path)
                 if found is not None:

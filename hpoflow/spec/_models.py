@@ -12,7 +12,7 @@ import itertools
 import math
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -529,6 +529,43 @@ class CheckpointSpec(_Strict):
         return bool(getattr(CHECKPOINT_FORMATS.options_model(self.format), "sharded_state", False))
 
 
+METRIC_STEP_GROUPS = ("epoch", "step")  # the named groups of a training.metrics pattern that give the step
+
+
+def metric_pattern_problem(pattern: str, metrics: Sequence[str] | None = None) -> str:
+    """Why ``pattern`` cannot be a ``training.metrics`` pattern ('' when it can): it does not compile, it
+    has no named group, or (given the study's ``metrics``) none of its named groups is a metric of the
+    study, ``step`` or ``epoch``; the rule and the fix."""
+    try:
+        compiled = re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        return (f"'{pattern}' is not a Python regular expression: {exc}. Fix: correct it; a pattern is a Python "
+                r"regex with named groups, e.g. 'valid loss\s+(?P<val_loss>[-+.\deE]+)'")
+    groups = list(compiled.groupindex)
+    if not groups:
+        return (f"'{pattern}' has no named group, and a pattern reports only through its named groups: one named "
+                "after a metric of the study holds that metric's value, one named step or epoch the step. Fix: "
+                r"name the group, e.g. (?P<val_loss>[-+.\deE]+)")
+    if metrics is None:
+        return ""
+    known = [*metrics, *METRIC_STEP_GROUPS]
+    if any(g in known for g in groups):
+        return ""
+    example = next((m for m in metrics if m.isidentifier()), "val_loss")
+    which = (f"the groups {', '.join(groups)}, none of which is" if len(groups) > 1
+             else f"the group {groups[0]}, which is not")
+    return (f"'{pattern}' names {which} "
+            f"a metric of the study ({', '.join(metrics)}), step or epoch{did_you_mean(groups[0], known)}. Fix: "
+            f"name a group after the metric it holds, e.g. (?P<{example}>...)")
+
+
+def _metric_pattern(pattern: str) -> str:
+    why = metric_pattern_problem(pattern)
+    if why:
+        raise PydanticCustomError("metric_pattern", "{why}", {"why": why})
+    return pattern
+
+
 class TrainConfig(_Strict):
     """What one trial trains, after every ``${param}`` has been replaced by its value.
 
@@ -542,6 +579,11 @@ class TrainConfig(_Strict):
         default=None, description="Your own program as each rank of a trial, with torchrun's environment: an argv "
         "list (or one line, split like a shell splits it but never run by one); any argument may hold ${param} "
         "placeholders. python means the interpreter hpoflow runs in.")
+    workdir: str = Field(
+        default="${trial_dir}", min_length=1, description="Where a command trial's program runs: its trial "
+        "directory (${trial_dir}, the default: files it writes under fixed names are the trial's own), '.' for the "
+        "directory hpoflow runs in, or another path (relative to that directory; may hold ${trial_dir}). "
+        "Arguments naming existing files there are made absolute, so relative input paths keep working.")
     isolate: bool = Field(
         default=False, description="A command python SCRIPT or python -m MODULE runs warm: in a process forked "
         "from the engine's worker, which has torch imported already (runpy, sys.argv set). true: a fresh "
@@ -549,6 +591,11 @@ class TrainConfig(_Strict):
     stop_grace_s: float = Field(
         default=30.0, ge=0, description="A command trial pruned, paused or at its last epoch: seconds it has to "
         "exit by itself (hpoflow.client.should_stop() is true) before SIGTERM, then SIGKILL, on every rank.")
+    metrics: list[Annotated[str, AfterValidator(_metric_pattern)]] = Field(
+        default_factory=list, description="A command trial's own print format: Python regexes read on each line "
+        "of rank 0's stdout before NAME=VALUE pairs are (as Katib's metrics-collector filters). A named group "
+        "named after a metric of the study holds its value, one named step or epoch the step: e.g. 'end of "
+        r"epoch\s+(?P<epoch>\d+).*valid loss\s+(?P<val_loss>[-+.\deE]+)'.")
     model: str = "cnn"
     model_options: dict[str, Any] = Field(default_factory=dict)
     dataset: Literal["digits", "synthetic", "chars"] = "digits"
@@ -605,6 +652,16 @@ class TrainConfig(_Strict):
     def builtin(self) -> bool:
         """The built-in trainer trains (neither ``function`` nor ``command`` is set)."""
         return self.function is None and self.command is None
+
+    @model_validator(mode="after")
+    def _check_metric_patterns(self) -> TrainConfig:
+        if self.metrics and self.command is None:
+            raise PydanticCustomError(
+                "metrics_without_command", "{at}: patterns read the lines a command trial's program prints, but "
+                "training.command is not set{what}. Fix: remove metrics, or run your program with command",
+                {"at": "metrics", "what": " (a training.function returns or reports its metrics itself)"
+                 if self.function is not None else " (the built-in trainer reports its metrics itself)"})
+        return self
 
     @field_validator("schedule")
     @classmethod
@@ -909,6 +966,23 @@ class StudySpec(_Strict):
                 raise PydanticCustomError("bad_name", "{at}: parameter name {name} {why}",
                                           {"at": f"space.{name}", "name": repr(name), "why": why})
         return data
+
+    @model_validator(mode="after")
+    def _check_metric_patterns(self) -> StudySpec:
+        """Each ``training.metrics`` pattern reads a metric of the study or a step (one that does not compile:
+        ``TrainConfig`` says so at its line)."""
+        patterns = self.training.get("metrics")
+        if not isinstance(patterns, list):
+            return self
+        names = list(dict.fromkeys([*(n for n, _ in self.study.objectives),
+                                    *(parse_constraint(c)[0] for c in self.study.constraints)]))
+        for i, pattern in enumerate(patterns):
+            if isinstance(pattern, str) and not metric_pattern_problem(pattern):
+                why = metric_pattern_problem(pattern, names)
+                if why:
+                    raise PydanticCustomError("metric_pattern", "{at}: {why}", {"at": f"training.metrics.{i}",
+                                                                               "why": why})
+        return self
 
     @model_validator(mode="after")
     def _check_multi_objective(self) -> StudySpec:

@@ -5,16 +5,21 @@ way it does any trial.
 
 - **Environment.** The program gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_*``, ``MASTER_ADDR``, ``MASTER_PORT``,
-  ``TORCHELASTIC_RUN_ID``, ...), the rank's ``OMP_NUM_THREADS``, cores and ``CUDA_VISIBLE_DEVICES``, and
+  ``TORCHELASTIC_RUN_ID``, ...), the rank's ``OMP_NUM_THREADS`` and cores, the GPUs torchrun would show it
+  (``hpoflow.train.devices``: ``CUDA_VISIBLE_DEVICES`` lists the trial's GPUs on its node in local-rank
+  order, each once, so ``cuda:LOCAL_RANK`` is the rank's own; ``HPOFLOW_CUDA_DEVICE`` is its own GPU's
+  index in that list, which differs from ``LOCAL_RANK`` only where ranks of the trial share a GPU), and
   ``HPOFLOW_PARAMS`` (the trial's values, JSON), ``HPOFLOW_TRIAL_DIR``, ``HPOFLOW_CHECKPOINT_DIR``,
   ``HPOFLOW_METRICS_FILE`` and ``HPOFLOW_CONTROL`` (``hpoflow.client``'s channel). ``MASTER_PORT`` is a
   free port of rank 0's host (loopback for a one-node trial), which rank 0 tells the other ranks
   through the store of the process group the rank processes keep among themselves.
 - **Metrics**, three ways, all reports of rank 0 going to the study as ``ctx.report`` sends them (the
-  pruner and the schedulers decide on them): lines of its stdout holding ``NAME=VALUE`` or
-  ``NAME: VALUE`` for a metric of the study (step: the line's ``epoch=N``/``step=N``, else the number of
-  reports so far); JSON lines appended to ``HPOFLOW_METRICS_FILE`` (``{"step": 3, "val_loss": 0.4}``);
-  ``hpoflow.client.report``. The last value of each metric is the trial's result.
+  pruner and the schedulers decide on them): lines of its stdout (``\n``- or ``\r``-ended) read by
+  ``training.metrics`` patterns and ``NAME=VALUE``/``NAME: VALUE`` pairs for a metric of the study, with
+  their step (``epoch=N``/``step=N``) or without (``hpoflow.train.lines``: such values never override or
+  shift a step reported another way); JSON lines appended to ``HPOFLOW_METRICS_FILE``
+  (``{"step": 3, "val_loss": 0.4}``); ``hpoflow.client.report``. The last value of each metric is the
+  trial's result.
 - **Stop.** Pruned, paused (a scheduler's rung, the engine's SIGUSR1) or past ``training.epochs``:
   ``hpoflow.client.should_stop()`` turns true on every rank (rank 0 tells the others through the
   store); after ``training.stop_grace_s`` the program's process group gets SIGTERM, 5 s later SIGKILL.
@@ -32,21 +37,30 @@ the working directory and the standard streams set as a fresh ``python`` sets th
 and torch's generators seeded afresh), so it skips the interpreter start and the torch import. Anything
 else, and any rank process without torch imported (a cluster rank: a fresh interpreter itself), starts
 a fresh process (``subprocess``). What differs from a fresh interpreter: modules the worker imported
-are imported already, and ``atexit`` handlers the program registers do not run (it ends with
-``os._exit`` once its main code returns, after flushing its streams).
+are imported already. The program runs as a main process (``hpoflow.train.processes``: it may start
+DataLoader workers, a ``Pool``, ``mp.spawn``), in a ``__main__`` module that stays until the process
+ends, and ends as an interpreter ends (non-daemon threads joined, ``atexit`` handlers run, streams
+flushed), then ``os._exit``.
+
+**Working directory.** The program runs in ``training.workdir`` (default: the trial's directory); the
+command's relative paths that exist where hpoflow runs are made absolute there
+(``hpoflow.spec.anchor_paths``), ``${trial_dir}`` and ``${checkpoint_dir}`` are replaced
+(``hpoflow.spec.run_values``). A failed program's error names its cause first
+(``hpoflow.trial.error_cause``: the last exception line of its stderr).
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
+import importlib.machinery
 import io
 import json
 import logging
 import os
 import queue
 import random
-import re
 import runpy
 import shlex
 import signal
@@ -56,15 +70,18 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpoflow.spec import UNBOUNDED_EPOCHS, program, runs_warm, warm_target
+from hpoflow.spec import UNBOUNDED_EPOCHS, anchor_paths, program, run_values, runs_warm, warm_target
 from hpoflow.train.context import TrialContext, metric_dict
+from hpoflow.train.lines import LineReports, Segments
+from hpoflow.train.processes import become_main_process, end_like_an_interpreter, forget_finalizers
 from hpoflow.train.transport import LineServer, ReportReader
-from hpoflow.trial import RankJob, describe_exit
+from hpoflow.trial import RankJob, describe_exit, error_cause
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -77,7 +94,6 @@ _STOP_KEY = "hpoflow/command/stop"
 _MASTER_KEY = "hpoflow/command/master"
 KILL_AFTER_S = 5.0  # SIGTERM -> SIGKILL
 _TAIL_BYTES = 4000  # of the program's stderr, for the error
-_MAX_LINE = 65536  # longer stdout lines are passed on, not read for metrics
 _TICK_S = 0.05
 _STORE_EVERY_S = 0.2  # a rank other than 0 looks for rank 0's stop decision this often
 _GROUPS: set[int] = set()  # process groups of the programs running in this process
@@ -93,42 +109,16 @@ def running_groups() -> set[int]:
     return set(_GROUPS)
 
 
-_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf(?:inity)?)(?![\w])"
-_PAIR = re.compile(rf"(?<![\w.\-])([A-Za-z_][\w.]*)\s*[=:]\s*({_NUMBER})(?![\w.])")
-_STEP_NAMES = ("epoch", "step")
-
-
-class LineReports:
-    """Reports in lines of text. A line holding ``NAME=VALUE`` or ``NAME: VALUE`` for one of ``names`` (the
-    study's metrics) is a report of every such pair on it (``val_loss=0.41 val_accuracy=0.9``), its step
-    the line's ``epoch=N`` or ``step=N`` (epoch first; any case), else None."""
-
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = frozenset(names)
-
-    def parse(self, line: str) -> tuple[int | None, dict[str, float]] | None:
-        """``(step, metrics)`` of a line that reports, else None."""
-        pairs = [(m.group(1), m.group(2)) for m in _PAIR.finditer(line)]
-        if not any(name in self.names for name, _ in pairs):
-            return None
-        steps: dict[str, int] = {}
-        metrics: dict[str, float] = {}
-        for name, value in pairs:
-            low = name.lower()
-            if low in _STEP_NAMES:
-                if low not in steps and value.isdigit():
-                    steps[low] = int(value)
-            else:
-                metrics[name] = float(value)
-        return next((steps[k] for k in _STEP_NAMES if k in steps), None), metrics
-
-
 def command_env(job: RankJob, master: tuple[str, int], extra: dict[str, str]) -> dict[str, str]:
-    """The program's environment: this rank's (its threads, ``CUDA_VISIBLE_DEVICES``), torchrun's
-    variables for this rank, and ``extra`` (hpoflow's)."""
+    """The program's environment: this rank's (its threads), torchrun's variables for this rank, the
+    trial's GPUs on this node in local-rank order (``hpoflow.train.devices``: with several ranks on the
+    node, agreed through the store of their process group), and ``extra`` (hpoflow's)."""
+    from hpoflow.train.devices import program_devices
+
     req = job.request
     world = job.world_size
     local_world = max(1, world // max(1, req.nodes))
+    devices = program_devices(job.rank, job.local_rank, world, local_world, req.gpus_per_process)
     env = dict(os.environ)
     env.update({
         "RANK": str(job.rank), "LOCAL_RANK": str(job.local_rank), "WORLD_SIZE": str(world),
@@ -139,6 +129,7 @@ def command_env(job: RankJob, master: tuple[str, int], extra: dict[str, str]) ->
         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
         "OMP_NUM_THREADS": str(max(1, job.threads)), "PYTHONUNBUFFERED": "1",
     })
+    env.update(devices)
     env.update(extra)
     return env
 
@@ -165,26 +156,41 @@ class _Supervisor:
         self.items: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.finished = threading.Event()
         self.tail = bytearray()
-        self.lines = LineReports(self.req.metric_names or (self.req.metric,))
+        self.lines = LineReports(self.req.metric_names or (self.req.metric,), ctx.config.metrics)
         self.store: Store | None = None
         self.proc: subprocess.Popen[bytes] | _Forked | None = None
         self.server: LineServer | None = None
         self._old_sigterm: Any = None
+        self.cwd = ""  # where the program runs (training.workdir), set by run
+        self.moved = False  # that is not the directory hpoflow runs in
 
     # -- the run --------------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
         req, cfg = self.req, self.ctx.config
         if cfg.command is None:
             raise CommandError("training.command is not set")
-        argv = [program(cfg.command[0]), *cfg.command[1:]]
         if self.job.world_size > 1:
             from hpoflow.train.dist import group_store
 
             self.store = group_store()
         master = self._master()
-        trial_dir = Path(req.trial_dir)
-        checkpoints = Path(req.checkpoints)
+        # absolute: the program runs in its own working directory (training.workdir), maybe not this one
+        trial_dir = Path(req.trial_dir).absolute()
+        checkpoints = Path(req.checkpoints).absolute()
         checkpoints.mkdir(parents=True, exist_ok=True)
+        launch = req.workdir or os.getcwd()  # the directory hpoflow runs in: relative paths of the spec mean it
+        places = {"trial_dir": str(trial_dir), "checkpoint_dir": str(checkpoints)}
+        self.cwd = os.path.join(launch, run_values(cfg.workdir, places))
+        try:
+            os.makedirs(self.cwd, exist_ok=True)
+        except OSError as exc:
+            raise CommandError(f"cannot make the program's working directory {self.cwd} (training.workdir): {exc}. "
+                               "Fix: give a directory hpoflow may create, or '.'") from exc
+        command = [run_values(a, places) for a in cfg.command]
+        self.moved = os.path.realpath(self.cwd) != os.path.realpath(launch)
+        if self.moved:
+            command = anchor_paths(command, launch)
+        argv = [program(command[0]), *command[1:]]
         metrics_file = trial_dir / ("metrics.jsonl" if self.rank == 0 else f"metrics_rank{self.rank}.jsonl")
         reader = ReportReader(metrics_file)
         with contextlib.suppress(OSError):
@@ -195,16 +201,19 @@ class _Supervisor:
             "HPOFLOW_CHECKPOINT_DIR": str(checkpoints), "HPOFLOW_METRICS_FILE": str(metrics_file),
             "HPOFLOW_CONTROL": self.server.announce("127.0.0.1"), "HPOFLOW_ATTEMPT": str(req.attempt),
         })
-        target = warm_target(cfg.command) if self.zygote is not None else None
+        if self.moved and _runs_a_module(command):
+            # python -m finds its module in the current directory: here, the one hpoflow runs in
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (launch, env.get("PYTHONPATH", "")) if p)
+        target = warm_target(command) if self.zygote is not None else None
         log.info("command: rank %d runs %s%s (MASTER_ADDR=%s MASTER_PORT=%d)", self.rank, shlex.join(argv),
                  " warm (runpy in a process forked with torch imported)" if target else "", *master)
         proc: subprocess.Popen[bytes] | _Forked
         if target is not None and self.zygote is not None:
             zygote, self.zygote = self.zygote, None
-            proc = self.proc = zygote.start(target, env, req.workdir or os.getcwd())
+            proc = self.proc = zygote.start(target, env, self.cwd, launch)
         else:
             try:
-                proc = self.proc = subprocess.Popen(argv, env=env, cwd=req.workdir or None, stdin=subprocess.DEVNULL,
+                proc = self.proc = subprocess.Popen(argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0)
             except OSError as exc:
                 raise CommandError(f"cannot start {shlex.join(cfg.command)} (training.command): {exc}") from exc
@@ -249,11 +258,11 @@ class _Supervisor:
                 item = self.items.get(timeout=_TICK_S)
             except queue.Empty:
                 item = None
-            if item is not None:
-                self._handle(item)
-            if reader is not None:
+            if reader is not None:  # first: what the program wrote there before it printed the line in item
                 for record in reader.read_new():
                     self._record(record)
+            if item is not None:
+                self._handle(item)
             now = time.monotonic()
             if self.store is not None and self.rank != 0 and self.stop is None and now >= next_store:
                 next_store = now + _STORE_EVERY_S
@@ -298,22 +307,37 @@ class _Supervisor:
             return dict(self.latest)
         if reason is None and code != 0:
             stderr = self.tail.decode(errors="replace").strip()
+            cause = error_cause(stderr)
+            hint = ""
+            if self.moved and ("FileNotFoundError" in stderr or "No such file" in stderr):
+                hint = (f" (it ran in {self.cwd}, training.workdir: a relative path the command does not name is taken "
+                        "from there. Fix: name the path in the command, make it absolute, or set training.workdir: .)")
             raise CommandError(f"{shlex.join(command)} (training.command) {describe_exit(code)}"
-                               + (f"; its stderr ended with:\n{stderr}" if stderr else " and wrote nothing to stderr"))
+                               + (f": {cause}{hint}; its stderr ended with:\n{stderr}" if stderr
+                                  else " and wrote nothing to stderr"))
         metric = self.req.metric
         if self.rank == 0 and metric not in self.latest:
+            late = (f" Its printed values of {metric!r} came after reports that printed values never override "
+                    "(through hpoflow.client or HPOFLOW_METRICS_FILE, or with a step where they had none), so they "
+                    "were not read." if metric in self.lines.ignored else "")
+            group = metric if metric.isidentifier() else "val_loss"
             raise CommandError(
                 f"the program never reported {metric!r} (study.metric): no line of rank 0's stdout held "
-                f"'{metric}=VALUE' or '{metric}: VALUE', no line of HPOFLOW_METRICS_FILE held it, and "
-                f"hpoflow.client.report() was not given it (reported: {sorted(self.latest) or 'nothing'}). Fix: print "
-                f"'{metric}=<value>' on a line of its own, or name the metric your program prints in study.metric")
+                f"'{metric}=VALUE', '{metric}: VALUE' or a match of a training.metrics pattern, no line of "
+                f"HPOFLOW_METRICS_FILE held it, and hpoflow.client.report() was not given it (reported: "
+                f"{sorted(self.latest) or 'nothing'}).{late} Fix: print '{metric}=<value>' (with epoch=<n>) on a "
+                f"line of its own; for a program with its own print format, add a training.metrics pattern that "
+                f"reads it (a Python regex with a named group per value, e.g. training.metrics: "
+                f"['valid loss\\s+(?P<{group}>[-+.\\deE]+)']); or name the metric your program prints in "
+                f"study.metric")
         return dict(self.latest)
 
     # -- reports and decisions ------------------------------------------------------------------
-    def _on_line(self, raw: bytes) -> None:
+    def _on_line(self, raw: bytes, refresh: bool = False) -> None:
+        """A line of rank 0's stdout (``refresh``: after a lone ``\\r``, a progress bar's redraw)."""
         found = self.lines.parse(raw.decode(errors="replace"))
         if found is not None:
-            self.items.put(("report", *found))
+            self.items.put(("report", *found, refresh))
 
     def _record(self, record: dict[str, Any]) -> None:
         """One line of the metrics file: ``step`` (or ``epoch``) and the metrics beside it."""
@@ -326,7 +350,7 @@ class _Supervisor:
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "report":
-            self._report(item[1], item[2])
+            self._report(item[1], item[2], refresh=item[3], printed=True)
         elif kind == "client":
             _, step, metrics, done, box = item
             try:
@@ -335,10 +359,16 @@ class _Supervisor:
                 box["error"] = str(exc)
             done.set()
 
-    def _report(self, step: int | None, metrics: dict[str, float]) -> None:
+    def _report(self, step: int | None, metrics: dict[str, float], refresh: bool = False,
+                printed: bool = False) -> None:
+        """Values read at ``step`` (None: without one), ``printed`` on stdout or not: the reports they make
+        (``LineReports.route``: a printed value never overrides or shifts a step reported another way)."""
+        for at, values in self.lines.route(step, metrics, printed=printed, refresh=refresh):
+            self._send(at, values)
+
+    def _send(self, step: int, metrics: dict[str, float]) -> None:
         if self.stop is not None:
             return  # asked to stop: what it says while it stops is not a report
-        step = len(self.ctx.reports) + 1 if step is None else step
         said: set[str] = set()  # this step's metrics so far: one printed and given to hpoflow.client counts once
         for s, m in reversed(self.ctx.reports):
             if s != step:
@@ -429,11 +459,12 @@ class _Supervisor:
             signal.signal(signal.SIGTERM, self._old_sigterm)
 
 
-def _pump(stream: Any, fd: int, on_line: Callable[[bytes], None] | None, tail: bytearray | None) -> None:
+def _pump(stream: Any, fd: int, on_line: Callable[[bytes, bool], None] | None, tail: bytearray | None) -> None:
     """Copy the program's ``stream`` to this process's ``fd`` (the rank's log) as it comes; hand each
-    complete line to ``on_line``; keep the last ``_TAIL_BYTES`` in ``tail``."""
+    complete line (``\\n``-, ``\\r\\n``- or ``\\r``-ended, and whether it is a redraw: ``lines.Segments``) to
+    ``on_line``; keep the last ``_TAIL_BYTES`` in ``tail``."""
     src = stream.fileno()
-    pending = b""
+    segments = Segments()
     while True:
         try:
             chunk = os.read(src, 65536)
@@ -451,15 +482,11 @@ def _pump(stream: Any, fd: int, on_line: Callable[[bytes], None] | None, tail: b
             tail += chunk
             del tail[:-_TAIL_BYTES]
         if on_line is not None:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if len(line) <= _MAX_LINE:
-                    on_line(line)
-            if len(pending) > _MAX_LINE:
-                pending = b""
-    if on_line is not None and pending and len(pending) <= _MAX_LINE:
-        on_line(pending)
+            for line, refresh in segments.feed(chunk):
+                on_line(line, refresh)
+    if on_line is not None:
+        for line, refresh in segments.end():
+            on_line(line, refresh)
 
 
 class _Forked:
@@ -521,8 +548,10 @@ class Zygote:
         self.pid, self._out, self._err = pid, out_r, err_r
         _GROUPS.add(pid)
 
-    def start(self, target: tuple[str, str, list[str]], env: dict[str, str], cwd: str) -> _Forked:
-        order = json.dumps({"target": list(target), "env": env, "cwd": cwd}).encode()
+    def start(self, target: tuple[str, str, list[str]], env: dict[str, str], cwd: str, launch: str) -> _Forked:
+        """Run ``target`` in ``cwd`` (``launch``: the directory hpoflow runs in, where ``python -m`` finds its
+        module)."""
+        order = json.dumps({"target": list(target), "env": env, "cwd": cwd, "launch": launch}).encode()
         try:
             view = memoryview(order)
             while view:
@@ -570,6 +599,8 @@ def _become(order_fd: int, out: int, err: int, threads: int) -> int:
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.closerange(3, 1 << 16)  # the rank's pipes, its engine connection: none is the program's
+    become_main_process(inherited_fds_closed=True)  # DataLoader workers, Pool, mp.spawn: as in a fresh python
+    forget_finalizers()
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
@@ -590,14 +621,7 @@ def _become(order_fd: int, out: int, err: int, threads: int) -> int:
     logging.getLogger("hpoflow").handlers.clear()
     code = 0
     try:
-        if kind == "module":
-            sys.argv = [name, *args]
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(name, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [name, *args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
-            runpy.run_path(name, run_name="__main__")
+        _run_main(kind, name, args, order.get("launch", order["cwd"]))
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -607,16 +631,47 @@ def _become(order_fd: int, out: int, err: int, threads: int) -> int:
     except BaseException:  # as the interpreter ends a program that raised
         traceback.print_exc()
         code = 1
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    end_like_an_interpreter()
     return code
+
+
+def _run_main(kind: str, name: str, args: list[str], launch: str) -> None:
+    """Run the program as ``python SCRIPT args`` or ``python -m MODULE args`` runs it: in a ``__main__``
+    module that stays in ``sys.modules`` (its objects live until the process ends, as in an interpreter;
+    ``runpy.run_path`` would free them as it returns, while the program's threads may still need them)."""
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    if kind == "module":
+        sys.argv = [name, *args]
+        sys.path[:0] = list(dict.fromkeys([os.getcwd(), launch]))  # as PYTHONPATH gives a fresh python -m
+        # what ``python -m`` itself calls: the module's code in the __main__ module, sys.argv[0] its file
+        getattr(runpy, "_run_module_as_main")(name, alter_argv=True)  # noqa: B009 (private, stable since 2.x)
+        return
+    sys.argv = [name, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
+    if not os.path.isfile(name):  # a directory or a zip file with a __main__.py
+        main.__dict__["__runpy_globals__"] = runpy.run_path(name, run_name="__main__")  # kept: see above
+        return
+    with io.open_code(name) as f:
+        code = compile(f.read(), name, "exec", dont_inherit=True)
+    main.__dict__.update(__file__=name, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", name))
+    exec(code, main.__dict__)
+
+
+def _runs_a_module(command: list[str]) -> bool:
+    """Whether ``command`` is ``python -m MODULE ...``."""
+    target = warm_target(command)
+    return target is not None and target[0] == "module"
 
 
 def prefork(train: dict[str, Any], threads: int) -> Zygote | None:
     """A ``Zygote`` for a command trial that can run warm (see the module docstring), else None. Call it
     when the rank starts, before any thread or process group exists in this process."""
     if "torch" not in sys.modules or not hasattr(os, "fork"):
+        return None
+    if sys.modules["torch"].cuda.is_initialized():  # (a worker that ran a GPU trial) a fork could not use CUDA
         return None
     if not runs_warm(train.get("command"), train.get("isolate")):
         return None

@@ -176,10 +176,12 @@ class TrialContext:
         """Free-form ``training.options`` of the spec (for user functions)."""
         return self.config.options
 
-    def report(self, step: int, **metrics: float) -> None:
+    def report(self, step: int, /, **metrics: float) -> None:
         """Record intermediate ``metrics`` at ``step``; rank 0 sends them to the study's storage. A
         metric is any real number (``hpoflow.train.context.real_number``: int, float, a NumPy scalar,
-        a 0-d tensor, ``Fraction``, ``Decimal``); anything else, a bool included, raises ``TypeError``."""
+        a 0-d tensor, ``Fraction``, ``Decimal``); anything else, a bool included, raises ``TypeError``.
+        ``step`` is positional only, so a metric may have any name (``self``, ``step``, ``val/loss``:
+        ``report(3, **{"val/loss": 0.4})``)."""
         clean = metric_dict(metrics, strict=True, where=f"ctx.report(step={step})")
         self.reports.append((int(step), clean))
         if self.rank != 0:

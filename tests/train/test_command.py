@@ -88,8 +88,9 @@ def test_every_rank_gets_torchruns_environment_and_rank_0s_master(engine: LocalE
     assert res.status == "complete", res
     seen = [json.loads((tmp_path / f"env_{r}.json").read_text()) for r in (0, 1)]
     for s in seen:  # as `python tests/commandprog.py` starts it, warm or not; warm: torch is there already
-        assert s["argv"] == ["tests/commandprog.py", "--env", env_file]
-        assert (s["path0"], s["cwd"]) == (str(ROOT / "tests"), str(ROOT))
+        # in its trial directory (training.workdir), the script's path anchored to where hpoflow runs
+        assert s["argv"] == [str(ROOT / "tests" / "commandprog.py"), "--env", env_file]
+        assert (s["path0"], s["cwd"]) == (str(ROOT / "tests"), str(tmp_path / "0"))
         assert s["torch_imported"] == (how == "warm")
         assert s["pgid"] == s["pid"]  # a process group of its own
     envs = [s["environ"] for s in seen]

@@ -111,3 +111,22 @@ def test_what_a_trial_started_dies_with_a_sigkilled_driver(tmp_path: Path) -> No
         if with_group:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+
+def test_a_warm_program_ends_as_an_interpreter_ends(tmp_path: Path) -> None:
+    # tests/warmprog.py: 2-rank DDP that keeps its wrapper past destroy_process_group(), an atexit handler, a
+    # non-daemon thread that ends 0.3 s after the main code. Each trial bounded (a hang fails it, not the test
+    # run); bench/warm_exit.py runs 30 of them
+    data = {"study": {"name": "warm-end", "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": 4, "max_concurrent": 1, "seed": 0},
+            "training": {"command": ["python", "tests/warmprog.py"]},
+            "resources": {"processes": 2, "timeout": 120, "max_retries": 0}}
+    study = optimize(data, tmp_path / "run").study
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4, [t.user_attrs.get("error")
+                                                                          for t in study.trials]
+    for t in study.trials:
+        d = tmp_path / "run" / "trials" / str(t.number)
+        assert "warm (runpy" in (d / "rank0.log").read_text()
+        assert sorted(p.name for p in d.glob("atexit_rank*")) == ["atexit_rank0", "atexit_rank1"]
+        assert sorted(p.name for p in d.glob("thread_rank*")) == ["thread_rank0", "thread_rank1"]
