@@ -40,8 +40,10 @@ def test_the_training_function_runs_cpu_sized(tmp_path: Path, monkeypatch: pytes
     data["space"]["batch_size"] = {"type": "categorical", "choices": [16]}
     data["training"].update(epochs=2)
     # one step of 16 per rank and epoch (32 samples over 2 ranks): what is checked is that it trains, reports,
-    # checkpoints and prunes over gloo, which one step per epoch does as well as more
-    data["training"]["options"] = {"synthetic_train": 32, "synthetic_val": 16, "num_workers": 0}
+    # checkpoints and prunes over gloo, which one step per epoch does as well as more; with the example's own
+    # DataLoader workers (num_workers: 4, persistent), which a local trial's rank may start
+    assert data["training"]["options"]["num_workers"] == 4
+    data["training"]["options"].update(synthetic_train=32, synthetic_val=16)
     monkeypatch.chdir(ROOT / "examples")  # the function is imported from the current directory
     result = optimize(data, tmp_path / "run")
     trials = result.study.get_trials(deepcopy=False)
