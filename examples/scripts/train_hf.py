@@ -4,11 +4,16 @@
     hpoflow run examples/scripts/hf.yaml --run-dir runs/script-hf
 
 A tiny BERT (``BertForSequenceClassification`` built from a ``BertConfig``: no weights are downloaded)
-learns whether a sequence of random tokens holds more 1s than 2s (generated from the seed). Under
-torchrun, or as a multi-rank hpoflow trial (which gives each rank torchrun's environment), the Trainer
-runs DDP over gloo on the CPU by itself. It evaluates after each epoch; rank 0 prints
-``epoch=E eval_loss=V``, and where hpoflow is installed ``HpoflowCallback`` reports the evaluation to the
-trial and stops the Trainer when the trial is pruned (outside a trial it does nothing).
+learns whether a sequence of random tokens holds more 1s than 2s (generated from the seed), its data read
+by two ``DataLoader`` worker processes (``dataloader_num_workers``). Under torchrun, or as a multi-rank
+hpoflow trial (which gives each rank torchrun's environment), the Trainer runs DDP over gloo on the CPU by
+itself. It evaluates every ``--eval-steps`` optimizer steps (``eval_strategy="steps"``); rank 0 prints
+``evaluation: step S, epoch E, eval_loss V`` after each (for people: hpoflow does not read it). Where
+hpoflow is installed, ``HpoflowCallback`` reports each evaluation to the trial (step: the evaluation count,
+which ``training.epochs`` and a scheduler's rungs count), stops the Trainer when the trial is pruned or
+paused, and has the Trainer checkpoint in ``HPOFLOW_CHECKPOINT_DIR`` before a pause; ``resume_path()`` is
+that checkpoint, from which ``Trainer.train`` resumes the paused trial's next run (outside a trial the
+callback does nothing and there is nothing to resume).
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 try:
-    from hpoflow.integrations.huggingface import HpoflowCallback
+    from hpoflow.integrations.huggingface import HpoflowCallback, resume_path
 except ImportError:  # the script needs nothing of hpoflow
     HpoflowCallback = None  # type: ignore[assignment,misc]
+
+    def resume_path() -> str | None:
+        return None
 
 VOCAB, LENGTH = 16, 12
 
@@ -46,13 +54,14 @@ class Counting(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-class PrintEpochs(TrainerCallback):
-    """``epoch=E eval_loss=V`` on rank 0 after each evaluation."""
+class PrintEvaluations(TrainerCallback):
+    """``evaluation: step S, epoch E, eval_loss V`` on rank 0 after each evaluation."""
 
     def on_evaluate(self, args: TrainingArguments, state: Any, control: Any, metrics: Any = None,
                     **kwargs: Any) -> None:
         if state.is_world_process_zero and metrics:
-            print(f"epoch={round(state.epoch)} eval_loss={metrics['eval_loss']:.6f}", flush=True)
+            print(f"evaluation: step {state.global_step}, epoch {state.epoch:.2f}, "
+                  f"eval_loss {metrics['eval_loss']:.6f}", flush=True)
 
 
 def main() -> None:
@@ -63,26 +72,30 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--samples", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-steps", type=int, default=8, help="optimizer steps between evaluations")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     config = BertConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=2 * args.hidden, max_position_embeddings=LENGTH, num_labels=2)
     model = BertForSequenceClassification(config)
-    # the Trainer's output_dir (it saves nothing here: save_strategy "no"): the trial's directory in a
-    # trial, else a temporary one of this rank's, removed at the end
+    # the Trainer's output_dir (it saves nothing here of its own: save_strategy "no"; a pause's checkpoint
+    # goes to HPOFLOW_CHECKPOINT_DIR): the trial's directory in a trial, else a temporary one of this
+    # rank's, removed at the end
     trial_dir = os.environ.get("HPOFLOW_TRIAL_DIR")
     out = trial_dir or tempfile.mkdtemp(prefix="train_hf-")
     training = TrainingArguments(
         output_dir=os.path.join(out, "hf"), learning_rate=args.lr, num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=256, eval_strategy="epoch",
-        save_strategy="no", logging_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
-        ddp_backend="gloo", ddp_find_unused_parameters=False, seed=args.seed, dataloader_num_workers=0)
-    callbacks: list[TrainerCallback] = [PrintEpochs()]
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=256, eval_strategy="steps",
+        eval_steps=args.eval_steps, save_strategy="no", logging_strategy="no", report_to=[], disable_tqdm=True,
+        use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, seed=args.seed,
+        dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0)
+    callbacks: list[TrainerCallback] = [PrintEvaluations()]
     if HpoflowCallback is not None:
-        callbacks.append(HpoflowCallback(by_epoch=True))
+        callbacks.append(HpoflowCallback())
     trainer = Trainer(model=model, args=training, train_dataset=Counting(args.samples, args.seed),
                       eval_dataset=Counting(256, args.seed + 1), callbacks=callbacks)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_path())
     if not trial_dir:
         shutil.rmtree(out, ignore_errors=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

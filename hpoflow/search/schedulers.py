@@ -6,10 +6,17 @@ Rungs are the steps ``min_resource * reduction_factor**k`` below ``max_resource`
 ``training.epochs``); a Hyperband trial's bracket ``s`` (trial number modulo the number of brackets)
 starts its rungs at ``min_resource * reduction_factor**s``.
 
+- A trial reaches a rung at its first report whose step is at or past it (``step >= rung``, as Ray
+  Tune's and Optuna's ASHA): a trial that reports steps 2, 4, 6 reaches rung 3 at step 4, and a step
+  counted in another unit than the rungs still meets them. Each rung is reached once; a report past
+  several rungs the trial has not reached reaches the highest of them only (the lower ones are skipped
+  for good, as in Ray Tune: the value belongs to the furthest point it stands for), and a report below a
+  rung it reached already reaches nothing (``at_rung``).
 - At a rung report, the trial's value joins the rung. If it is in the top ``1/reduction_factor`` of
   the rung's values it goes on at once (a promotion without a pause); otherwise the driver answers
   "pause": the trial checkpoints at that step and stops (``Engine.answer(..., pause=True)``), and its
-  slot goes to the next job.
+  slot goes to the next job. It is paused "at the rung" (``ATTR_PAUSED``, where its promotion is
+  ranked), whatever step past it the report had.
 - The next job (``next_promotion``): a paused trial now in the top ``1/reduction_factor`` of its rung,
   the highest rung first (the rung grew since it paused); else a new configuration. It resumes from its
   checkpoint, with the same config, so it continues bitwise where an unpaused run would be.
@@ -93,15 +100,24 @@ class PromotionScheduler:
         ordered = sorted(pool, key=lambda p: (-p[0] if self.maximize else p[0], p[1]))
         return {n for _, n in ordered[: len(pool) // self.eta]}
 
-    def at_rung(self, number: int, attrs: dict[str, Any], step: int, max_resource: int) -> int | None:
-        """The trial's bracket if ``step`` is one of its rungs, else None."""
+    def at_rung(self, number: int, attrs: dict[str, Any], step: int, max_resource: int) -> tuple[int, int] | None:
+        """``(bracket, rung)`` when a report at ``step`` reaches a rung of the trial, else None: the highest
+        rung at or below ``step`` unless the trial reached it (or a higher one) already (``attrs``: its
+        ``ATTR_RUNGS``). A step that passes several rungs at once reaches the highest of them only."""
         b = self.bracket(number, attrs, max_resource)
-        return b if step in self.rungs(b, max_resource) else None
+        recorded = attrs.get(ATTR_RUNGS)
+        reached = {int(k) for k in recorded} if isinstance(recorded, dict) else set()
+        for rung in sorted(self.rungs(b, max_resource), reverse=True):
+            if rung in reached:
+                return None  # its decision at this rung (or a higher one) was made: the lower ones are past
+            if step >= rung:
+                return b, rung
+        return None
 
-    def goes_on(self, trials: list[FrozenTrial], number: int, bracket: int, step: int, value: float) -> bool:
-        """Whether trial ``number``, reporting ``value`` at rung ``step``, is in the top 1/eta of the
-        rung (counting itself) and goes on; False: pause it."""
-        pool = self._pools(trials, skip=number).get((bracket, str(step)), [])
+    def goes_on(self, trials: list[FrozenTrial], number: int, bracket: int, rung: int, value: float) -> bool:
+        """Whether trial ``number``, reaching ``rung`` with ``value``, is in the top 1/eta of the rung
+        (counting itself) and goes on; False: pause it."""
+        pool = self._pools(trials, skip=number).get((bracket, str(rung)), [])
         return number in self._top([*pool, (value, number)])
 
     def next_promotion(self, trials: list[FrozenTrial], busy: set[int]) -> FrozenTrial | None:

@@ -49,7 +49,7 @@ class Scheduling:
         self.policy: PromotionScheduler = SCHEDULERS.get(s.type)(SCHEDULERS.options(s.type, s.options),
                                                                  spec.study.direction)
         self.claims = Claims(study)
-        self._asked: dict[int, int] = {}  # trial number -> the step this driver asked it to pause at
+        self._asked: dict[int, tuple[int, int]] = {}  # trial number -> (rung, step) this driver asked it to pause at
         self.n_paused = 0  # this run's pauses
         self.n_promoted = 0  # this run's promotions (a paused trial resumed)
         self.n_went_on = 0  # rungs passed without a pause (in the top 1/eta on arrival)
@@ -61,45 +61,49 @@ class Scheduling:
         return 1 + max(len(self.policy.rungs(self.policy.base + b, epochs)) for b in range(brackets))
 
     def at_report(self, trial: optuna.trial.Trial, request: TrialRequest, step: int, value: float) -> bool:
-        """A report that wants an answer: records the rung value if ``step`` is a rung of the trial;
-        True when the trial should pause here (the driver answers pause)."""
+        """A report that wants an answer: records the rung value if the report at ``step`` reaches a rung
+        of the trial (its first report at or past the rung: ``PromotionScheduler.at_rung``); True when the
+        trial should pause here (the driver answers pause; it pauses at that rung)."""
         if not math.isfinite(value):
             return False
         epochs = int(request.train.get("epochs") or 0) or step + 1
         attrs = trial.user_attrs
-        bracket = self.policy.at_rung(trial.number, attrs, step, epochs)
-        if bracket is None:
+        reached = self.policy.at_rung(trial.number, attrs, step, epochs)
+        if reached is None:
             return False
+        bracket, rung = reached
         rungs = dict(attrs.get(ATTR_RUNGS) or {})
-        rungs[str(step)] = float(value)
+        rungs[str(rung)] = float(value)
         if attrs.get(ATTR_BRACKET) != bracket:
             trial.set_user_attr(ATTR_BRACKET, bracket)
         trial.set_user_attr(ATTR_RUNGS, rungs)
         self.shared.refresh()
-        if self.policy.goes_on(self.shared.tally.trials, trial.number, bracket, step, float(value)):
+        if self.policy.goes_on(self.shared.tally.trials, trial.number, bracket, rung, float(value)):
             self.n_went_on += 1
             return False
-        self._asked[trial.number] = step
+        self._asked[trial.number] = (rung, step)
         return True
 
     def paused(self, trial: optuna.trial.Trial, request: TrialRequest, res: TrialResult) -> bool:
         """A result of a trial this driver asked to pause: if it paused (a checkpoint at the rung), the
-        trial stays RUNNING, marked paused at that step, and True; otherwise False (the driver handles
+        trial stays RUNNING, marked paused at that rung, and True; otherwise False (the driver handles
         it as any result: an interrupted trial is rerun)."""
-        step = self._asked.pop(trial.number, None)
-        if step is None or res.status != "cancelled" or not (res.error or "").startswith("paused"):
+        asked = self._asked.pop(trial.number, None)
+        if asked is None or res.status != "cancelled" or not (res.error or "").startswith("paused"):
             return False
+        rung, step = asked
         tm = res.timings
         start = float(tm.get("started_at", 0.0)) - float(tm.get("launch_s", 0.0))  # its submit, as the report's
         duration = float(tm.get("duration_s", 0.0))
         segments = list(trial.user_attrs.get(ATTR_SEGMENTS) or [])
-        segments.append({"start": round(start, 3), "end": round(start + duration, 3), "step": step,
-                         "run_s": round(float(tm.get("run_s", duration)), 3), "outcome": "paused"})
+        segments.append({"start": round(start, 3), "end": round(start + duration, 3), "step": rung,
+                         "reported": step, "run_s": round(float(tm.get("run_s", duration)), 3),
+                         "outcome": "paused"})
         trial.set_user_attr(ATTR_SEGMENTS, segments)
         if ATTR_CHECKPOINTS not in trial.user_attrs:  # where any driver's promotion finds its checkpoint
             trial.set_user_attr(ATTR_CHECKPOINTS, str(Path(request.trial_dir) / "checkpoints"))
         trial.set_user_attr(ATTR_NEXT_ATTEMPT, request.attempt + 1)
-        trial.set_user_attr(ATTR_PAUSED, step)  # last: from here any driver may promote it
+        trial.set_user_attr(ATTR_PAUSED, rung)  # last: from here any driver may promote it
         self.n_paused += 1
         return True
 
