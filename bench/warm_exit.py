@@ -1,6 +1,7 @@
 """The end of warm command trials: ``--runs`` (30) 2-rank warm trials of ``tests/warmprog.py``, a DDP
-program that keeps its ``DistributedDataParallel`` wrapper past ``destroy_process_group()``, registers an
-``atexit`` handler and leaves a non-daemon thread running 0.3 s past its main code; one study, one trial
+program whose ``DistributedDataParallel`` wrapper outlives ``destroy_process_group()`` (freed as its
+``main()`` returns, the last collective a broadcast), that registers an ``atexit`` handler and leaves a
+non-daemon thread running 0.3 s past its main code; one study, one trial
 at a time, each trial bounded by ``resources.timeout`` (``--timeout``, 60 s), so a hang at a program's end
 shows as a failed trial instead of a stuck benchmark. Prints how many trials completed, hung (timed out)
 or failed otherwise, how many ranks ran their atexit handler and joined their thread, and the median

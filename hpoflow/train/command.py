@@ -79,7 +79,12 @@ from typing import TYPE_CHECKING, Any
 from hpoflow.spec import UNBOUNDED_EPOCHS, anchor_paths, program, run_values, runs_warm, warm_target
 from hpoflow.train.context import TrialContext, metric_dict
 from hpoflow.train.lines import LineReports, Segments
-from hpoflow.train.processes import become_main_process, end_like_an_interpreter, forget_finalizers
+from hpoflow.train.processes import (
+    become_main_process,
+    end_like_an_interpreter,
+    forget_finalizers,
+    keep_process_groups,
+)
 from hpoflow.train.transport import LineServer, ReportReader
 from hpoflow.trial import RankJob, describe_exit, error_cause
 
@@ -601,6 +606,7 @@ def _become(order_fd: int, out: int, err: int, threads: int) -> int:
     os.closerange(3, 1 << 16)  # the rank's pipes, its engine connection: none is the program's
     become_main_process(inherited_fds_closed=True)  # DataLoader workers, Pool, mp.spawn: as in a fresh python
     forget_finalizers()
+    keep_process_groups()  # a DDP wrapper freed after destroy_process_group() must not destroy its group
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)

@@ -22,15 +22,24 @@ non-daemon threads are joined (at most ``EXIT_THREADS_S`` seconds in all: a fres
 wait for ever, a trial must end), then the ``atexit`` handlers run (the program's and those of the
 libraries it uses, registered when they were imported), and the standard streams are flushed. Module
 globals are never torn down (the caller ends with ``os._exit``), as an interpreter's finalisation
-leaves a program's objects alone until its threads and handlers are done: a
-``DistributedDataParallel`` wrapper that outlives ``destroy_process_group()`` is never freed while a
-gloo thread still needs the GIL.
+leaves a program's objects alone until its threads and handlers are done.
+
+``keep_process_groups`` keeps every process group the program destroys referenced until the process
+ends. A ``DistributedDataParallel`` wrapper that outlives ``destroy_process_group()`` holds the group;
+when the wrapper is freed (its function returns, ``del net``), the group's last reference goes with it,
+and gloo's destructor joins its worker threads with the GIL held (pybind11 frees the reducer without
+releasing it), while a worker thread that is still dropping the last collective's work needs the GIL to
+free a tensor: a deadlock (torch 2.13; native stacks ``Reducer::~Reducer`` -> ``~ProcessGroupGloo`` ->
+``thread::join`` against ``AsyncWork::~AsyncWork`` -> ``gil_scoped_acquire``), about one warm trial in
+three of such a script on 2 loaded cores. With the group still referenced, freeing the wrapper destroys
+no group; the process ends with ``os._exit``, which runs no destructor.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import multiprocessing.process
 import os
@@ -39,7 +48,8 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EXIT_THREADS_S", "become_main_process", "end_like_an_interpreter", "forget_finalizers"]
+__all__ = ["EXIT_THREADS_S", "become_main_process", "end_like_an_interpreter", "forget_finalizers",
+           "keep_process_groups"]
 
 EXIT_THREADS_S = 60.0  # the longest a warm program's non-daemon threads are waited for at its end
 
@@ -118,3 +128,34 @@ def end_like_an_interpreter(wait_s: float = EXIT_THREADS_S) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+_KEPT: list[object] = []  # process groups the program destroyed, referenced until the process ends
+
+
+def keep_process_groups() -> None:
+    """Make ``torch.distributed.destroy_process_group`` keep a reference to each group it destroys (see
+    the module docstring); it does all it did before. Call once, before the program runs, in a process
+    that ends with ``os._exit``. Nothing where torch.distributed is not available."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:
+        return
+    if not dist.is_available():
+        return
+    original = c10d.destroy_process_group
+    if getattr(original, "__hpoflow_keeps__", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        world = getattr(c10d, "_world", None)
+        groups = list(getattr(world, "pg_map", {})) if group is None or group is c10d.GroupMember.WORLD \
+            else [group]
+        _KEPT.extend(groups)
+        original(group)
+
+    destroy_process_group.__hpoflow_keeps__ = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
