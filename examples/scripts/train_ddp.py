@@ -66,8 +66,9 @@ def main() -> None:
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
     rank = dist.get_rank() if distributed else 0
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()) if cuda \
-        else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # torchrun's idiom: the node's GPUs are visible, LOCAL_RANK's is this rank's
     torch.manual_seed(args.seed)
 
     x, y = spirals(args.samples, args.seed)
