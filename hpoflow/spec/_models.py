@@ -690,6 +690,16 @@ class TrainConfig(_Strict):
             raise PydanticCustomError(
                 "function_and_command", "{at}: give either function (module:function) or command (your program), "
                 "but both are set. Fix: remove one of them", {"at": "command"})
+        if self.command is None and self.isolate:
+            raise PydanticCustomError(
+                "isolate_without_command", "{at}: true starts a command's program in a fresh interpreter, but "
+                "training.command is not set: a function or the built-in trainer runs in the engine's worker either "
+                "way. Fix: remove isolate", {"at": "isolate"})
+        if self.command is None and self.workdir != "${trial_dir}":
+            raise PydanticCustomError(
+                "workdir_without_command", "{at}: {w} is where a command's program runs, but training.command is "
+                "not set (a function runs where hpoflow runs and writes its own files under ctx.trial_dir). Fix: "
+                "remove workdir", {"at": "workdir", "w": repr(self.workdir)})
         if self.builtin:
             _checked_name(MODELS, self.model, "model")
             full_model = MODELS.check(self.model, self.model_options, at="model_options")

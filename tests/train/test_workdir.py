@@ -116,3 +116,14 @@ def test_an_error_keeps_its_cause() -> None:
     assert len(clipped) <= 2000 and clipped.startswith("rank 0: the program failed\n...\n")
     assert "OSError: [Errno 9] Bad file descriptor" in clipped and clipped.endswith("noise")
     assert clip_error("short") == "short"
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [("isolate", True, "training.command is not set"),
+                                                      ("workdir", ".", "training.command is not set")])
+def test_command_only_keys_beside_a_function_are_refused(key: str, value: Any, words: str) -> None:
+    data = _spec("fn", ["python", "x.py"])
+    del data["training"]["command"]
+    data["training"].update(function="trainfns:counter", **{key: value})
+    with pytest.raises(SpecError) as e:
+        spec_from_mapping(data)
+    assert f"training.{key}: " in str(e.value) and words in str(e.value) and "Fix: remove" in str(e.value)
