@@ -15,8 +15,9 @@ The program runs in ``training.workdir``: by default its trial directory (``${tr
 program writes under fixed names (``model.pt``, ``lightning_logs/``) are the trial's own; ``.`` is the
 directory ``hpoflow`` runs in. Relative paths of the command keep meaning what they mean there: an
 argument (or an ``--option=value``'s value) that names an existing file or directory relative to the
-directory ``hpoflow`` runs in is made absolute (``anchor_paths``); a path that does not exist yet (an
-output) stays relative, so it lands in the working directory.
+directory ``hpoflow`` runs in is made absolute (``anchor_paths``; a bare word that follows no option
+stays: it may be a subcommand); a path that does not exist yet (an output) stays relative, so it lands
+in the working directory.
 
 The program is found like a shell would: a name without ``/`` on ``PATH``, a path relative to the
 directory ``hpoflow`` runs in; ``python``/``python3`` mean the interpreter running hpoflow (as
@@ -118,15 +119,21 @@ def run_values(text: str, values: Mapping[str, str]) -> str:
 
 def anchor_paths(argv: list[str], base: str) -> list[str]:
     """``argv`` with every relative path that names an existing file or directory under ``base`` (the
-    directory ``hpoflow`` runs in) made absolute: the program itself, a script, an argument, the value of an
-    ``--option=value``. A module after ``-m`` and code after ``-c`` are left alone, as is a path that
-    does not exist there (an output the program will write: it goes to its working directory)."""
+    directory ``hpoflow`` runs in) made absolute: the program itself, a script, an option's value
+    (``--data data``, ``--data=data``), a positional argument that looks like a path (``data/``,
+    ``cfg.yaml``). A module after ``-m``, code after ``-c``, a bare word after no option (a subcommand:
+    ``main.py train``) and a path that does not exist there (an output the program will write: it goes
+    to its working directory) are left alone."""
 
     def anchored(path: str) -> str:
         if not path or os.path.isabs(path) or "${" in path:
             return path
         full = os.path.join(base, path)
         return os.path.normpath(full) if os.path.exists(full) else path
+
+    def pathlike(arg: str, prev: str) -> bool:
+        # a bare word after no option may be a subcommand (``main.py train``, ``cli.py fit``): left alone
+        return "/" in arg or bool(os.path.splitext(arg)[1]) or (prev.startswith("-") and "=" not in prev)
 
     out: list[str] = []
     for i, arg in enumerate(argv):
@@ -138,7 +145,7 @@ def anchor_paths(argv: list[str], base: str) -> list[str]:
             name, eq, value = arg.partition("=")
             out.append(f"{name}={anchored(value)}" if eq and arg.startswith("--") else arg)
         else:
-            out.append(anchored(arg))
+            out.append(anchored(arg) if pathlike(arg, argv[i - 1]) else arg)
     return out
 
 

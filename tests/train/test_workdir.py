@@ -37,8 +37,11 @@ def test_relative_paths_that_exist_are_anchored_and_outputs_are_not(tmp_path: Pa
         "python", str(tmp_path / "train.py"), "--data", str(tmp_path / "data"), "--out", "model.pt",
         f"--cfg={tmp_path / 'data'}", "-m", "pkg", "/abs", "-v"]
     assert anchor_paths(["./run.sh", "x"], str(tmp_path)) == ["./run.sh", "x"]  # not there: left as written
+    (tmp_path / "train").mkdir()  # a subcommand named like a directory: a bare word after no option stays
+    assert anchor_paths(["python", "main.py", "train", "--out", "train", "data/"], str(tmp_path)) == [
+        "python", "main.py", "train", "--out", str(tmp_path / "train"), str(tmp_path / "data")]
     (tmp_path / "run.sh").write_text("")
-    assert anchor_paths(["./run.sh", "data"], str(tmp_path)) == [str(tmp_path / "run.sh"), str(tmp_path / "data")]
+    assert anchor_paths(["./run.sh", "data/"], str(tmp_path)) == [str(tmp_path / "run.sh"), str(tmp_path / "data")]
 
 
 def test_run_placeholders_survive_the_parameters_and_are_replaced_where_the_trial_runs() -> None:
