@@ -228,3 +228,19 @@ def behave_params(params: dict[str, Any], report: Any, rank: int = 0) -> dict[st
     if mode == "crash" and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     return {"value": float(params.get("value", 1.0)), "threads": float(os.environ.get("OMP_NUM_THREADS", "0"))}
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def pool_without_torch(ctx: Any) -> dict[str, float]:
+    """A torch-free function (a light worker's, a spawned interpreter) that starts a spawn-context ``Pool``:
+    the sum of squares 0..4 (30), and whether torch was loaded in this process."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(2) as pool:
+        total = sum(pool.map(_square, range(5)))
+    with mp.Pool(2) as pool:  # the default (fork) context too
+        total += sum(pool.map(_square, range(5)))
+    return {"score": float(total), "torch_loaded": float("torch" in sys.modules)}

@@ -130,3 +130,12 @@ def test_a_warm_program_ends_as_an_interpreter_ends(tmp_path: Path) -> None:
         assert "warm (runpy" in (d / "rank0.log").read_text()
         assert sorted(p.name for p in d.glob("atexit_rank*")) == ["atexit_rank0", "atexit_rank1"]
         assert sorted(p.name for p in d.glob("thread_rank*")) == ["thread_rank0", "thread_rank1"]
+
+
+def test_a_torch_free_function_on_a_light_worker_starts_a_pool(tmp_path: Path) -> None:
+    # a light worker is a spawned interpreter, daemonic to multiprocessing like a warm one
+    study = optimize(_spec("light-pool", {"function": "trainfns_light:pool_without_torch", "epochs": 1}),
+                     tmp_path / "run").study
+    (t,) = study.trials
+    assert t.state == TrialState.COMPLETE, t.user_attrs.get("error")
+    assert t.value == 60.0 and t.user_attrs["metrics"]["torch_loaded"] == 0.0  # it ran on a light worker
