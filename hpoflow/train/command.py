@@ -230,6 +230,10 @@ class _Supervisor:
         for t in pumps:
             t.start()
         self._supervise(proc, reader if self.rank == 0 else None)
+        if self.rank == 0 and self.store is not None and self.stop is None:
+            # rank 0's program has ended: a peer's that does not end too (a hang in its interpreter's teardown,
+            # a wait for a rank that is gone) gets training.stop_grace_s, then SIGTERM, then SIGKILL
+            self.store.set(_STOP_KEY, "exited")
         for t in pumps:  # the program's last lines (a child it left holding the pipes: killed in close)
             t.join(5.0)
         self._kill(signal.SIGKILL)
@@ -396,8 +400,8 @@ class _Supervisor:
             return
         self.stop = _Stop(reason)
         log.info("command: rank %d: %s; the program has %g s to exit (training.stop_grace_s)", self.rank,
-                 {"pruned": "pruned", "paused": "paused", "ended": "its last epoch (training.epochs) reported"}.get(
-                     reason, reason), self.ctx.config.stop_grace_s)
+                 {"pruned": "pruned", "paused": "paused", "ended": "its last epoch (training.epochs) reported",
+                  "exited": "rank 0's program has ended"}.get(reason, reason), self.ctx.config.stop_grace_s)
         if self.store is not None and self.rank == 0:
             self.store.set(_STOP_KEY, reason)
 

@@ -14,7 +14,8 @@ winning:
    named after a metric of the study gives that metric's value. Other groups are ignored.
 2. ``{...}`` spans that are a flat dict: Hugging Face's printed logs ``{'eval_loss': 0.41, 'epoch': 1.0}``
    (``ast.literal_eval``, never ``eval``) and JSON lines ``{"val_loss": 0.4, "step": 3}`` (``json``).
-   Every entry with a number is a value; ``epoch``/``step`` (any case) give the step.
+   Every entry with a number, or a string that is one (transformers 5 prints ``{'eval_loss': '0.66'}``),
+   is a value; ``epoch``/``step`` (any case) give the step.
 3. ``NAME=VALUE`` and ``NAME: VALUE`` pairs (the name may be quoted: ``'eval_loss': nan``). A name is a
    letter or ``_``, then letters, digits, ``_``, ``.`` and ``/`` (``val/loss``), matched as written
    (case-sensitive), whole (``my_val_loss`` is not ``val_loss``). A value is a number as Python writes
@@ -184,6 +185,11 @@ class LineReports:
             found = _literal(span)
             for key, raw in found.items():
                 if not isinstance(key, str) or not key or len(key) > _MAX_NAME or unprintable(key):
+                    continue
+                if isinstance(raw, str) and len(raw) <= 64:  # transformers 5 prints values quoted: '0.66'
+                    number = _number(raw.strip())
+                    if number is not None:
+                        self._take(key, number, steps, metrics)
                     continue
                 if isinstance(raw, bool) or not isinstance(raw, int | float):
                     continue

@@ -108,6 +108,9 @@ def test_hugging_face_dicts_and_json_lines() -> None:
     assert reads('log {"val_loss": NaN, "tag": "x", "ok": true, "n": {"a": 1}} end') is not None
     assert reads('{"val_loss": 1e999}') == (None, {"val_loss": math.inf})
     assert reads("{'val loss': 0.2, 'val_loss': 0.1, 'bad\\tname': 3}") == (None, {"val loss": 0.2, "val_loss": 0.1})
+    # transformers 5 prints its log values quoted (TRL's DPO: a '/' in the name too)
+    assert reads("{'eval_loss': '0.6931', 'eval_rewards/margins': '0.0601', 'epoch': '1.0', 'tag': 'x'}",
+                 "eval_rewards/margins") == (1, {"eval_loss": 0.6931, "eval_rewards/margins": 0.0601})
 
 
 def test_a_span_is_never_run(tmp_path: Path) -> None:

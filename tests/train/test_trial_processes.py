@@ -139,3 +139,26 @@ def test_a_torch_free_function_on_a_light_worker_starts_a_pool(tmp_path: Path) -
     (t,) = study.trials
     assert t.state == TrialState.COMPLETE, t.user_attrs.get("error")
     assert t.value == 60.0 and t.user_attrs["metrics"]["torch_loaded"] == 0.0  # it ran on a light worker
+
+
+HANGS_AT_ITS_END = """
+import os, sys, time
+print("score=1.0", flush=True)
+if os.environ["RANK"] == "1":  # as a rank whose interpreter's teardown hangs (a gloo thread waiting for the GIL)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_peer_whose_program_hangs_after_rank_0s_ended_is_stopped(tmp_path: Path, isolate: bool) -> None:
+    prog = tmp_path / "hangs.py"
+    prog.write_text(HANGS_AT_ITS_END)
+    data = {"study": {"name": "peer-hang", "metric": "score", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "random", "n_trials": 1, "max_concurrent": 1, "seed": 0},
+            "training": {"command": ["python", str(prog)], "isolate": isolate, "stop_grace_s": 1.0},
+            "resources": {"processes": 2, "timeout": 240, "max_retries": 0}}  # (the bound a hang would meet)
+    (t,) = optimize(data, tmp_path / "run").study.trials
+    assert t.state == TrialState.COMPLETE and t.value == 1.0, t.user_attrs.get("error")
+    log = (tmp_path / "run" / "trials" / "0" / "rank1.log").read_text()
+    assert "rank 0's program has ended" in log and "SIGTERM" in log, log
