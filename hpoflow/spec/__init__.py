@@ -46,6 +46,7 @@ from hpoflow.spec._models import (
     TrackingSpec,
     TrainConfig,
     in_memory_storage,
+    metric_pattern_problem,
     parse_constraint,
     unprintable,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "in_memory_storage",
     "key_lines",
     "load_spec",
+    "metric_pattern_problem",
     "outside",
     "parse_constraint",
     "placeholders",
