@@ -15,7 +15,9 @@ winning:
 2. ``{...}`` spans that are a flat dict: Hugging Face's printed logs ``{'eval_loss': 0.41, 'epoch': 1.0}``
    (``ast.literal_eval``, never ``eval``) and JSON lines ``{"val_loss": 0.4, "step": 3}`` (``json``).
    Every entry with a number, or a string that is one (transformers 5 prints ``{'eval_loss': '0.66'}``),
-   is a value; ``epoch``/``step`` (any case) give the step.
+   is a value; ``epoch``/``step`` give the step only as whole numbers written as such (``"step": 3``):
+   Hugging Face's ``'epoch': 1.0`` (or ``'0.62'``) tells how far training is, not which evaluation this is,
+   so its evaluations are counted as values without a step are (below). Names of either any case.
 3. ``NAME=VALUE`` and ``NAME: VALUE`` pairs (the name may be quoted: ``'eval_loss': nan``). A name is a
    letter or ``_``, then letters, digits, ``_``, ``.`` and ``/`` (``val/loss``), matched as written
    (case-sensitive), whole (``my_val_loss`` is not ``val_loss``). A value is a number as Python writes
@@ -150,7 +152,7 @@ class LineReports:
         metrics: dict[str, float] = {}
         self._patterns(text, steps, metrics)
         if "{" in text:
-            self._spans(text, steps, metrics)
+            text = self._spans(text, steps, metrics)  # (the dicts read are blanked: their pairs are read once)
         if "=" in text or ":" in text:
             self._pairs(text, steps, metrics)
         if not any(name in self.names for name in metrics):
@@ -174,8 +176,10 @@ class LineReports:
                     elif name in self.names and value is not None:
                         metrics.setdefault(name, value)
 
-    def _spans(self, text: str, steps: dict[str, int], metrics: dict[str, float]) -> None:
-        """Flat dicts: Hugging Face's printed logs (Python literals) and JSON objects."""
+    def _spans(self, text: str, steps: dict[str, int], metrics: dict[str, float]) -> str:
+        """Flat dicts: Hugging Face's printed logs (Python literals) and JSON objects; ``text`` with each dict
+        read blanked out."""
+        read: list[tuple[int, int]] = []
         for n, match in enumerate(_SPAN.finditer(text)):
             if n >= _MAX_SPANS:
                 break
@@ -183,9 +187,13 @@ class LineReports:
             if len(span) > _MAX_SPAN or ":" not in span:
                 continue
             found = _literal(span)
+            if found:
+                read.append(match.span())
             for key, raw in found.items():
                 if not isinstance(key, str) or not key or len(key) > _MAX_NAME or unprintable(key):
                     continue
+                if key.lower() in STEP_NAMES and (isinstance(raw, bool) or not isinstance(raw, int)):
+                    continue  # Hugging Face's 'epoch': 1.0 / '0.62' is where training is, not a step
                 if isinstance(raw, str) and len(raw) <= 64:  # transformers 5 prints values quoted: '0.66'
                     number = _number(raw.strip())
                     if number is not None:
@@ -198,6 +206,9 @@ class LineReports:
                 except OverflowError:
                     value = math.inf if raw > 0 else -math.inf
                 self._take(key, value, steps, metrics)
+        for start, end in read:
+            text = text[:start] + " " * (end - start) + text[end:]
+        return text
 
     def _pairs(self, text: str, steps: dict[str, int], metrics: dict[str, float]) -> None:
         for match in _PAIR.finditer(text):

@@ -99,8 +99,10 @@ def test_a_comma_between_pairs_is_no_thousands_separator() -> None:
 
 
 def test_hugging_face_dicts_and_json_lines() -> None:
+    # Hugging Face's 'epoch': 1.0 is how far training is, not a step (its evaluations count as unstepped values)
     assert reads("{'eval_loss': 0.41, 'eval_runtime': 1.5, 'epoch': 1.0}", "eval_loss") == \
-        (1, {"eval_loss": 0.41, "eval_runtime": 1.5})
+        (None, {"eval_loss": 0.41, "eval_runtime": 1.5})
+    assert reads('{"val_loss": 0.4, "epoch": 2}') == (2, {"val_loss": 0.4})  # a whole number written as one is
     assert reads('{"val_loss": 0.4, "step": 3}') == (3, {"val_loss": 0.4})
     assert reads("{'eval_loss': 0.3, 'epoch': 0.37}", "eval_loss") == (None, {"eval_loss": 0.3})  # no whole step
     found = reads("{'eval_loss': nan, 'epoch': 2.0}", "eval_loss")  # no literal: read as pairs
@@ -110,7 +112,7 @@ def test_hugging_face_dicts_and_json_lines() -> None:
     assert reads("{'val loss': 0.2, 'val_loss': 0.1, 'bad\\tname': 3}") == (None, {"val loss": 0.2, "val_loss": 0.1})
     # transformers 5 prints its log values quoted (TRL's DPO: a '/' in the name too)
     assert reads("{'eval_loss': '0.6931', 'eval_rewards/margins': '0.0601', 'epoch': '1.0', 'tag': 'x'}",
-                 "eval_rewards/margins") == (1, {"eval_loss": 0.6931, "eval_rewards/margins": 0.0601})
+                 "eval_rewards/margins") == (None, {"eval_loss": 0.6931, "eval_rewards/margins": 0.0601})
 
 
 def test_a_span_is_never_run(tmp_path: Path) -> None:
