@@ -6,9 +6,10 @@ writes its pid to ``<trial dir>/pids/``, so a test can check that none outlives 
 ``hold`` (a parameter; ``--hold`` for the program) > 0: before it returns, it leaves processes running
 (a DataLoader iterator with persistent workers, an ``mp.Process`` and a ``subprocess`` sleeper; the
 program's ``mp.Process`` is daemonic, as a program's end would otherwise wait for it) and sleeps ``hold``
-seconds, writing ``<trial dir>/holding`` first. The program also opens 16 files before it starts a
-spawn-context ``Pool`` and checks that multiprocessing wrote nothing into them (a stale resource-tracker
-descriptor would). Score: the DataLoader's sum + the spawned ranks' + the pool's (2016 + 3 + 30).
+seconds, writing ``<trial dir>/holding`` first. The program also opens 16 files before its first
+spawn-context primitive (``torch.multiprocessing.spawn``'s queue, which starts a resource tracker) and
+checks that multiprocessing wrote nothing into them (a stale resource-tracker descriptor would).
+Score: the DataLoader's sum + the spawned ranks' + the pool's (2016 + 3 + 30).
 """
 
 from __future__ import annotations
@@ -90,9 +91,7 @@ def main() -> int:
     a = p.parse_args()
     out = Path(os.environ["HPOFLOW_TRIAL_DIR"])
     files = [open(out / f"open{i}.txt", "w") for i in range(16)]  # held open on purpose
-    result = work(out, a.hold, daemon=True)
-    with mp.get_context("spawn").Pool(1) as pool:  # the first spawn-context primitive starts a resource tracker
-        result["score"] += pool.apply(abs, (0,))
+    result = work(out, a.hold, daemon=True)  # torch.multiprocessing.spawn's queue: its first spawn-context primitive
     for f in files:
         f.close()
     written = sum((out / f"open{i}.txt").stat().st_size for i in range(16))

@@ -22,15 +22,15 @@ from tests.corpus import programs as corpus
 from tests.corpus import sources, standins
 from tests.corpus.programs import Mode
 
-# program, mode: one case per program that runs here, and every mode somewhere (< ~90 s on 2 cores once
-# the cache is filled); bench/corpus.py has the rest of the matrix.
+# program, mode: one case per program that reports here, and every mode somewhere (~60 s on 2 cores once
+# the cache is filled); bench/corpus.py has the rest of the matrix (ignite-transformers, which runs but cannot
+# report, included).
 CASES = [
     ("opacus-char-lstm", Mode(search="pruner", n_trials=3)),  # DataLoader workers in a warm trial
     ("ignite-reinforce", Mode(isolate=True, search="asha", n_trials=3)),
     ("opacus-imdb", Mode(search="pruner", n_trials=2)),  # DataLoader workers, HF caches, a line without a step
     ("trl-sft", Mode(ranks=2, search="pruner", n_trials=2)),  # HF Trainer's own DDP, eval_steps
-    ("trl-dpo", Mode(search="asha", n_trials=3)),  # the default reader on transformers' printed dicts
-    ("ignite-transformers", Mode(ranks=2, search="plain", n_trials=1)),  # idist, workers; metrics on stderr
+    ("trl-dpo", Mode(search="pruner", n_trials=2)),  # the default reader on transformers' printed dicts
     ("opacus-mnist", Mode(search="pruner", n_trials=2)),  # torchvision: skips where it cannot be imported
     ("ignite-mnist", Mode(search="asha", n_trials=3)),
 ]
@@ -72,12 +72,6 @@ def test_a_public_program_runs_unchanged_as_trials(key: str, mode: Mode, tmp_pat
     assert o.rc != 124, _tails(o, mode)  # a study that did not end: the logs say where each rank was
     trials = {int(t["number"]): t for t in o.trials}
     assert len(trials) == mode.n_trials, (o.rc, o.stderr[-3000:])
-    if program.reads:
-        # the program runs to its end on every rank; hpoflow cannot read what it logs (docs/corpus.md)
-        for n in trials:
-            assert corpus.exit_codes(o, n, mode.ranks) == [0] * mode.ranks, o.log(n)[-3000:]
-            assert "never reported" in trials[n]["error"], trials[n]["error"][-2000:]
-        return
     failed = {n: t["error"][-1500:] for n, t in trials.items() if t["state"] == "FAIL"}
     assert not failed, failed
     assert o.rc == 0, o.stderr[-3000:]
