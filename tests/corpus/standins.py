@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.corpus.sources import Unavailable, cache_root, locked
+from tests.corpus.sources import Unavailable, cache_root, filled
 
 VERSION = 2  # of the generators: a change here makes new stand-ins
 KINDS = ("names", "imdb", "sft", "mnist")
@@ -57,15 +57,8 @@ def make(kind: str, pythonpath: list[Path]) -> Path:
     if kind not in KINDS:
         raise ValueError(f"no stand-in {kind!r}; there are {KINDS}")
     dest = cache_root() / "standins" / f"{kind}-v{VERSION}"
-    marker = dest / ".hpoflow-corpus-ok"
-    if marker.exists():
-        return dest
-    with locked(f"standin-{kind}"):
-        if marker.exists():
-            return dest
-        staging = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+
+    def generate(staging: Path) -> str:
         if kind in ("names", "mnist"):
             GENERATORS[kind](staging)
         else:
@@ -76,14 +69,12 @@ def make(kind: str, pythonpath: list[Path]) -> Path:
             if r.returncode != 0:
                 raise Unavailable(f"the {kind} stand-in could not be made: {r.stderr.strip()[-1500:]}")
             shutil.rmtree(staging / ".hf-home", ignore_errors=True)
-        if dest.exists():
-            shutil.rmtree(dest)
-        staging.rename(dest)
-        marker.write_text(f"v{VERSION}\n")
         for old in dest.parent.glob(f"{kind}-v*"):  # earlier generators' stand-ins
             if old != dest and not old.name.endswith(".partial"):
                 shutil.rmtree(old, ignore_errors=True)
-    return dest
+        return f"v{VERSION}"
+
+    return filled(dest, f"standin-{kind}", generate)
 
 
 def names(dest: Path) -> None:
