@@ -206,10 +206,11 @@ class _Supervisor:
             "HPOFLOW_CHECKPOINT_DIR": str(checkpoints), "HPOFLOW_METRICS_FILE": str(metrics_file),
             "HPOFLOW_CONTROL": self.server.announce("127.0.0.1"), "HPOFLOW_ATTEMPT": str(req.attempt),
         })
-        if self.moved and _runs_a_module(command):
+        runnable = warm_target(command)  # (python SCRIPT / python -m MODULE: what a zygote can run)
+        if self.moved and runnable is not None and runnable[0] == "module":
             # python -m finds its module in the current directory: here, the one hpoflow runs in
             env["PYTHONPATH"] = os.pathsep.join(p for p in (launch, env.get("PYTHONPATH", "")) if p)
-        target = warm_target(command) if self.zygote is not None else None
+        target = runnable if self.zygote is not None else None
         log.info("command: rank %d runs %s%s (MASTER_ADDR=%s MASTER_PORT=%d)", self.rank, shlex.join(argv),
                  " warm (runpy in a process forked with torch imported)" if target else "", *master)
         proc: subprocess.Popen[bytes] | _Forked
@@ -668,12 +669,6 @@ def _run_main(kind: str, name: str, args: list[str], launch: str) -> None:
     main.__dict__.update(__file__=name, __cached__=None, __package__=None, __spec__=None,
                          __loader__=importlib.machinery.SourceFileLoader("__main__", name))
     exec(code, main.__dict__)
-
-
-def _runs_a_module(command: list[str]) -> bool:
-    """Whether ``command`` is ``python -m MODULE ...``."""
-    target = warm_target(command)
-    return target is not None and target[0] == "module"
 
 
 def prefork(train: dict[str, Any], threads: int) -> Zygote | None:
