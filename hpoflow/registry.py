@@ -317,6 +317,13 @@ ENGINES.register("simulated", "hpoflow.engines.simulated.engine:SimulatedEngine"
 for _name, _opts in [("lognormal", "LogNormalCostModel"), ("function", "FunctionCost"), ("replay", "ReplayCost")]:
     COST_MODELS.register(_name, f"hpoflow.engines.simulated.costs:{_name}_cost",
                          f"hpoflow.engines.simulated.options:{_opts}")
+COST_MODELS.register("yahpo", "hpoflow.engines.simulated.yahpo:yahpo_cost",
+                     "hpoflow.engines.simulated.options:YahpoCost",
+                     summary="YAHPO Gym's surrogate (LCBench): learning curves and epoch times of a published "
+                             "benchmark")
+COST_MODELS.register("tabular", "hpoflow.engines.simulated.tabular:tabular_cost",
+                     "hpoflow.engines.simulated.options:TabularCost",
+                     summary="tabular benchmarks (HPOBench MLP, FCNet, NAS-Bench-201): recorded metrics and durations")
 COST_MODELS.register("oracle", "hpoflow.oracle.simcost:oracle_cost", "hpoflow.oracle.simcost:OracleCostOptions",
                      summary="durations from the parallelism oracle's time-to-train, a synthetic metric")
 for _name in ("longest_remaining", "most_promising", "fifo"):

