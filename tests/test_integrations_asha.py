@@ -44,7 +44,7 @@ def _study(name: str, command: list[str], metric: str, good: dict[str, Any], bad
             "space": {"lr": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
                       "hidden": {"type": "categorical", "choices": [16, 32, 64]}},
             "search": {"algorithm": "random", "n_trials": 2, "max_concurrent": 1, "seed": 0, "enqueue": [good, bad],
-                       "scheduler": {"type": "asha", "min_resource": 3, "reduction_factor": 2}},
+                       "scheduler": {"type": "asha", "min_resource": 3, "reduction_factor": 2, "anchor": "min"}},
             "training": {"command": command, "epochs": 4, "stop_grace_s": 30},
             "resources": {"processes": 2, "cpus_per_process": 1}}
 

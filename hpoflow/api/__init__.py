@@ -73,7 +73,8 @@ def _optimize(spec: StudySpec | Mapping[str, Any] | str | os.PathLike[str], run_
     with _prestarted(parsed, dirs, own_engine=engine is None), rundir.RunLock(rd) as lock:
         with rundir.disk_errors(rd):
             try:
-                study, label = open_study(rd, parsed, text, url, pruner=make_pruner(parsed.search.pruner),
+                study, label = open_study(rd, parsed, text, url, pruner=make_pruner(
+                    parsed.search.pruner, parsed.training.get("epochs")),
                                           sampler_for=lambda n: make_sampler(parsed.search, resumed_trials=n))
             except BaseException:
                 if new_dir:  # (open_study took back what it wrote: a storage that cannot be opened leaves nothing)

@@ -18,11 +18,17 @@ So of any number of drivers claiming one key at once exactly one holds it, and a
 Used for the owner of a PBT study (``hpoflow.search.pbt``) and for promoting a paused trial
 (``hpoflow.search.scheduling``). A claim is never taken back: a key that must pass on (its holder died)
 is followed by a new key, which the drivers derive alike.
+
+A study with a scheduler holds a claim per promotion, thousands in a long study, so the claims are read
+incrementally: those read before are kept (a claim never changes), and a read parses only the claims
+written since, which come after them in that order (a claim numbered below one read already means the
+order was not what it should be: everything is read again).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from datetime import datetime
 from typing import Any
 
@@ -44,18 +50,19 @@ class Claims:
         self.storage: optuna.storages.BaseStorage = study._storage
         self.name = study.study_name + CLAIMS_SUFFIX
         self._id: int | None = None
+        self._read_n = 0  # claims read so far: the first ones of the storage's order
+        self._last = -1  # the highest number among them
+        self._held: dict[str, str] = {}  # every key read -> its holder (the first claim of it)
 
     def holders(self, prefix: str = "") -> dict[str, str]:
         """Every claimed key that starts with ``prefix``, with the driver that holds it."""
-        out: dict[str, str] = {}
-        for key, by in self._read():
-            if key.startswith(prefix):
-                out.setdefault(key, by)
-        return out
+        self._read()
+        return {key: by for key, by in self._held.items() if key.startswith(prefix)}
 
     def holder(self, key: str) -> str | None:
         """The driver that holds ``key``, or None when nobody claimed it."""
-        return self.holders(key).get(key)
+        self._read()
+        return self._held.get(key)
 
     def claim(self, key: str, by: str) -> str:
         """Claim ``key`` for ``by`` (unless it is held already); returns the holder: ``by`` when it won."""
@@ -87,14 +94,20 @@ class Claims:
             self._id = self.storage.get_study_id_from_name(self.name)
         return self._id
 
-    def _read(self) -> list[tuple[str, str]]:
-        """(key, by) of every claim, in the storage's order."""
+    def _read(self) -> None:
+        """Take in the claims written since the last read (module docstring), in the storage's order."""
         study_id = self._study_id()
         if study_id is None:
-            return []
-        out = []
-        for t in sorted(self.storage.get_all_trials(study_id, deepcopy=False), key=lambda t: t.number):
+            return
+        trials = self.storage.get_all_trials(study_id, deepcopy=False)
+        new = trials[self._read_n:]
+        if len(trials) < self._read_n or any(t.number <= self._last for t in new) or any(
+                a.number > b.number for a, b in itertools.pairwise(new)):
+            self._read_n, self._last, self._held = 0, -1, {}  # not in the order expected: read all again
+            new = sorted(trials, key=lambda t: t.number)
+        for t in new:
             c: Any = t.user_attrs.get(_ATTR)
             if isinstance(c, dict) and isinstance(c.get("key"), str) and isinstance(c.get("by"), str):
-                out.append((c["key"], c["by"]))
-        return out
+                self._held.setdefault(c["key"], c["by"])
+            self._last = max(self._last, t.number)
+        self._read_n = len(trials)

@@ -95,21 +95,31 @@ class Tally:
     """The whole study as the driver needs it, from the storage, updated incrementally.
 
     ``refresh(study)`` reads the trials once (``get_trials(deepcopy=False)``) and looks only at trials
-    new since the last refresh and at those not finished then: a finished trial never changes state,
-    so the cost per refresh is one list from Optuna plus the trials in flight. After a refresh:
-    ``finished`` (the trials that count against ``n_trials``), ``n_complete``, ``n_pruned``,
-    ``n_failed``, ``running`` and ``waiting`` (by number, every driver's), ``grid_claimed`` (grid
-    indices some trial stands for).
+    new since the last refresh and at those not finished then: a finished trial never changes. Of
+    those, a trial whose record is the very object of the last read is unchanged (Optuna's journal
+    and in-memory storages replace a trial's record when they change it), so a refresh costs one
+    list from Optuna plus a pointer comparison per trial in flight, and work only for what changed.
+    After a refresh: ``finished`` (the trials that count against ``n_trials``), ``n_complete``,
+    ``n_pruned``, ``n_failed``, ``running``, ``waiting`` and ``paused`` (by number, every driver's),
+    ``grid_claimed`` (grid indices some trial stands for).
+
+    ``watch(fn)``: ``fn(changed, gone)`` after every refresh, for indexes kept beside the tally (a
+    scheduler's rungs, PBT's population): ``changed``, by number, the trials new since the last
+    refresh and those unfinished then whose record changed since (a report too); ``gone``, the
+    numbers of trials found interrupted and rerun since (they stand for nothing any more:
+    ``interrupted``).
     """
 
     def __init__(self) -> None:
         self._trials: list[FrozenTrial] = []
         self._seen = 0  # trials looked at: numbers below this
-        self._open: set[int] = set()  # seen unfinished
+        self._open: dict[int, FrozenTrial | None] = {}  # seen unfinished -> its record at the last read
         self._replaced: set[int] = set()
         self._counted: dict[int, TrialState] = {}  # finished trials that count
         self._by_state: Counter[TrialState] = Counter()
         self._holders: dict[tuple[str, int], list[int]] = {}
+        self._paused: dict[int, FrozenTrial] = {}
+        self._watchers: list[Callable[[list[FrozenTrial], set[int]], None]] = []
         self.running: dict[int, FrozenTrial] = {}
         self.waiting: dict[int, FrozenTrial] = {}
         self.grid_claimed: set[int] = set()
@@ -126,7 +136,7 @@ class Tally:
     @property
     def paused(self) -> dict[int, FrozenTrial]:
         """The RUNNING trials a scheduler paused (no process runs them), by number."""
-        return {n: t for n, t in self.running.items() if t.user_attrs.get(ATTR_PAUSED) is not None}
+        return dict(sorted(self._paused.items()))
 
     @property
     def n_complete(self) -> int:
@@ -149,39 +159,74 @@ class Tally:
                 return t
         raise KeyError(number)
 
+    def watch(self, fn: Callable[[list[FrozenTrial], set[int]], None]) -> None:
+        """Call ``fn(changed, gone)`` after every refresh (class docstring); at once with every trial read
+        so far, when there was a refresh already."""
+        self._watchers.append(fn)
+        if self._trials:
+            fn(list(self._trials), set(self._replaced))
+
     def refresh(self, study: optuna.Study) -> list[FrozenTrial]:
         """Read the study; returns the trials that finished (and count) since the last refresh."""
         self._trials = trials = study.get_trials(deepcopy=False)
+        gone: set[int] = set()
         for t in trials[self._seen:]:
-            self._open.add(t.number)
+            self._open.setdefault(t.number, None)
             for key in claims(t):
                 self._holders.setdefault(key, []).append(t.number)
             if ATTR_GRID in t.user_attrs and ATTR_UNUSED not in t.user_attrs:
                 self.grid_claimed.add(int(t.user_attrs[ATTR_GRID]))
             if ATTR_REPLACES in t.user_attrs:
-                old = int(t.user_attrs[ATTR_REPLACES])
-                self._replaced.add(old)
-                state = self._counted.pop(old, None)
-                if state is not None:  # counted before its rerun appeared (runs written before this order)
-                    self._by_state[state] -= 1
+                self._replace(int(t.user_attrs[ATTR_REPLACES]), gone)
             if t.system_attrs.get(_LEGACY_INTERRUPTED):
-                self._replaced.add(t.number)
+                self._replace(t.number, gone)
         self._seen = max(self._seen, len(trials))
-        done = []
-        self.running, self.waiting = {}, {}
-        for number in sorted(self._open):
-            t = self.trial(number)
+        done: list[FrozenTrial] = []
+        changed: list[FrozenTrial] = []
+        size = len(trials)
+        # (trials[number] is trial ``number`` in Optuna's numbering; a record that is the one of the last
+        # read is that trial's, unchanged: only the others are looked at, through ``trial``)
+        moved = [number for number, last in self._open.items() if number >= size or trials[number] is not last]
+        for number in moved:
+            last = self._open[number]
+            try:
+                t = self.trial(number)
+            except KeyError:  # (noted running, not in this read)
+                continue
+            if t is last:
+                continue
+            changed.append(t)  # (not compared with ``last``: an ``optuna.Trial`` updates the record it read in place)
+            self.running.pop(number, None)
+            self.waiting.pop(number, None)
+            self._paused.pop(number, None)
             if t.state == TrialState.RUNNING:
-                self.running[number] = t
+                self._open[number] = self.running[number] = t
+                if t.user_attrs.get(ATTR_PAUSED) is not None:
+                    self._paused[number] = t
             elif t.state == TrialState.WAITING:
-                self.waiting[number] = t
+                self._open[number] = self.waiting[number] = t
             else:
-                self._open.discard(number)
+                del self._open[number]
                 if self._counts(t):
                     self._counted[number] = t.state
                     self._by_state[t.state] += 1
                     done.append(t)
+        if self._watchers and (changed or gone):
+            changed.sort(key=lambda t: t.number)
+            for fn in self._watchers:
+                fn(changed, gone)
+        done.sort(key=lambda t: t.number)
         return done
+
+    def _replace(self, old: int, gone: set[int]) -> None:
+        """Trial ``old`` was interrupted and rerun: it counts no more."""
+        if old in self._replaced:
+            return
+        self._replaced.add(old)
+        gone.add(old)
+        state = self._counted.pop(old, None)
+        if state is not None:  # counted before its rerun appeared (runs written before this order)
+            self._by_state[state] -= 1
 
     def note_running(self, t: FrozenTrial) -> None:
         """This driver runs ``t`` (asked since the last refresh): counted in flight until the next refresh
@@ -189,6 +234,7 @@ class Tally:
         ``finished + len(running)`` stays right for a driver alone on the study."""
         self.waiting.pop(t.number, None)
         self.running[t.number] = t
+        self._open.setdefault(t.number, None)
 
     def _counts(self, t: FrozenTrial) -> bool:
         return (t.number not in self._replaced and ATTR_IMPORTED not in t.user_attrs

@@ -179,6 +179,10 @@ class SharedStudy:
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
 
+    def beat_due(self, now: float) -> bool:
+        """Whether ``rerun_orphans`` would look at the study at ``now`` (once every beat interval)."""
+        return now >= self._next_tick
+
     def rerun_orphans(self, now: float, mine: set[int],
                       carry_over: Callable[[FrozenTrial, Path | None], dict[str, Any]]) -> None:
         """Every beat interval (nothing in between): rerun the RUNNING trials, not in ``mine``, whose
@@ -198,7 +202,7 @@ class SharedStudy:
             self._reseeded = True
         running = set(self.tally.running)
         promoted = self.claims.holders("promote:") if self.tally.paused else {}
-        for number, t in list(self.tally.running.items()):
+        for number, t in sorted(self.tally.running.items(), key=lambda kv: kv[0]):
             owner = t.user_attrs.get(ATTR_DRIVER)
             owner = owner if isinstance(owner, str) else None
             if t.user_attrs.get(ATTR_PAUSED) is not None:  # paused by a scheduler: nothing runs it, any driver

@@ -127,6 +127,7 @@ class Driver:
         self._ready: _InFlight | None = None
         self._ask_s: list[float] = []  # seconds each ask (sample + suggest + precheck) took
         self._trial_s: list[float] = []  # durations of finished trials
+        self._worth_asking: tuple[tuple[int, int], bool] = ((0, 0), False)  # ask-ahead's verdict, for these lengths
         self.asked_ahead = 0  # trials asked while every slot was busy
         self.scheduling = Scheduling(spec, study, self.shared) if spec.search.scheduler.enabled and not pbt else None
         self.pbt = PbtScheduling(spec, study, self.shared, run_dir, budget) if pbt else None
@@ -326,6 +327,8 @@ class Driver:
     def _tick(self, now: float) -> None:
         """Every beat interval: rerun the RUNNING trials of drivers found dead (``SharedStudy``), from
         their run directory's checkpoints if this host can read them."""
+        if not self.shared.beat_due(now):
+            return  # (nothing to do between beats; the trials in flight are not gathered every event)
         mine = {*self._inflight, *([self._ready.trial.number] if self._ready is not None else [])}
         self.shared.rerun_orphans(now, mine, lambda t, rd: self._carry_over(t.number, t.user_attrs, rd))
 
@@ -371,7 +374,10 @@ class Driver:
             return True
         if slots < 2 or not self._ask_s or not self._trial_s:  # one slot: keep sequential search sequential
             return False
-        return median_recent(self._ask_s) > 0.01 * median_recent(self._trial_s)
+        seen = (len(self._ask_s), len(self._trial_s))
+        if self._worth_asking[0] != seen:  # (judged again when a new ask or trial time came, not every event)
+            self._worth_asking = (seen, median_recent(self._ask_s) > 0.01 * median_recent(self._trial_s))
+        return self._worth_asking[1]
 
     def _update_best(self, value: float | None) -> None:
         if value is not None and (self._best is None or (

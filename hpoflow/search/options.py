@@ -26,6 +26,7 @@ __all__ = [
     "MedianPrunerOptions",
     "NopPrunerOptions",
     "PercentilePrunerOptions",
+    "PrunerOptions",
     "RandomOptions",
     "SamplerOptions",
     "TPEOptions",
@@ -108,17 +109,40 @@ class NopPrunerOptions(NoOptions):
     """No early stopping."""
 
 
-class MedianPrunerOptions(Options):
+class PrunerOptions(Options):
+    """Base of a pruner's options: ``pruner_kwargs`` may depend on the trials' epochs (``training.epochs``):
+    an ``auto`` step becomes the first rung of Hyperband's geometry there (``hpoflow.search.schedulers.
+    first_rung``: 52 epochs -> 2), so a trial is never judged before the first rung."""
+
+    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
+        """The pruner's keyword arguments; ``first_rung``: the first rung of the study's epochs (None: unknown)."""
+        return self.kwargs()
+
+
+class MedianPrunerOptions(PrunerOptions):
     """``optuna.pruners.MedianPruner``: stop a trial below the median of earlier trials at the same step."""
 
     startup_trials: int = Field(default=5, ge=0, description="Trials that finish before pruning starts.")
-    warmup_steps: int = Field(default=0, ge=0, description="Steps of a trial before it can be pruned.")
+    warmup_steps: int | Literal["auto"] = Field(
+        default="auto", description="The first step at which a trial can be pruned (auto: the first rung of "
+                                    "Hyperband's geometry over training.epochs, 2 of 52; 0 when epochs are unknown).")
     interval_steps: int = Field(default=1, ge=1)
     min_trials: int = Field(default=1, ge=1, description="Trials reporting a step before it is compared.")
 
-    def kwargs(self) -> dict[str, Any]:
-        return {"n_startup_trials": self.startup_trials, "n_warmup_steps": self.warmup_steps,
+    @field_validator("warmup_steps")
+    @classmethod
+    def _steps(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"warmup_steps must be >= 0 or auto, but got {v}")
+        return v
+
+    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
+        warmup = (first_rung or 0) if self.warmup_steps == "auto" else self.warmup_steps
+        return {"n_startup_trials": self.startup_trials, "n_warmup_steps": warmup,
                 "interval_steps": self.interval_steps, "n_min_trials": self.min_trials}
+
+    def kwargs(self) -> dict[str, Any]:
+        return self.pruner_kwargs(None)
 
 
 class PercentilePrunerOptions(MedianPrunerOptions):
@@ -126,27 +150,43 @@ class PercentilePrunerOptions(MedianPrunerOptions):
 
     percentile: float = Field(default=25.0, gt=0, lt=100)
 
-    def kwargs(self) -> dict[str, Any]:
-        return {**super().kwargs(), "percentile": self.percentile}
+    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
+        return {**super().pruner_kwargs(first_rung), "percentile": self.percentile}
 
 
-class AshaPrunerOptions(Options):
+class _RungPrunerOptions(PrunerOptions):
+    """The rungs of Optuna's successive-halving pruners: ``min_resource * reduction_factor**k``."""
+
+    min_resource: int | Literal["auto"] = Field(
+        default="auto", description="The first rung (auto: the first rung of Hyperband's geometry over "
+                                    "training.epochs, 2 of 52, so the rungs are 2, 6, 18; 1 when epochs are unknown).")
+    reduction_factor: int = Field(default=3, ge=2)
+
+    @field_validator("min_resource")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"min_resource must be >= 1 or auto, but got {v}")
+        return v
+
+    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
+        auto = self.min_resource == "auto"
+        return {**self.kwargs(), "min_resource": (first_rung or 1) if auto else self.min_resource}
+
+
+class AshaPrunerOptions(_RungPrunerOptions):
     """``optuna.pruners.SuccessiveHalvingPruner`` (asynchronous successive halving)."""
 
-    min_resource: int = Field(default=1, ge=1)
-    reduction_factor: int = Field(default=3, ge=2)
     min_early_stopping_rate: int = Field(default=0, ge=0)
 
 
-class HyperbandPrunerOptions(Options):
+class HyperbandPrunerOptions(_RungPrunerOptions):
     """``optuna.pruners.HyperbandPruner``; ``max_resource`` defaults to the trials' reported steps."""
 
-    min_resource: int = Field(default=1, ge=1)
     max_resource: int | None = Field(default=None, ge=1)
-    reduction_factor: int = Field(default=3, ge=2)
 
-    def kwargs(self) -> dict[str, Any]:
-        return {**super().kwargs(), "max_resource": self.max_resource or "auto"}
+    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
+        return {**super().pruner_kwargs(first_rung), "max_resource": self.max_resource or "auto"}
 
 
 class NoSchedulerOptions(NoOptions):
@@ -160,7 +200,10 @@ class AshaSchedulerOptions(Options):
     min_resource: int = Field(default=1, ge=1, description="The first rung's step (epochs).")
     max_resource: int | None = Field(default=None, ge=1, description="The last step (default: training.epochs).")
     reduction_factor: int = Field(default=3, ge=2, description="eta: the top 1/eta of a rung is promoted.")
-    min_early_stopping_rate: int = Field(default=0, ge=0, description="s: the first rung is min_resource * eta**s.")
+    min_early_stopping_rate: int = Field(default=0, ge=0, description="s: the s lowest rungs are left out.")
+    anchor: Literal["max", "min"] = Field(
+        default="max", description="max: rungs at max_resource / eta**k (Hyperband's geometry: 2, 6, 17 of 52); "
+                                   "min: at min_resource * eta**k (1, 3, 9, 27).")
 
 
 class HyperbandSchedulerOptions(Options):
@@ -169,6 +212,9 @@ class HyperbandSchedulerOptions(Options):
     min_resource: int = Field(default=1, ge=1)
     max_resource: int | None = Field(default=None, ge=1)
     reduction_factor: int = Field(default=3, ge=2)
+    anchor: Literal["max", "min"] = Field(
+        default="max", description="max: rungs at max_resource / eta**k (Hyperband's geometry); min: at "
+                                   "min_resource * eta**k.")
 
 
 def pbt_budget(population: int, interval: int, epochs: int) -> int:

@@ -49,9 +49,10 @@ from hpoflow.registry import SCHEDULERS, Options
 from hpoflow.run.claims import Claims
 from hpoflow.run.fencing import current, link_tree
 from hpoflow.run.lease import LeaseInfo, first_alive, read_leases
-from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_LINEAGE, ATTR_UNUSED, FINISHED, interrupted
+from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_LINEAGE
 from hpoflow.run.shared import SharedStudy
 from hpoflow.search.options import pbt_budget
+from hpoflow.search.population import Population
 from hpoflow.spec import FloatParam, IntParam, Param, StudySpec, TrainConfig
 
 __all__ = ["PbtPolicy", "PbtScheduling", "explore_pbt", "lineage_chain", "pbt", "refuse_pbt_study", "schedule_of"]
@@ -77,9 +78,12 @@ class PbtPolicy:
     def split(self, latest: dict[int, float]) -> tuple[list[int], list[int]]:
         """(top, bottom) members by their latest value, best first: ``ceil(n x quantile)`` each, at most
         half of the ``n`` members that have one (Ray Tune's rule)."""
-        n = len(latest)
+        return self.cut(sorted(latest, key=lambda m: (-latest[m] if self.maximize else latest[m], m)))
+
+    def cut(self, ordered: list[int]) -> tuple[list[int], list[int]]:
+        """``split`` of members already ordered best first."""
+        n = len(ordered)
         k = min(math.ceil(n * self.quantile), n // 2)
-        ordered = sorted(latest, key=lambda m: (-latest[m] if self.maximize else latest[m], m))
         return ordered[:k], ordered[n - k:] if k else []
 
 
@@ -178,6 +182,8 @@ class PbtScheduling:
                                        "pbt")]) from exc
         self.n_exploits = 0  # this run's
         self.n_trials = n_trials
+        self.population = Population(epochs, self.policy.maximize)  # kept up to date at every read of the study
+        shared.tally.watch(self.population.update)
         self.claims = Claims(study)
         self._epoch: int | None = None  # the epoch of the study's ownership this driver holds (own())
 
@@ -237,7 +243,7 @@ class PbtScheduling:
         lin = attrs.get(ATTR_LINEAGE)
         own = self.run_dir / "trials" / str(trial.number) / "checkpoints"
         if not isinstance(lin, dict):
-            taken = {m for m, _ in self._members(self.shared.tally.trials)}
+            taken = self.population.members
             member = next(m for m in range(len(taken) + 1) if m not in taken)
             lin = {"member": member, "interval": 0, "parent": None, "donor": None, "start": 0,
                    "end": min(self.policy.interval, self.epochs), "seed": base_seed + member}
@@ -271,7 +277,7 @@ class PbtScheduling:
         """Whether an ``ask`` now gives a trial PBT wants run: a root while the population is not full,
         else an enqueued interval (enqueued here if one is due)."""
         self.shared.refresh()
-        if self._n_members(self.shared.tally.trials) < self.policy.population:
+        if self.population.n_members < self.policy.population:
             return True
         return self.sync() > 0 or bool(self.shared.tally.waiting)
 
@@ -279,46 +285,28 @@ class PbtScheduling:
         """Nothing of PBT's runs or waits in the study, and no member has an interval left."""
         self.shared.refresh()
         tally = self.shared.tally
-        if self._n_members(tally.trials) < self.policy.population or tally.running or tally.waiting:
+        if self.population.n_members < self.policy.population or tally.running or tally.waiting:
             return False
         return self.sync() == 0
 
     def sync(self) -> int:
         """Enqueue the next interval of every member whose latest interval finished and has none yet,
         within ``budget`` (finished, running and waiting intervals count); returns how many."""
-        tally = self.shared.tally
-        trials = tally.trials
-        if self._n_members(trials) < self.policy.population:
+        tally, pop = self.shared.tally, self.population
+        if pop.n_members < self.policy.population:
             return 0  # roots first: an enqueued interval would be asked before them
         room = self._budget - (tally.finished + len(tally.running) + len(tally.waiting))
-        exists = self._members(trials)
-        latest: dict[int, FrozenTrial] = {}  # member -> its latest finished interval
-        best: dict[int, FrozenTrial] = {}  # member -> its latest complete interval
-        for t in self._lineage(trials):
-            if t.state not in FINISHED:
-                continue
-            lin = t.user_attrs[ATTR_LINEAGE]
-            m, i = int(lin["member"]), int(lin["interval"])
-            if m not in latest or i > latest[m].user_attrs[ATTR_LINEAGE]["interval"]:
-                latest[m] = t
-            if t.state == TrialState.COMPLETE and t.value is not None and (
-                    m not in best or i > best[m].user_attrs[ATTR_LINEAGE]["interval"]):
-                best[m] = t
         added = 0
-        for m, t in sorted(latest.items(), key=lambda kv: kv[1].number):
-            lin = t.user_attrs[ATTR_LINEAGE]
+        for m in sorted(pop.due, key=lambda m: pop.latest[m].number):
             if room <= 0:
                 break
-            if (m, int(lin["interval"]) + 1) in exists or int(lin["end"]) >= self.epochs:
-                continue
-            nxt = self._next(t, best, trials)
+            nxt = self._next(pop.latest[m])
             if nxt is None:
                 continue
             params, new = nxt
             if not added:
                 self._check_owner()
             self.study.enqueue_trial(params, user_attrs={ATTR_LINEAGE: new}, skip_if_exists=False)
-            exists.add((m, new["interval"]))
             room -= 1
             added += 1
         if added:
@@ -330,18 +318,12 @@ class PbtScheduling:
     def _budget(self) -> int:
         return self.budget if self.n_trials is None else min(self.budget, self.n_trials)
 
-    def _lineage(self, trials: list[FrozenTrial]) -> list[FrozenTrial]:
-        gone = interrupted(trials)
-        return [t for t in trials if isinstance(t.user_attrs.get(ATTR_LINEAGE), dict) and t.number not in gone
-                and ATTR_UNUSED not in t.user_attrs]
-
-    def _members(self, trials: list[FrozenTrial]) -> set[tuple[int, int]]:
-        """(member, interval) of every interval the study holds (running, waiting or finished)."""
-        return {(int(t.user_attrs[ATTR_LINEAGE]["member"]), int(t.user_attrs[ATTR_LINEAGE]["interval"]))
-                for t in self._lineage(trials)}
-
-    def _n_members(self, trials: list[FrozenTrial]) -> int:
-        return len({m for m, _ in self._members(trials)})
+    def _trial(self, number: Any) -> FrozenTrial | None:
+        """Trial ``number`` as of the last read; None for None or a trial not read."""
+        try:
+            return self.shared.tally.trial(int(number)) if number is not None else None
+        except KeyError:
+            return None
 
     def _checkpoints(self, number: int) -> Path:
         """Where trial ``number``'s last attempt checkpointed (``hpoflow.run.fencing.current``)."""
@@ -349,25 +331,25 @@ class PbtScheduling:
         return current(Path(t.user_attrs.get(ATTR_CHECKPOINTS) or self.run_dir / "trials" / str(number)
                             / "checkpoints"))
 
-    def _next(self, t: FrozenTrial, best: dict[int, FrozenTrial], trials: list[FrozenTrial]
-              ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    def _next(self, t: FrozenTrial) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The params and lineage of member ``t``'s next interval: exploit and explore, or go on."""
         lin = t.user_attrs[ATTR_LINEAGE]
         m, i = int(lin["member"]), int(lin["interval"])
         rng = np.random.default_rng([self.seed, m, i + 1])
-        latest = {k: float(v.value) for k, v in best.items() if v.value is not None
-                  and int(v.user_attrs[ATTR_LINEAGE]["end"]) < self.epochs}  # a donor must have epochs left
-        top, bottom = self.policy.split(latest)
+        best = self.population.best
+        # the members by their latest complete value, best first; a donor must have epochs left
+        ordered = [k for _, k in self.population.ranking]
+        top, bottom = self.policy.cut(ordered)
         failed = t.state != TrialState.COMPLETE
         if failed and not top:
-            top = sorted(latest, key=lambda k: -latest[k] if self.policy.maximize else latest[k])[:1]
+            top = ordered[:1]
         # a donor is not behind: a member never trains an epoch range again, so it needs at most
         # ceil(epochs / interval) intervals and the population fits the budget
         top = [k for k in top if int(best[k].user_attrs[ATTR_LINEAGE]["end"]) >= int(lin["end"])]
         if (m in bottom or failed) and top and m not in top:
             donor = best[int(top[int(rng.integers(len(top)))])]
             dlin = donor.user_attrs[ATTR_LINEAGE]
-            params = self._explore(donor, trials, rng)
+            params = self._explore(donor, rng)
             self.n_exploits += 1
             _log.info("pbt: member %d (trial %d, %s) exploits trial %d (member %d)", m, t.number, t.value,
                       donor.number, dlin["member"])
@@ -383,7 +365,7 @@ class PbtScheduling:
                "end": min(start + self.policy.interval, self.epochs), "seed": seed}
         return params, new
 
-    def _explore(self, donor: FrozenTrial, trials: list[FrozenTrial], rng: np.random.Generator) -> dict[str, Any]:
+    def _explore(self, donor: FrozenTrial, rng: np.random.Generator) -> dict[str, Any]:
         current = dict(donor.params)
         if self._pb2 is None:
             return explore_pbt(self.policy, self.space, self.names, current, rng)
@@ -394,22 +376,22 @@ class PbtScheduling:
             if isinstance(p, FloatParam | IntParam):
                 bounds[n] = (float(p.low), float(p.high), bool(p.log))
         t_now = float(donor.user_attrs[ATTR_LINEAGE]["end"])
+        running = sorted(self.shared.tally.running.values(), key=lambda t: t.number)
         pending = [{n: float(t.params[n]) for n in names if n in t.params}  # the members running an interval
-                   for t in self._lineage(trials) if t.state == TrialState.RUNNING]
-        new = self._pb2.explore(self._history(trials, names), bounds, {n: float(current[n]) for n in names}, rng,
+                   for t in running if t.number in self.population]
+        new = self._pb2.explore(self._history(names), bounds, {n: float(current[n]) for n in names}, rng,
                                 t_now, pending=pending)
         for n in names:
             current[n] = fit(self.space[n], float(new.get(n, current[n])))
         return current
 
-    def _history(self, trials: list[FrozenTrial], names: list[str]) -> list[tuple[float, dict[str, float], float]]:
+    def _history(self, names: list[str]) -> list[tuple[float, dict[str, float], float]]:
         """(end epoch, hyperparams, reward change over the interval) of every complete interval with a
         complete parent (the change is signed so that larger is better)."""
-        by = {t.number: t for t in trials}
         out = []
-        for t in self._lineage(trials):
+        for t in self.population.trials():
             lin = t.user_attrs[ATTR_LINEAGE]
-            parent = by.get(lin.get("parent")) if lin.get("parent") is not None else None
+            parent = self._trial(lin.get("parent"))
             if t.state != TrialState.COMPLETE or t.value is None or parent is None or parent.value is None:
                 continue
             change = t.value - parent.value if self.policy.maximize else parent.value - t.value

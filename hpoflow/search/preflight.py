@@ -44,7 +44,7 @@ def check_search(spec: StudySpec, source: str = "<spec>", lines: Mapping[tuple[s
     n = len(spec.study.objectives)
     with _quiet():
         try:
-            pruner = make_pruner(search.pruner)
+            pruner = make_pruner(search.pruner, spec.training.get("epochs"))
         except Exception as exc:  # the class's own check of its option values
             raise problem(("search", "pruner"), f"the pruner {search.pruner.type} cannot be built with these options: "
                                                 f"{_why(exc)}. Fix: correct its options") from None

@@ -28,7 +28,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.registry import PRUNERS, SAMPLERS, resolve
 from hpoflow.run.ledger import ATTR_PAUSED
-from hpoflow.search.options import SamplerOptions
+from hpoflow.search.options import PrunerOptions, SamplerOptions
+from hpoflow.search.schedulers import first_rung
 from hpoflow.spec import PrunerSpec, SearchSpec
 
 __all__ = ["PausedAsPruned", "make_pruner", "make_sampler"]
@@ -109,13 +110,21 @@ def _view(study: optuna.Study) -> optuna.Study:
     return view
 
 
-def make_pruner(p: PrunerSpec) -> optuna.pruners.BasePruner:
-    """The Optuna pruner for ``p.type`` (``none`` gives a pruner that never prunes)."""
+def make_pruner(p: PrunerSpec, epochs: Any = None) -> optuna.pruners.BasePruner:
+    """The Optuna pruner for ``p.type`` (``none`` gives a pruner that never prunes). ``epochs``: the
+    trials' ``training.epochs`` (an int, else unknown), where an ``auto`` step of the options resolves
+    (``PrunerOptions.pruner_kwargs``: the first rung of Hyperband's geometry over those epochs)."""
     if p.type not in PRUNERS:  # a pruner class by import path (checked by the spec)
         made: optuna.pruners.BasePruner = _build(_class(p.type), dict(p.options), None)
         return made
     options = PRUNERS.options(p.type, p.options)
-    pruner: optuna.pruners.BasePruner = _build(PRUNERS.get(p.type), options.kwargs(), None)
+    if isinstance(options, PrunerOptions):
+        known = isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 1
+        eta = int(getattr(options, "reduction_factor", 3))
+        kwargs = options.pruner_kwargs(first_rung(epochs, eta) if known else None)
+    else:
+        kwargs = options.kwargs()
+    pruner: optuna.pruners.BasePruner = _build(PRUNERS.get(p.type), kwargs, None)
     return pruner
 
 

@@ -30,7 +30,7 @@ from hpoflow.run.ledger import (
     ATTR_SEGMENTS,
 )
 from hpoflow.run.shared import SharedStudy, promotion_key
-from hpoflow.search.schedulers import PromotionScheduler
+from hpoflow.search.schedulers import PromotionScheduler, Rungs
 from hpoflow.spec import StudySpec
 from hpoflow.trial import TrialRequest, TrialResult
 
@@ -48,6 +48,8 @@ class Scheduling:
         self.shared = shared
         self.policy: PromotionScheduler = SCHEDULERS.get(s.type)(SCHEDULERS.options(s.type, s.options),
                                                                  spec.study.direction)
+        self.rungs = Rungs(self.policy)  # the study's rungs, kept up to date at every read of the study
+        shared.tally.watch(self.rungs.update)
         self.claims = Claims(study)
         self._asked: dict[int, tuple[int, int]] = {}  # trial number -> (rung, step) this driver asked it to pause at
         self.n_paused = 0  # this run's pauses
@@ -78,7 +80,7 @@ class Scheduling:
             trial.set_user_attr(ATTR_BRACKET, bracket)
         trial.set_user_attr(ATTR_RUNGS, rungs)
         self.shared.refresh()
-        if self.policy.goes_on(self.shared.tally.trials, trial.number, bracket, rung, float(value)):
+        if self.rungs.goes_on(trial.number, bracket, rung, float(value)):
             self.n_went_on += 1
             return False
         self._asked[trial.number] = (rung, step)
@@ -113,7 +115,7 @@ class Scheduling:
         self.shared.refresh()
         skip = set(busy)
         while True:
-            t = self.policy.next_promotion(self.shared.tally.trials, skip)
+            t = self.rungs.next_promotion(skip)
             if t is None:
                 return None
             if self._claim(t):

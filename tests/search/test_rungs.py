@@ -99,7 +99,7 @@ def test_promotion_asha_pauses_at_rungs_a_program_whose_steps_never_equal_them(t
             "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
             "search": {"algorithm": "random", "n_trials": 3, "max_concurrent": 1, "seed": 1,
                        "enqueue": [{"x": x} for x in xs],
-                       "scheduler": {"type": "asha", "min_resource": 3, "reduction_factor": 2}},
+                       "scheduler": {"type": "asha", "min_resource": 3, "reduction_factor": 2, "anchor": "min"}},
             "training": {"command": ["python", str(prog), "${x}", "8"], "epochs": 8},
             "resources": {"processes": 1}}
     study = optimize(data, tmp_path / "run").study
@@ -116,3 +116,39 @@ def test_promotion_asha_pauses_at_rungs_a_program_whose_steps_never_equal_them(t
     # the promoted trial's second run started after the step its first saved: no step trained twice
     trained = (tmp_path / "run" / "trials" / "0" / "trained.txt").read_text().split()
     assert trained == ["2", "4", "6"]
+
+
+def test_rungs_follow_hyperbands_geometry_from_the_full_budget() -> None:
+    """anchor max (the default): max_resource / eta**k, rounded, down to min_resource (Li et al.'s Hyperband,
+    the YAHPO Gym paper's budgets 2, 6, 17 of 52); anchor min: the grace period and its multiples."""
+    from hpoflow.search.schedulers import first_rung, rungs_of
+
+    assert rungs_of(1, 3, 52, 0) == [2, 6, 17]
+    assert [rungs_of(1, 3, 52, b) for b in range(4)] == [[2, 6, 17], [6, 17], [17], []]  # Hyperband's brackets
+    assert rungs_of(1, 3, 52, 0, "min") == [1, 3, 9, 27]
+    assert rungs_of(3, 2, 8, 0, "min") == [3, 6] and rungs_of(3, 2, 8, 0) == [4]
+    assert rungs_of(5, 3, 52, 0) == [6, 17]  # none below min_resource
+    assert rungs_of(1, 3, 1, 0) == [] and first_rung(1) == 1
+    assert (first_rung(52), first_rung(15), first_rung(10), first_rung(100, 2)) == (2, 2, 1, 2)
+    asha = PromotionScheduler(AshaSchedulerOptions(), "maximize")
+    assert asha.rungs(0, 52) == [2, 6, 17] and asha.at_rung(0, {}, 1, 52) is None  # the first epoch is not judged
+
+
+def test_the_pruners_auto_steps_are_the_first_rung_of_the_studys_epochs() -> None:
+    """median/percentile warmup_steps and asha/hyperband min_resource default to auto: the first rung of
+    the epochs (2 of 52), 0 or 1 when the epochs are unknown; a number given is kept."""
+    from hpoflow.search.samplers import make_pruner
+    from hpoflow.spec import PrunerSpec
+
+    def built(pruner: dict[str, Any], epochs: Any) -> Any:
+        return make_pruner(PrunerSpec.model_validate(pruner), epochs)
+
+    assert built({"type": "median"}, 52)._n_warmup_steps == 2
+    assert built({"type": "percentile"}, None)._n_warmup_steps == 0
+    assert built({"type": "median", "warmup_steps": 0}, 52)._n_warmup_steps == 0
+    assert built({"type": "asha"}, 52)._min_resource == 2
+    assert built({"type": "asha"}, "${epochs}")._min_resource == 1  # a searched epoch count: unknown here
+    assert built({"type": "asha", "min_resource": 4}, 52)._min_resource == 4
+    assert built({"type": "hyperband"}, 52)._min_resource == 2
+    with pytest.raises(ValueError, match="min_resource must be >= 1 or auto"):
+        PrunerSpec.model_validate({"type": "asha", "min_resource": 0}).options  # noqa: B018
