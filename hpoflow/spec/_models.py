@@ -32,6 +32,7 @@ from hpoflow.registry import (
     check_class,
     is_class_path,
 )
+from hpoflow.spec._auto import resolve_auto
 from hpoflow.spec._command import UNBOUNDED_EPOCHS, command_argv
 from hpoflow.spec._gpus import share_error
 from hpoflow.spec._yaml import MAX_ITEMS as MAX_CHOICES
@@ -420,8 +421,10 @@ class SchedulerSpec(_Strict):
 
 
 class SearchSpec(_Strict):
-    algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, ...) or "
-                                                      "any Optuna sampler class by import path")
+    algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, ...), "
+                                                      "any Optuna sampler class by import path, or auto (TPE, with "
+                                                      "the benchmark's best pruner when trials train several epochs: "
+                                                      "docs/search.md)")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
     seed: int | None = None
@@ -964,6 +967,16 @@ class StudySpec(_Strict):
                 "share it. Fix: name a database file (sqlite:///study.db is in the run directory) or a journal file, "
                 "or leave storage out (the run directory's study.journal)", {"url": v, "why": why})
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_search(cls, data: Any) -> Any:
+        """``search.algorithm: auto``: TPE, with the benchmark's winning pruner for trials of several epochs
+        (``hpoflow.spec._auto``, docs/search.md)."""
+        search = data.get("search") if isinstance(data, dict) else None
+        if isinstance(search, dict) and search.get("algorithm") == "auto":
+            data = {**data, "search": resolve_auto(search, data.get("training"))}
+        return data
 
     @model_validator(mode="before")
     @classmethod
