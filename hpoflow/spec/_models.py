@@ -423,8 +423,8 @@ class SchedulerSpec(_Strict):
 class SearchSpec(_Strict):
     algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, ...), "
                                                       "any Optuna sampler class by import path, or auto (TPE, with "
-                                                      "the benchmark's best pruner when trials train several epochs: "
-                                                      "docs/search.md)")
+                                                      "the benchmark's best pruner, ASHA, when trials train several "
+                                                      "epochs: docs/search.md)")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
     seed: int | None = None
