@@ -69,7 +69,8 @@ def test_the_script_runs_unchanged_as_2_rank_hpoflow_trials_and_its_callback_sto
     pytest.importorskip(module)
     data: dict[str, Any] = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "scripts" / spec_name).read_text()))
     data["space"]["lr"] = {"type": "float", "low": 1e-4, "high": 1.0, "log": True}
-    data["search"].update(n_trials=2, enqueue=[good, bad], pruner={"type": "median", "startup_trials": 1})
+    data["search"].update(n_trials=2, enqueue=[good, bad], pruner={"type": "median", "startup_trials": 1,
+                                                                          "warmup_steps": 0})
     data["training"]["command"][-1] = "3"  # --epochs
     data["training"]["epochs"] = three  # the validations of 3 epochs
     spec = tmp_path / "spec.yaml"

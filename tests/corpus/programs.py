@@ -337,7 +337,8 @@ def spec(prep: Prepared, mode: Mode, name: str) -> dict[str, Any]:
     if mode.search == "pruner":
         search["pruner"] = {"type": "median", "startup_trials": 1}
     elif mode.search == "asha":
-        search["scheduler"] = {"type": "asha", "min_resource": p.min_resource, "reduction_factor": 3}
+        search["scheduler"] = {"type": "asha", "min_resource": p.min_resource, "reduction_factor": 3,
+                              "anchor": "min"}  # the rung the program is chosen for: min_resource itself
         training["epochs"] = p.steps
     return {"study": {"name": name, "metric": p.metric, "direction": p.direction}, "space": dict(p.space),
             "search": search, "training": training, "resources": {"processes": mode.ranks, "cpus_per_process": p.cpus}}
