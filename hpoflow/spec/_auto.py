@@ -1,9 +1,10 @@
 """``search.algorithm: auto``: the searcher hpoflow recommends, from its benchmark (docs/search.md).
 
 On YAHPO Gym's LCBench surrogate (the paper's 6,544-epoch budget, 30 repetitions, one trial at a time:
-``bench/search_benchmark.py``) TPE was the best sampler, and of the arms that need nothing of the training
-code but per-epoch reports, TPE with Optuna's ASHA pruner (its first rung at Hyperband's first budget,
-``hpoflow.search.options``) had the lowest mean regret over 10 %, 25 % and 100 % of the budget. So
+``bench/search_benchmark.py``), of the arms that need nothing of the training
+code but per-epoch reports, TPE with the median pruner (judging from the first rung of Hyperband's
+geometry, ``hpoflow.search.options``) had the lowest mean regret over the 3 instances at 10 %, 25 % and
+100 % of the budget. So
 ``auto`` is TPE (constant liar when trials run at once) with that pruner for a study whose trials train
 several epochs, and TPE alone for one whose trials have one epoch (nothing to stop early). A pruner or
 scheduler the study names is kept; ``sampler_options`` are TPE's.
@@ -15,7 +16,7 @@ from typing import Any
 
 __all__ = ["AUTO_PRUNER", "resolve_auto"]
 
-AUTO_PRUNER: dict[str, Any] = {"type": "asha"}  # the early-stopping arm that won (docs/search.md)
+AUTO_PRUNER: dict[str, Any] = {"type": "median"}  # the early-stopping arm that won (docs/search.md)
 
 
 def resolve_auto(search: dict[str, Any], training: Any) -> dict[str, Any]:

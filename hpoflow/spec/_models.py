@@ -423,7 +423,7 @@ class SchedulerSpec(_Strict):
 class SearchSpec(_Strict):
     algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, ...), "
                                                       "any Optuna sampler class by import path, or auto (TPE, with "
-                                                      "the benchmark's best pruner, ASHA, when trials train several "
+                                                      "the benchmark's best pruner, median, when trials train several "
                                                       "epochs: docs/search.md)")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
