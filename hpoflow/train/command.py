@@ -290,6 +290,12 @@ class _Supervisor:
                 elif term_sent and now >= self.stop.at + grace + KILL_AFTER_S:
                     log.info("command: rank %d: still running %g s after SIGTERM: SIGKILL", self.rank, KILL_AFTER_S)
                     self._kill(signal.SIGKILL)
+        if self.stop is None and self.store is not None and self.rank != 0:  # rank 0's decision, if its program
+            try:  # stopped this one's (a DDP trainer stops every rank together) before the last poll saw it
+                if self.store.check([_STOP_KEY]):
+                    self._decide(self.store.get(_STOP_KEY).decode())
+            except (RuntimeError, OSError):  # rank 0's side is gone: nothing was decided there that reached us
+                pass
         if self.stop is None and self.ctx.pause_request.requested:  # a pause signal that reached the program too
             self._decide("paused")
         log.info("command: rank %d: the program %s", self.rank, describe_exit(proc.returncode))
