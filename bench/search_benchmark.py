@@ -65,6 +65,10 @@ ARMS: dict[str, dict[str, Any]] = {
     "random+hb": {"algorithm": "random", "scheduler": {"type": "hyperband"}},
     "tpe+promo": {"algorithm": "tpe", "scheduler": {"type": "asha"}},
     "tpe+hb": {"algorithm": "tpe", "scheduler": {"type": "hyperband"}},
+    # BOHB's model (hpoflow.search.bohb) with the Hyperband pruner (its default), or pausing and resuming
+    "bohb": {"algorithm": "bohb"},
+    "bohb+hb": {"algorithm": "bohb", "scheduler": {"type": "hyperband"}},
+    "bohb+promo": {"algorithm": "bohb", "scheduler": {"type": "asha"}},
     # hpoflow before this benchmark: judged from the first epoch (median warmup 0, ASHA's first rung 1,
     # the promotion rungs 1, 3, 9, 27); LCBench's first epoch says nothing of the last (docs/search.md)
     "tpe+median@1": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5},
@@ -330,14 +334,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = str(data_dir)
     if a.recompute:
-        summaries = []
+        # runs of one instance from several files are one table (normalized together), in file order;
+        # a file's arm already read from an earlier file is left out (same arm, same seeds)
+        merged: dict[str, dict[str, Any]] = {}
         for name in a.recompute.split(","):
-            doc = json.loads(Path(name).read_text())
-            for inst, block in doc["instances"].items():
-                s = summarize(block["runs"], inst, data, int(block["summary"]["budget_epochs"]),
-                              int(block["summary"].get("reference_sample", 20_000)))
-                print(table(s))
-                summaries.append(s)
+            read = json.loads(Path(name).read_text())
+            for inst, block in read["instances"].items():
+                budget = int(block["summary"]["budget_epochs"])
+                into = merged.setdefault(inst, {"runs": [], "budget": budget, "arms": set(),
+                                                "reference": int(block["summary"].get("reference_sample", 20_000))})
+                if into["budget"] != budget:
+                    print(f"--recompute: {name} has instance {inst} at {budget} epochs, an earlier file at "
+                          f"{into['budget']}: give files of one budget", file=sys.stderr)
+                    return 2
+                new = [r for r in block["runs"] if r["arm"] not in into["arms"]]
+                into["runs"].extend(new)
+                into["arms"].update(r["arm"] for r in new)
+            del read
+        summaries = []
+        for inst, into in merged.items():
+            s = summarize(into["runs"], inst, data, into["budget"], into["reference"])
+            print(table(s))
+            summaries.append(s)
         if a.markdown:
             print(markdown(summaries))
         if a.plot:

@@ -334,6 +334,9 @@ for _name, _cls, _opts in [("grid", "RandomSampler", "Grid"), ("random", "Random
                            ("nsga2", "NSGAIISampler", "NSGAII"), ("nsga3", "NSGAIIISampler", "NSGAIII")]:
     # grid: the driver enqueues the grid points itself; a seeded RandomSampler stands behind them
     SAMPLERS.register(_name, f"optuna.samplers:{_cls}", f"hpoflow.search.options:{_opts}Options")
+SAMPLERS.register("bohb", "hpoflow.search.bohb:BOHBSampler", "hpoflow.search.options:BOHBOptions",
+                  summary="BOHB's model on Optuna's TPE, fitted at the largest budget with enough reports "
+                          "(with a Hyperband pruner or scheduler)")
 for _name, _cls, _opts in [("none", "NopPruner", "Nop"), ("median", "MedianPruner", "Median"),
                            ("percentile", "PercentilePruner", "Percentile"),
                            ("asha", "SuccessiveHalvingPruner", "Asha"), ("hyperband", "HyperbandPruner", "Hyperband")]:

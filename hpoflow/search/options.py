@@ -18,6 +18,7 @@ from hpoflow.registry import NoOptions, Options
 __all__ = [
     "AshaPrunerOptions",
     "AshaSchedulerOptions",
+    "BOHBOptions",
     "CmaEsOptions",
     "GPOptions",
     "GridOptions",
@@ -63,6 +64,20 @@ class TPEOptions(SamplerOptions):
 
     def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
         # With trials in flight, TPE must know about running trials or it proposes near-duplicates.
+        liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar
+        return {**self.kwargs(), "constant_liar": liar}
+
+
+class BOHBOptions(SamplerOptions):
+    """``hpoflow.search.bohb.BOHBSampler``: BOHB's model on Optuna's TPE. ``constant_liar`` defaults to on
+    when trials run concurrently."""
+
+    min_points_in_model: int | None = Field(default=None, ge=1)
+    random_fraction: float = Field(default=1 / 3, ge=0, le=1)
+    n_ei_candidates: int = Field(default=64, ge=1)
+    constant_liar: bool | None = None
+
+    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
         liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar
         return {**self.kwargs(), "constant_liar": liar}
 

@@ -32,7 +32,7 @@ from hpoflow.registry import (
     check_class,
     is_class_path,
 )
-from hpoflow.spec._auto import resolve_auto
+from hpoflow.spec._auto import resolve_auto, resolve_bohb
 from hpoflow.spec._command import UNBOUNDED_EPOCHS, command_argv
 from hpoflow.spec._gpus import share_error
 from hpoflow.spec._yaml import MAX_ITEMS as MAX_CHOICES
@@ -421,10 +421,11 @@ class SchedulerSpec(_Strict):
 
 
 class SearchSpec(_Strict):
-    algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, ...), "
-                                                      "any Optuna sampler class by import path, or auto (TPE, with "
-                                                      "the benchmark's best pruner, median, when trials train several "
-                                                      "epochs: docs/search.md)")
+    algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, bohb, "
+                                                      "...), any Optuna sampler class by import path, or auto (TPE, "
+                                                      "with the benchmark's best pruner, median, when trials train "
+                                                      "several epochs: docs/search.md); bohb comes with the hyperband "
+                                                      "pruner unless a pruner or scheduler is named")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
     seed: int | None = None
@@ -976,6 +977,8 @@ class StudySpec(_Strict):
         search = data.get("search") if isinstance(data, dict) else None
         if isinstance(search, dict) and search.get("algorithm") == "auto":
             data = {**data, "search": resolve_auto(search, data.get("training"))}
+        elif isinstance(search, dict) and search.get("algorithm") == "bohb":
+            data = {**data, "search": resolve_bohb(search, data.get("training"))}
         return data
 
     @model_validator(mode="before")

@@ -72,10 +72,11 @@ def test_an_unknown_instance_or_metric_is_a_clear_error(tmp_path: Path) -> None:
 def test_the_benchmark_accounts_for_every_epoch_once_and_its_json_recomputes(tmp_path: Path) -> None:
     """A reduced run of the paper's protocol (1,000 epochs, 2 reps, 3 arms): the run stops at the budget;
     a promoted trial trains each epoch once (a resume does not retrain); every value in the JSON is the
-    surrogate's for that configuration and epoch; ``--recompute`` prints the same regrets."""
+    surrogate's for that configuration and epoch; ``--recompute`` prints the same regrets, also from the
+    runs split over two files (one table: the arms normalized together)."""
     out = tmp_path / "b.json"
     cmd = [sys.executable, str(ROOT / "bench" / "search_benchmark.py"), "--instance", "167168", "--reps", "2",
-           "--arms", "random,tpe+median,random+promo", "--budget-epochs", "1000", "--reference", "2000",
+           "--arms", "random,tpe+median,bohb+promo", "--budget-epochs", "1000", "--reference", "2000",
            "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -100,13 +101,20 @@ def test_the_benchmark_accounts_for_every_epoch_once_and_its_json_recomputes(tmp
     assert paused_then_resumed > 0  # promotion ASHA resumed paused trials
     for arm, row in summary["arms"].items():
         assert 0.0 <= row["paper"]["final"] <= row["paper"]["at25"] <= row["paper"]["at10"] <= 1.0, arm
-    again = subprocess.run([sys.executable, str(ROOT / "bench" / "search_benchmark.py"), "--recompute", str(out)],
-                           capture_output=True, text=True, timeout=120, check=False)
-    assert again.returncode == 0, again.stderr[-2000:]
-    first = {ln.split()[0]: ln.split()[1:7] for ln in run.stdout.splitlines() if ln.split()[:1] and
-             ln.split()[0] in summary["arms"]}
-    second = {ln.split()[0]: ln.split()[1:7] for ln in again.stdout.splitlines() if ln.split()[:1] and
-              ln.split()[0] in summary["arms"]}
-    assert first == second and len(first) == 3
+    halves = []
+    for i, arms in enumerate([("random", "tpe+median"), ("bohb+promo",)]):
+        part = {**doc, "instances": {"167168": {**block, "runs": [r for r in block["runs"] if r["arm"] in arms]}}}
+        halves.append(tmp_path / f"part{i}.json")
+        halves[-1].write_text(json.dumps(part))
+
+    def rows(stdout: str) -> dict[str, list[str]]:
+        return {ln.split()[0]: ln.split()[1:7] for ln in stdout.splitlines() if ln.split()[:1] and
+                ln.split()[0] in summary["arms"]}
+
+    for files in (str(out), ",".join(map(str, halves))):
+        again = subprocess.run([sys.executable, str(ROOT / "bench" / "search_benchmark.py"), "--recompute", files],
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert rows(again.stdout) == rows(run.stdout) and len(rows(run.stdout)) == 3, files
 
 
