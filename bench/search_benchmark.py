@@ -59,6 +59,10 @@ ARMS: dict[str, dict[str, Any]] = {
     "tpe": {"algorithm": "tpe"},
     "gp": {"algorithm": "gp"},
     "tpe+median": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5}, "pruner": _MEDIAN},
+    # the paper's Optuna arm as YAHPO Gym's own code runs it: evaluated at Hyperband's budgets 2, 6, 17, 52,
+    # each evaluation a run from scratch (its epochs charged again), median pruner from the first one
+    "optuna-paper": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5},
+                     "pruner": {**_MEDIAN, "warmup_steps": 0}, "fidelities": [2, 6, 17, 52]},
     "tpe+asha": {"algorithm": "tpe", "pruner": {"type": "asha"}},
     "tpe+hyperband": {"algorithm": "tpe", "pruner": {"type": "hyperband"}},
     "random+promo": {"algorithm": "random", "scheduler": {"type": "asha"}},
@@ -69,6 +73,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "bohb": {"algorithm": "bohb"},
     "bohb+hb": {"algorithm": "bohb", "scheduler": {"type": "hyperband"}},
     "bohb+promo": {"algorithm": "bohb", "scheduler": {"type": "asha"}},
+    "bohb+asha": {"algorithm": "bohb", "pruner": {"type": "asha"}},
     # hpoflow before this benchmark: judged from the first epoch (median warmup 0, ASHA's first rung 1,
     # the promotion rungs 1, 3, 9, 27); LCBench's first epoch says nothing of the last (docs/search.md)
     "tpe+median@1": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5},
@@ -88,10 +93,13 @@ class _Trace:
     epochs: list[tuple[int, int, float, float]] = field(default_factory=list)  # (trial, epoch, t, value)
     ends: list[tuple[int, str, float, int]] = field(default_factory=list)  # (trial, status, t, epoch)
     metric: str = "val_accuracy"
+    fidelities: list[int] | None = None  # an arm evaluated at these epochs, each from scratch
+    spent: int = 0
 
     def epoch_ended(self, number: int, epoch: int, clock: float, metrics: dict[str, float]) -> None:
         self.epochs.append((number, epoch, clock, float(metrics[self.metric])))
-        if len(self.epochs) >= self.budget and self.stop is not None:
+        self.spent += _cost(self.fidelities, epoch)
+        if self.spent >= self.budget and self.stop is not None:
             stop, self.stop = self.stop, None
             stop("budget")  # the driver cancels what runs: those runs' epochs past the budget never count
 
@@ -110,14 +118,16 @@ def run_arm(instance: str, arm: str, rep: int, workers: int, budget: int, data: 
     from hpoflow.search.samplers import make_pruner, make_sampler
     from hpoflow.spec import StudySpec
 
-    search = {**ARMS[arm], "seed": rep, "n_trials": budget, "max_concurrent": workers}
-    raw = yahpo_spec(instance, data_path=data, search=search, slots=workers)
+    arm_search = dict(ARMS[arm])
+    fidelities = arm_search.pop("fidelities", None)
+    search = {**arm_search, "seed": rep, "n_trials": budget, "max_concurrent": workers}
+    raw = yahpo_spec(instance, data_path=data, search=search, slots=workers, fidelities=fidelities)
     spec = StudySpec.model_validate(raw)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction=spec.study.direction, sampler=make_sampler(spec.search),
                                 pruner=make_pruner(spec.search.pruner, spec.training.get("epochs")))
     engine = SimulatedEngine(SimulatedOptions.model_validate(raw["engine_options"]))
-    trace = _Trace(budget)
+    trace = _Trace(budget, fidelities=fidelities)
     engine.observer = trace
     cpu0, wall0 = time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
@@ -127,6 +137,7 @@ def run_arm(instance: str, arm: str, rep: int, workers: int, budget: int, data: 
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     params = {t.number: t.params for t in study.get_trials(deepcopy=False)}
     return {"arm": arm, "rep": rep, "workers": workers, "budget_epochs": budget,
+            **({"fidelities": fidelities} if fidelities else {}),
             "trials": {str(n): params[n] for n in sorted({e[0] for e in trace.epochs})},
             "epochs": [list(e) for e in trace.epochs], "ends": [list(e) for e in trace.ends],
             "driver": {"cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
@@ -138,12 +149,20 @@ def evaluations(run: dict[str, Any]) -> list[tuple[int, float, float]]:
     """(cumulative epochs, virtual time, value) of each evaluation within the budget, in time order: a
     run's value where it stopped (complete, pruned, paused), at the epoch it stopped."""
     budget = int(run["budget_epochs"])
-    epochs = run["epochs"][:budget]
+    fidelities = run.get("fidelities")
+    epochs, total = [], 0
+    for row in run["epochs"]:  # the epochs trained within the budget (an evaluation from scratch costs its epochs)
+        total += _cost(fidelities, int(row[1]))
+        if total > budget:
+            break
+        epochs.append(row)
     value = {(int(n), int(e)): (float(t), float(v)) for n, e, t, v in epochs}
     order = sorted(range(len(epochs)), key=lambda i: (epochs[i][2], i))
     cum_at: dict[tuple[int, int], int] = {}
-    for k, i in enumerate(order, 1):
-        cum_at[(int(epochs[i][0]), int(epochs[i][1]))] = k
+    total = 0
+    for i in order:
+        total += _cost(fidelities, int(epochs[i][1]))
+        cum_at[(int(epochs[i][0]), int(epochs[i][1]))] = total
     out = []
     for n, status, _t, e in run["ends"]:
         key = (int(n), int(e))
@@ -151,6 +170,12 @@ def evaluations(run: dict[str, Any]) -> list[tuple[int, float, float]]:
             t, v = value[key]
             out.append((cum_at[key], t, v))
     return sorted(out)
+
+
+def _cost(fidelities: list[int] | None, step: int) -> int:
+    """Epochs a trial's report at ``step`` cost: 1, or with ``fidelities`` that fidelity's epochs (a run from
+    scratch, as the paper's Optuna arm evaluates)."""
+    return int(fidelities[step - 1]) if fidelities else 1
 
 
 def regret_curve(evals: list[tuple[int, float, float]], best: float, worst: float, budget: int,

@@ -46,11 +46,22 @@ YAHPO_SCENARIOS = ("lcbench",)  # the YAHPO Gym scenarios hpoflow.engines.simula
 
 class YahpoCost(Options):
     """The ``yahpo`` cost model's options: ``instance`` (an OpenML task id of the scenario, e.g. "167168"),
-    ``scenario`` (``lcbench``), ``data_path`` (default: ``benchmarks_dir()``)."""
+    ``scenario`` (``lcbench``), ``data_path`` (default: ``benchmarks_dir()``), ``fidelities`` (below)."""
 
     scenario: str = "lcbench"
     instance: str = Field(min_length=1)
     data_path: str | None = None
+    # the epochs a trial is evaluated at, each evaluation a run from scratch (the YAHPO paper's Optuna arm
+    # evaluates at Hyperband's budgets 2, 6, 17, 52): the trial's k-th report is the surrogate at the k-th
+    # of these, and it ends when all of them have trained one after another. None: one report per epoch.
+    fidelities: list[int] | None = None
+
+    @field_validator("fidelities")
+    @classmethod
+    def _increasing(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(e < 1 for e in v) or any(b <= a for a, b in itertools.pairwise(v))):
+            raise ValueError(f"fidelities must be increasing epochs from 1, like [2, 6, 17, 52]; got {v}")
+        return v
 
     @field_validator("scenario")
     @classmethod

@@ -151,18 +151,26 @@ def yahpo_cost(options: YahpoCost) -> Callable[[TrialRequest], TrialCost]:
     sur = surrogate(options.scenario, options.data_path)
     sur.code(options.instance)  # an unknown instance is refused before the study starts
 
+    fidelities = options.fidelities
+
     @lru_cache(maxsize=4096)  # a resumed (promoted) trial asks again for the same curve
     def one(key: tuple[tuple[str, Any], ...], epochs: int) -> TrialCost:
-        curve = sur.curves(options.instance, [dict(key)], epochs)[0]
+        if fidelities:  # one evaluation a fidelity, each trained from scratch: its time adds up
+            full = sur.curves(options.instance, [dict(key)], fidelities[-1])[0]
+            curve = [full[min(f, len(full)) - 1] for f in fidelities[:epochs]]
+            spent = [sum(r["time"] for r in curve[:k + 1]) for k in range(len(curve))]
+        else:
+            curve = sur.curves(options.instance, [dict(key)], epochs)[0]
+            spent = [row["time"] for row in curve]
         ends, last = [], 0.0
-        for row in curve:
-            last = max(last, row["time"], 1e-6 + last)
+        for t in spent:
+            last = max(last, t, 1e-6 + last)
             ends.append(last)
         metrics = [{k: v for k, v in row.items() if k != "time"} for row in curve]
         return TrialCost(ends[-1], dict(metrics[-1]), metrics, epoch_ends=ends)
 
     def cost(req: TrialRequest) -> TrialCost:
-        epochs = int(req.train.get("epochs") or sur.max_epoch)
+        epochs = int(req.train.get("epochs") or (len(fidelities) if fidelities else sur.max_epoch))
         made = one(tuple(sorted((k, v) for k, v in req.params.items() if k in LCBENCH_INPUTS)), epochs)
         if req.metric not in made.metrics:
             raise EngineError(f"study.metric {req.metric!r} is not an output of the YAHPO surrogate; use one of: "
@@ -178,7 +186,11 @@ def yahpo_trial(ctx: TrialContext) -> dict[str, float]:
     last epoch's, at once. The simulated engine never calls it (the cost model answers)."""
     opts = YahpoCost.model_validate(dict(ctx.options))
     sur = surrogate(opts.scenario, opts.data_path)
-    curve = sur.curves(opts.instance, [dict(ctx.params)], int(ctx.config.epochs or sur.max_epoch))[0]
+    if opts.fidelities:
+        full = sur.curves(opts.instance, [dict(ctx.params)], opts.fidelities[-1])[0]
+        curve = [full[min(f, len(full)) - 1] for f in opts.fidelities[:int(ctx.config.epochs or len(opts.fidelities))]]
+    else:
+        curve = sur.curves(opts.instance, [dict(ctx.params)], int(ctx.config.epochs or sur.max_epoch))[0]
     metrics: dict[str, float] = {}
     for epoch, row in enumerate(curve, 1):
         metrics = {k: v for k, v in row.items() if k != "time"}
@@ -189,10 +201,12 @@ def yahpo_trial(ctx: TrialContext) -> dict[str, float]:
 
 def yahpo_spec(instance: str, *, scenario: str = "lcbench", data_path: str | None = None,
                metric: str = "val_accuracy", epochs: int | None = None, search: dict[str, Any] | None = None,
-               slots: int = 1, name: str | None = None) -> dict[str, Any]:
+               slots: int = 1, name: str | None = None, fidelities: list[int] | None = None) -> dict[str, Any]:
     """A study of the benchmark, in the YAML layout: the surrogate's search space (every hyperparameter,
     with its range and log scale), ``metric`` (maximized unless it is a cross-entropy), ``epochs`` (default:
-    the scenario's most, 52), the simulated engine on ``slots`` slots with this cost model, and ``search``."""
+    the scenario's most, 52), the simulated engine on ``slots`` slots with this cost model, and ``search``.
+    ``fidelities``: evaluate each trial at these epochs instead, each from scratch (``YahpoCost``); the
+    trial's steps are then the evaluations (``training.epochs`` = how many)."""
     sur = surrogate(scenario, data_path)
     sur.code(str(instance))
     space: dict[str, Any] = {}
@@ -207,6 +221,9 @@ def yahpo_spec(instance: str, *, scenario: str = "lcbench", data_path: str | Non
     if data_path:
         cost["data_path"] = data_path
     e = sur.max_epoch if epochs is None else max(1, min(int(epochs), sur.max_epoch))
+    if fidelities:
+        cost["fidelities"] = [int(f) for f in fidelities]
+        e = len(fidelities)
     direction = "minimize" if "entropy" in metric else "maximize"
     return {"study": {"name": name or f"yahpo-{scenario}-{instance}", "metric": metric, "direction": direction},
             "space": space, "search": dict(search or {"algorithm": "tpe", "n_trials": 100}),

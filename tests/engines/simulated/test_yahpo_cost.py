@@ -59,6 +59,28 @@ def test_a_trial_reports_the_surrogates_curve_at_its_cumulative_training_times(t
     assert curve[-1]["val_accuracy"] > curve[0]["val_accuracy"]  # it learns: the encoding is not noise
 
 
+def test_fidelities_evaluate_a_trial_from_scratch_at_each_of_them(tmp_path: Path) -> None:
+    """``fidelities: [2, 6, 17, 52]`` (the YAHPO paper's Optuna arm): the trial's k-th report is the
+    surrogate at the k-th fidelity, and it ends after every fidelity trained one after another (2 + 6 +
+    17 + 52 epochs' time); a fidelity list that does not increase is refused."""
+    spec = yahpo_spec("167168", fidelities=[2, 6, 17, 52],
+                      search={"algorithm": "random", "n_trials": 1, "enqueue": [CONFIG]})
+    assert spec["training"]["epochs"] == 4
+    engine = SimulatedEngine(SimulatedOptions.model_validate(spec["engine_options"]))
+    seen = _Seen()
+    engine.observer = seen
+    result = hpoflow.optimize(spec, tmp_path / "run", engine=engine, handle_signals=False)
+    curve = surrogate().curves("167168", [CONFIG], 52)[0]
+    at = [curve[f - 1] for f in (2, 6, 17, 52)]
+    ends = [sum(r["time"] for r in at[:k + 1]) for k in range(4)]
+    assert [(e, round(t, 6), v) for _, e, t, v in seen.epochs] == \
+        [(k, round(end, 6), row["val_accuracy"]) for k, (end, row) in enumerate(zip(ends, at, strict=True), 1)]
+    assert result.study.trials[0].value == curve[51]["val_accuracy"]
+    with pytest.raises(ValueError, match="increasing"):
+        SimulatedOptions.model_validate({**spec["engine_options"],
+                                         "cost": {**spec["engine_options"]["cost"], "fidelities": [6, 2]}})
+
+
 def test_an_unknown_instance_or_metric_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match=r"not an instance of this surrogate; use one of: .*167168"):
         yahpo_spec("12345")
