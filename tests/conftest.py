@@ -39,7 +39,16 @@ TINY: dict[str, Any] = {
 # process) is made once per run, not once per worker that meets the model.
 ORACLE_GROUP = "oracle-models"
 
-RUN_ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}  # trial functions importable
+
+def pythonpath(*dirs: str | Path) -> str:
+    """PYTHONPATH for a process a test starts: ``dirs``, then this process's own PYTHONPATH, where packages
+    reached from outside the interpreter's prefix come from (a cluster's ``module load``; the nested run of
+    tests/engines/test_workers_venv.py): without it the child lacks what this process imports."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # ("": the cwd: left out)
+    return os.pathsep.join([*(str(d) for d in dirs), *inherited])
+
+
+RUN_ENV = {**os.environ, "PYTHONPATH": pythonpath(ROOT, ROOT / "tests")}  # trial functions importable
 
 
 def start_run(tmp_path: Path, data: dict[str, Any]) -> tuple[subprocess.Popen[bytes], Path, list[str]]:

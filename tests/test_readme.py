@@ -1,7 +1,7 @@
 """The README is executed: every code block marked ``<!-- runnable ... -->`` runs as copied (shell
-blocks with bash, a line per test in order in one directory; Python blocks as a script) in a temporary
-directory holding a copy of examples/, with HPOFLOW_N_TRIALS=2 so each study is a quick smoke run of
-the real spec."""
+blocks with bash, a line at a time in order in one directory; Python blocks as a script), a block per
+test, in a temporary directory holding a copy of examples/, with HPOFLOW_N_TRIALS=2 so each study is a
+quick smoke run of the real spec."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- runnable[^>]*-->\n```(bash|python)\n(.*?)```", re.S)
 BLOCKS = BLOCK.findall((ROOT / "README.md").read_text())
@@ -23,9 +25,11 @@ def test_the_readme_marks_its_quick_start_and_api_blocks_runnable() -> None:
     assert [lang for lang, _ in BLOCKS] == ["bash", "python"]
 
 
-# A shell block runs one line per test, in order, in one directory (``_block_dir``), so each test's time is
-# one command's and a failure names its line. A block whose lines are not each a whole command, or that
-# changes the shell's own state (cd, export, VAR=...), runs as one test instead.
+# A shell block whose lines are each a whole command runs them one at a time, in order, in one directory, and
+# a failure names its line and command. A block whose lines are not each a whole command, or that changes
+# the shell's own state (cd, export, VAR=...), runs as one script. Either way a block is one test: its
+# lines depend on each other (a run, then its status and report), so no test runner may split them (pytest-
+# xdist hands out tests, not lines), and blocks run in parallel with each other and with the suite.
 _SHELL_STATE = re.compile(r"^\s*(cd|pushd|popd|export|unset|source|\.|set|alias|shopt|[A-Za-z_][A-Za-z0-9_]*=)(\s|$)")
 
 
@@ -38,58 +42,42 @@ def _commands(code: str) -> list[str] | None:
     return lines
 
 
-def _steps() -> list[tuple[int, str, int, int, str]]:
-    """(block, lang, line, lines in the block, code) of every test: a line of a shell block, or a block."""
-    out = []
-    for i, (lang, code) in enumerate(BLOCKS):
-        lines = _commands(code) if lang == "bash" else None
-        if lines is None:
-            out.append((i, lang, 0, 1, code))
-        else:
-            out += [(i, lang, j, len(lines), ln) for j, ln in enumerate(lines)]
-    return out
+def _steps(lang: str, code: str) -> list[tuple[list[str], str]]:
+    """What a block runs, in order: (argv, what a failure names) per command of a shell block, else the
+    block as one script."""
+    if lang == "python":
+        return [([sys.executable, "tune.py"], "the script")]
+    lines = _commands(code)
+    if lines is None:
+        return [(["bash", "-euo", "pipefail", "-c", code], "the script")]
+    return [(["bash", "-euo", "pipefail", "-c", ln], f"line {j + 1} ({ln.split('#')[0].strip()})")
+            for j, ln in enumerate(lines)]
 
 
-STEPS = _steps()
-
-
-@pytest.fixture(scope="module")
-def block_dirs() -> dict[int, tuple[Path, list[int]]]:
-    """Block -> its directory and the lines run in it so far (filled by ``_block_dir``)."""
-    return {}
-
-
-def _block_dir(dirs: dict[int, tuple[Path, list[int]]], tmp_path_factory: pytest.TempPathFactory,
-               block: int) -> tuple[Path, list[int]]:
-    if block not in dirs:
-        d = tmp_path_factory.mktemp(f"readme-block{block}")
-        shutil.copytree(ROOT / "examples", d / "examples")
-        dirs[block] = (d, [])
-    return dirs[block]
+def test_each_command_of_a_shell_block_is_one_step_of_its_test() -> None:
+    """The quick start's shell block runs a command at a time (a failure names it), all in one test."""
+    steps = _steps(*BLOCKS[0])
+    assert len(steps) == len(_commands(BLOCKS[0][1]) or []) > 1
+    assert steps[0][1].startswith("line 1 (hpoflow validate")
+    assert _steps("bash", "cd x\nls\n") == [(["bash", "-euo", "pipefail", "-c", "cd x\nls\n"], "the script")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("block", "lang", "line", "n_lines", "code"), STEPS,
-                         ids=[f"{lang}-{b}" + (f"-line{j + 1}" if n > 1 else "") for b, lang, j, n, _ in STEPS])
-def test_a_runnable_readme_block_works_as_copied(block_dirs: dict[int, tuple[Path, list[int]]],
-                                                 tmp_path_factory: pytest.TempPathFactory, block: int, lang: str,
-                                                 line: int, n_lines: int, code: str) -> None:
-    tmp_path, done = _block_dir(block_dirs, tmp_path_factory, block)
-    assert done == list(range(line)), f"the lines before line {line + 1} of block {block} did not all pass: {done}"
-    env = {**os.environ, "HPOFLOW_N_TRIALS": "2",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if lang == "bash":
-        argv = ["bash", "-euo", "pipefail", "-c", code]
-    else:
+@pytest.mark.timeout(900)  # a block runs several studies (the suite's 300 s is one command's)
+@pytest.mark.parametrize(("block", "lang", "code"), [(i, lang, code) for i, (lang, code) in enumerate(BLOCKS)],
+                         ids=[f"{lang}-{i}" for i, (lang, _) in enumerate(BLOCKS)])
+def test_a_runnable_readme_block_works_as_copied(tmp_path: Path, block: int, lang: str, code: str) -> None:
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = {**os.environ, "HPOFLOW_N_TRIALS": "2", "PYTHONPATH": pythonpath(ROOT)}
+    if lang == "python":
         (tmp_path / "tune.py").write_text(code)
-        argv = [sys.executable, "tune.py"]
-    r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
-    assert "Traceback" not in r.stderr
-    done.append(line)
-    if line == n_lines - 1:  # the block's last line: every study it ran has its journal
-        runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
-        assert runs and all((tmp_path / "runs" / name / "study.journal").is_file() for name in runs), runs
+    for argv, what in _steps(lang, code):
+        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        where = f"block {block}: {what}"
+        assert r.returncode == 0, f"{where} failed:\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+        assert "Traceback" not in r.stderr, f"{where}: {r.stderr[-3000:]}"
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())  # every study the block ran has its journal
+    assert runs and all((tmp_path / "runs" / name / "study.journal").is_file() for name in runs), runs
 
 
 def _requirement_names(lines: list[str]) -> set[str]:

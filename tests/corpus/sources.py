@@ -115,6 +115,13 @@ GROUPS: dict[str, tuple[Archive, ...]] = {
         Archive("xxhash", "4.1.0",
                 "xxhash-4.1.0-cp311-cp311-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl",
                 "5e713f5db9e1a8aafac59a45cc1ffce11ca507730f5dc12e212ea7b73d9debde"),
+        # pandas needs python-dateutil (which needs six): requirements-dev.txt installs neither, so a fresh venv
+        # lacks them (pandas: "Unable to import required dependency dateutil") where a machine with them
+        # elsewhere did not
+        Archive("python-dateutil", "2.9.0.post0", "python_dateutil-2.9.0.post0-py2.py3-none-any.whl",
+                "a8b2bc7bffae282281c8140a97d3aa9c14da0b136dfe83f850eea9a5f7470427"),
+        Archive("six", "1.17.0", "six-1.17.0-py2.py3-none-any.whl",
+                "4721f391ed90541fddacab5acf947aa0d3dc7d27b2e1e8eda2be8970586c3274"),
     ),
 }
 

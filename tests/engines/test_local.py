@@ -23,7 +23,7 @@ from hpoflow.engines.local import LocalEngine, plan_placement
 from hpoflow.engines.machine import check_fits
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
-from tests.conftest import ROOT, descendants
+from tests.conftest import ROOT, descendants, pythonpath
 
 PYPATH = (str(ROOT / "tests"),)
 
@@ -322,7 +322,7 @@ def test_warm_workers_have_torch_though_the_process_started_a_forkserver_of_its_
     (tmp_path / "lazy.py").write_text("import sys\nPRELOADED = 'torch' in sys.modules\nimport torch\n\n"
                                       "def f(ctx):\n    return {'value': float(PRELOADED)}\n")
     (tmp_path / "main.py").write_text(FORKSERVER_FIRST)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(tmp_path)])}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT, ROOT / "tests", tmp_path)}
     p = subprocess.run([sys.executable, str(tmp_path / "main.py"), str(tmp_path)], capture_output=True, text=True,
                        env=env, cwd=tmp_path, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -27,9 +27,9 @@ from hpoflow.engines.local._modules import MARK, ModuleKeeper
 from hpoflow.engines.logcap import CAP_ENV, LogPump
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
-from tests.conftest import ROOT, RUN_ENV
+from tests.conftest import ROOT, RUN_ENV, pythonpath
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
 
 FNS = '''
 import os, sys, time
@@ -533,7 +533,7 @@ def test_a_cluster_rank_log_is_capped_by_its_node_launcher(tmp_path: Path, monke
 
     write_fns(tmp_path)
     monkeypatch.setenv(CAP_ENV, "1")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", pythonpath(ROOT))
     req = request(tmp_path, 0, "fns:chatty", options={"mib": 4})
     res = run_trial(req.to_json(), "{}")
     logs = list((tmp_path / "trials" / "0").rglob("rank0.log"))
