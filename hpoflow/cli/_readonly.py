@@ -2,9 +2,13 @@
 
 ``ReadOnlyStorage`` wraps an Optuna storage: every read passes through, every write raises
 ``PermissionError``, so no route of optuna-dashboard (or any code handed the storage) can change the
-study. ``guard`` wraps a WSGI application: a request whose ``Host`` header is not ``127.0.0.1:PORT``
-or ``localhost:PORT`` is refused with 421 (a page elsewhere reaching 127.0.0.1 through DNS rebinding
-sends its own host name), and any method but GET and HEAD with 405.
+study. Its list of studies (``get_all_studies``, optuna-dashboard's study list) leaves out the claims
+companion studies hpoflow keeps beside a study (``hpoflow.run.claims.is_companion``): bookkeeping, not
+a search; a companion is still read by its id or name.
+
+``guard`` wraps a WSGI application: a request whose ``Host`` header is not ``127.0.0.1:PORT`` or
+``localhost:PORT`` is refused with 421 (a page elsewhere reaching 127.0.0.1 through DNS rebinding sends
+its own host name), and any method but GET and HEAD with 405.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from optuna.study import StudyDirection
 from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
 
+from hpoflow.run.claims import is_companion
+
 __all__ = ["ReadOnlyStorage", "guard"]
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -25,7 +31,8 @@ READ_METHODS = ("GET", "HEAD")
 
 
 class ReadOnlyStorage(optuna.storages.BaseStorage):
-    """``inner``'s reads; each write raises ``PermissionError`` (nothing is ever passed on)."""
+    """``inner``'s reads, its study list without claims companions; each write raises ``PermissionError``
+    (nothing is ever passed on)."""
 
     def __init__(self, inner: optuna.storages.BaseStorage) -> None:
         self._inner = inner
@@ -84,7 +91,9 @@ class ReadOnlyStorage(optuna.storages.BaseStorage):
         return self._inner.get_study_system_attrs(study_id)
 
     def get_all_studies(self) -> list[FrozenStudy]:
-        return self._inner.get_all_studies()
+        studies = self._inner.get_all_studies()
+        names = {s.study_name for s in studies}
+        return [s for s in studies if not is_companion(s, names)]
 
     def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
         return self._inner.get_trial_id_from_study_id_trial_number(study_id, trial_number)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -29,6 +30,25 @@ COMMANDS: dict[str, str] = {
     "dashboard": "hpoflow.cli.dashboard_cmd",
     "report": "hpoflow.cli.report_cmd",
 }
+
+
+# Commands that only read and print, and start nothing that outlives them: a Ctrl-C (SIGINT) ends them at
+# once, with one line and exit code 130 (``_quit``), wherever the main thread is. A KeyboardInterrupt raised
+# there is not reliable (hpoflow.run.signals says why: pydantic-core panics if it comes while it loads, a
+# library turns it into an error of its own or swallows it, and CPython ends the process by SIGINT after one
+# ended a string ``exec``), and these commands have nothing to stop or write. ``run`` records the signal
+# instead (its driver stops), ``dashboard`` stops its server; the others raise KeyboardInterrupt, caught below.
+QUIT_AT_ONCE = frozenset({"validate", "status"})
+
+
+def _quit(signum: int, frame: object) -> None:
+    """SIGINT's handler for ``QUIT_AT_ONCE``: what was printed stays printed; then one line, and exit 130."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (a print the signal interrupted cannot be flushed: dropped)
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, b"hpoflow: interrupted\n")
+    os._exit(130)
 
 
 def _registrars(argv: Sequence[str]) -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
@@ -64,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     program = argv is None  # the hpoflow command itself: its process ends when this returns
     try:  # (a Ctrl-C while the parser is built: one line too)
         argv = list(sys.argv[1:] if argv is None else argv)
+        if program and next((a for a in argv if not a.startswith("-")), None) in QUIT_AT_ONCE:
+            signal.signal(signal.SIGINT, _quit)
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         handler = logging.StreamHandler(sys.stderr)
