@@ -10,10 +10,11 @@ database's one writer (SQLite) held until it commits), so a reader that sees tri
 before it.
 
 A *claim* is a trial of the study's companion study ``<study name>:hpoflow-claims`` (created on the first
-claim), carrying ``{"key": ..., "by": ...}`` in its user attr ``hpoflow_claim``. The first claim of a key in
-that order holds the key. Whoever writes a claim learns whether it holds the key by reading the claims
-once its own is written: every claim before it is visible by then, and none can come before it later.
-So of any number of drivers claiming one key at once exactly one holds it, and all of them agree which.
+claim; ``is_companion`` tells it from a user's study), carrying ``{"key": ..., "by": ...}`` in its user
+attr ``hpoflow_claim``. The first claim of a key in that order holds the key. Whoever writes a claim
+learns whether it holds the key by reading the claims once its own is written: every claim before it is
+visible by then, and none can come before it later. So of any number of drivers claiming one key at once
+exactly one holds it, and all of them agree which.
 
 Used for the owner of a PBT study (``hpoflow.search.pbt``) and for promoting a paused trial
 (``hpoflow.search.scheduling``). A claim is never taken back: a key that must pass on (its holder died)
@@ -23,23 +24,43 @@ A study with a scheduler holds a claim per promotion, thousands in a long study,
 incrementally: those read before are kept (a claim never changes), and a read parses only the claims
 written since, which come after them in that order (a claim numbered below one read already means the
 order was not what it should be: everything is read again).
+
+The companion is a study of the same storage, so whatever lists a storage's studies (Optuna's
+``get_all_studies``, ``optuna.get_all_study_summaries``, optuna-dashboard's study list) lists it beside the
+user's; its name cannot change (drivers of a study find its claims by that name, a resumed study too). Its
+creator marks it: the system attr ``COMPANION_ATTR`` names the study it serves, and the user
+attr ``hpoflow`` says what it is (optuna-dashboard shows it on the study's page). ``hpoflow dashboard`` leaves
+it out of its study list (``hpoflow.cli._readonly``); another program that lists studies shows it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Container
 from datetime import datetime
 from typing import Any
 
 import optuna
 from optuna.study import StudyDirection
+from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["CLAIMS_SUFFIX", "Claims"]
+__all__ = ["CLAIMS_SUFFIX", "COMPANION_ATTR", "Claims", "is_companion"]
 
 CLAIMS_SUFFIX = ":hpoflow-claims"
+COMPANION_ATTR = "hpoflow_companion_of"  # study system attr of a companion study: the name of the study it serves
 _ATTR = "hpoflow_claim"
+
+
+def is_companion(study: FrozenStudy, names: Container[str]) -> bool:
+    """Whether ``study``, of a storage holding the studies ``names``, is another study's claims companion:
+    marked so (``COMPANION_ATTR``), or named ``<a study of names>:hpoflow-claims`` (a companion whose creator
+    stopped before it marked it, or that an hpoflow before the mark made)."""
+    if isinstance(study.system_attrs.get(COMPANION_ATTR), str):
+        return True
+    name = study.study_name
+    return name.endswith(CLAIMS_SUFFIX) and name.removesuffix(CLAIMS_SUFFIX) in names
 
 
 class Claims:
@@ -90,9 +111,17 @@ class Claims:
             return found
         with contextlib.suppress(optuna.exceptions.DuplicatedStudyError):  # another driver made it first
             self._id = self.storage.create_new_study([StudyDirection.MINIMIZE], self.name)
+            self._mark(self._id)
         if self._id is None:
             self._id = self.storage.get_study_id_from_name(self.name)
         return self._id
+
+    def _mark(self, study_id: int) -> None:
+        """Mark the companion just created as such (module docstring)."""
+        served = self.name.removesuffix(CLAIMS_SUFFIX)
+        self.storage.set_study_system_attr(study_id, COMPANION_ATTR, served)
+        self.storage.set_study_user_attr(study_id, "hpoflow", f"the claims of study {served!r} (hpoflow's bookkeeping "
+                                         "of the drivers sharing it): no search of its own")
 
     def _read(self) -> None:
         """Take in the claims written since the last read (module docstring), in the storage's order."""
