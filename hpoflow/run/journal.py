@@ -201,6 +201,10 @@ class JournalLock(JournalFileOpenLock):
                 os.close(self._held)
                 self._held = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (a pickled storage) holds no lock: the descriptor is this object's."""
+        return {**self.__dict__, "_held": None}
+
 
 def _is_record(line: bytes) -> bool:
     try:
@@ -353,21 +357,42 @@ class JournalFile(JournalFileBackend):
     def __init__(self, file_path: str, *, fsync_always: bool = False, recover: bool = False) -> None:
         super().__init__(file_path, lock_obj=journal_lock(Path(file_path)))
         self.fsync_always = fsync_always
-        fd = os.open(file_path, os.O_RDONLY)
+        self._held: int | None = None
+        self._identity = self._open(recover)
+        self._gone: tuple[str, str] | None = None  # JournalGone's message and cause, once made
+        self._gone_lock = threading.Lock()
+
+    def _open(self, recover: bool) -> tuple[int, int]:
+        """The identity (device, inode) of the file the path names now; a writer (``recover``) keeps it open."""
+        fd = os.open(self._file_path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
         except OSError:
             os.close(fd)
             raise
-        self._identity = (st.st_dev, st.st_ino)
-        self._held: int | None = None
         if recover:
             self._held = fd
             weakref.finalize(self, os.close, fd)
         else:
             os.close(fd)
-        self._gone: tuple[str, str] | None = None  # JournalGone's message and cause, once made
+        return st.st_dev, st.st_ino
+
+    # A pickled storage (Optuna's JournalStorage pickles its backend: joblib, Dask and multiprocessing
+    # hand storages to other processes) is a new opener of the path: no lock or descriptor is shared.
+    def __getstate__(self) -> dict[str, Any]:
+        state = {**self.__dict__, "_held": None, "_gone": None}
+        del state["_gone_lock"]
+        state["_recover"] = self._held is not None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        recover = state.pop("_recover")
+        self.__dict__.update(state)
         self._gone_lock = threading.Lock()
+        try:  # the file the path names where the copy is opened (its device differs on another node)
+            self._identity = self._open(recover)
+        except FileNotFoundError:  # gone already: the copy's first read or append says so (JournalGone)
+            pass
 
     def _check_same(self, fd: int | None = None) -> None:
         """``JournalGone`` unless the path (or ``fd``, opened from it) is the file opened at first."""

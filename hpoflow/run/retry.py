@@ -136,6 +136,17 @@ class RetryingStorage(BaseStorage, BaseHeartbeat):
         # failure to the next success), however many threads wait it out (the driver's calls and its lease
         # renewals) and however often it is waited out again after a call gave up
 
+    # A pickled storage (joblib, Dask and multiprocessing hand a study's storage to other processes) gets a
+    # lock of its own: a lock does not pickle, and a copy shares no thread with the original.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # -- the retry loop ---------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T], on_retry_error: Callable[[Exception], T] | None = None) -> T:
         """``fn()`` with outages waited out; ``on_retry_error(exc)`` answers for an error raised by a

@@ -31,42 +31,117 @@ __all__ = ["DEFAULT_JOURNAL", "check_storage_path", "open_storage", "storage_lab
 
 DEFAULT_JOURNAL = "study.journal"
 
+_LENT_BOUND = 1024  # ids in _Journal._lent before the finished trials' are dropped
+try:  # the record of an intermediate value, as Optuna's journal writes it (private: None where it moved)
+    from optuna.storages.journal._storage import JournalOperation
+
+    _INTERMEDIATE: int | None = int(JournalOperation.SET_TRIAL_INTERMEDIATE_VALUE)
+except (ImportError, AttributeError):
+    _INTERMEDIATE = None
+
 
 class _Journal(JournalStorage):
-    """Optuna's ``JournalStorage`` whose "which trials are WAITING?" query does not scan the study.
+    """Optuna's ``JournalStorage`` whose "which trials are WAITING?" query does not scan the study, and
+    whose intermediate values cost the same however many the trial has.
 
     ``study.ask()`` asks that on every call; Optuna answers by walking all trials, so a 10,000-trial
     study paid ~5 ms per ask at the end. Only an unfinished trial can be WAITING (created so by
     ``enqueue_trial``, or put back by a driver that asked it but did not run it), so per study we keep
     the ids of the trials that were unfinished at the last query, and look at those and at trials
-    added since. Reads Optuna's replay state; if that changes shape, the parent's scan is used.
+    added since.
+
+    Optuna's replay applies each intermediate value by copying the trial's earlier ones (a trial handed
+    out must not change under its holder), so a trial's n-th report cost O(n): 100,000 reports of one
+    trial took minutes, and so did replaying them when a run reopens its journal. Here a trial's values
+    are copied only where a ``FrozenTrial`` of it was handed out (``get_trial``, ``get_all_trials``
+    without ``deepcopy``) since its last copy (``_lent``); otherwise the value is added in place.
+    Reads Optuna's replay state; if that changes shape, the parent's ways are used.
     """
 
     def __init__(self, backend: JournalFile) -> None:
+        # unfinished trials whose FrozenTrial (and so its intermediate_values) was handed out since their
+        # intermediate values were last copied: the next value copies them (set before the first replay)
+        self._lent: set[int] = set()
+        self._lent_bound = _LENT_BOUND
         super().__init__(backend)
         self._waiting: dict[int, tuple[int, set[int]]] = {}  # study -> (trials seen, unfinished ones)
 
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """A pickled copy (Optuna's: the backend, then a new replay and lock; the backend's
+        ``JournalFile.__setstate__`` opens the file anew) starts its WAITING index anew with its replay, and
+        has lent no trial of it."""
+        super().__setstate__(state)
+        self._waiting = {}
+        self._lent = set()
+
+    def _sync_with_backend(self) -> None:
+        """Optuna's replay of the records appended since the last one, an intermediate value of a trial not
+        ``_lent`` added in place (class docstring)."""
+        replay = self._replay_result
+        trials = getattr(replay, "_trials", None)
+        updatable = getattr(replay, "_trial_exists_and_updatable", None)
+        lent = getattr(self, "_lent", None)
+        if not isinstance(trials, dict) or updatable is None or not isinstance(lent, set) or _INTERMEDIATE is None:
+            super()._sync_with_backend()
+            return
+        run: list[dict[str, Any]] = []  # records for Optuna's replay, in order
+        for log in self._backend.read_logs(replay.log_number_read):
+            if log.get("op_code") != _INTERMEDIATE:
+                run.append(log)
+                continue
+            if run:
+                replay.apply_logs(run)
+                run = []
+            trial_id = log["trial_id"]
+            if trial_id in lent:
+                replay.apply_logs([log])  # a copy: the FrozenTrial handed out keeps what it held
+                lent.discard(trial_id)
+                continue
+            replay.log_number_read += 1  # (counted first, as Optuna does: a record that raises is read)
+            if updatable(trial_id, log):
+                trials[trial_id].intermediate_values[log["step"]] = log["intermediate_value"]
+        if run:
+            replay.apply_logs(run)
+
+    def _lend(self, trials: list[FrozenTrial]) -> None:
+        """``trials`` are handed out as they are (no deepcopy): a later value copies their values first.
+        (Under the lock. A trial that finished gets no value: its id is dropped once the set doubled.)"""
+        self._lent.update(t._trial_id for t in trials if not t.state.is_finished())
+        if len(self._lent) > self._lent_bound:
+            known = getattr(self._replay_result, "_trials", {})
+            self._lent = {t for t in self._lent if t in known and not known[t].state.is_finished()}
+            self._lent_bound = max(_LENT_BOUND, 2 * len(self._lent))
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        with self._thread_lock:
+            self._sync_with_backend()
+            trial = self._replay_result.get_trial(trial_id)
+            self._lend([trial])
+            return trial
+
     def get_all_trials(self, study_id: int, deepcopy: bool = True,
                        states: Container[TrialState] | None = None) -> list[FrozenTrial]:
-        replay = getattr(self, "_replay_result", None)
+        replay = self._replay_result
         ids_by_study = getattr(replay, "_study_id_to_trial_ids", None)
         trials = getattr(replay, "_trials", None)
-        lock = getattr(self, "_thread_lock", None)
-        waiting_only = isinstance(states, tuple | list) and list(states) == [TrialState.WAITING]
-        if (not waiting_only or ids_by_study is None
-                or trials is None or lock is None):
+        if ids_by_study is None or trials is None:
             return super().get_all_trials(study_id, deepcopy, states)
-        with lock:
+        waiting_only = isinstance(states, tuple | list) and list(states) == [TrialState.WAITING]
+        with self._thread_lock:
             self._sync_with_backend()
             ids = ids_by_study.get(study_id)
-            if ids is None:
-                return super().get_all_trials(study_id, deepcopy, states)  # raises as Optuna does
-            seen, candidates = self._waiting.get(study_id, (0, set()))
-            candidates.update(t for t in ids[seen:] if not trials[t].state.is_finished())
-            candidates = {t for t in candidates if not trials[t].state.is_finished()}
-            self._waiting[study_id] = (len(ids), candidates)
-            out = [trials[t] for t in sorted(candidates) if trials[t].state == TrialState.WAITING]
-        return copy.deepcopy(out) if deepcopy else out
+            if not waiting_only or ids is None:
+                out = replay.get_all_trials(study_id, states)  # (KeyError for a study that is not there)
+            else:
+                seen, candidates = self._waiting.get(study_id, (0, set()))
+                candidates.update(t for t in ids[seen:] if not trials[t].state.is_finished())
+                candidates = {t for t in candidates if not trials[t].state.is_finished()}
+                self._waiting[study_id] = (len(ids), candidates)
+                out = [trials[t] for t in sorted(candidates) if trials[t].state == TrialState.WAITING]
+            if deepcopy:
+                return copy.deepcopy(out)
+            self._lend(out)
+            return out
 
 
 def storage_label(storage: str | None, run_dir: Path) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +17,11 @@ import optuna
 import pytest
 import yaml
 from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal import BaseJournalBackend, JournalFileBackend
+from optuna.storages.journal._storage import JournalStorageReplayResult
 from optuna.trial import TrialState
 
-from hpoflow.run.storage import open_storage
+from hpoflow.run.storage import _Journal, open_storage
 from tests.conftest import mounted_tmpfs
 
 
@@ -51,9 +54,10 @@ def test_waiting_index_answers_like_optunas_scan(tmp_path: Path) -> None:
 
 
 def test_the_fast_paths_are_taken_with_this_optuna(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both fast paths read Optuna's journal internals and fall back to Optuna's own code when those
-    change shape. The fallback would be silent (only slower), so here Optuna's own code paths raise:
-    an Optuna upgrade that moves the internals fails this test instead of slowing every study."""
+    """The fast paths (the WAITING query, the append, an intermediate value added in place) read Optuna's
+    journal internals and fall back to Optuna's own code when those change shape. The fallback would be
+    silent (only slower), so here Optuna's own code paths raise or are counted: an Optuna upgrade that
+    moves the internals fails this test instead of slowing every study."""
 
     def scan(self: JournalStorage, study_id: int, deepcopy: bool = True, states: Any = None) -> Any:
         if states is not None and list(states) == [TrialState.WAITING]:
@@ -63,16 +67,86 @@ def test_the_fast_paths_are_taken_with_this_optuna(tmp_path: Path, monkeypatch: 
     def append(self: JournalFileBackend, logs: list[dict[str, Any]]) -> None:
         raise AssertionError("the journal append fell back to Optuna's fsync per append")
 
+    copies: list[int] = []
+
+    def copy_values(self: JournalStorageReplayResult, log: dict[str, Any]) -> None:
+        copies.append(log["step"])
+        original_copy(self, log)
+
     original_scan = JournalStorage.get_all_trials
+    original_copy = JournalStorageReplayResult._apply_set_trial_intermediate_value
     monkeypatch.setattr(JournalStorage, "get_all_trials", scan)
     monkeypatch.setattr(JournalFileBackend, "append_logs", append)
+    monkeypatch.setattr(JournalStorageReplayResult, "_apply_set_trial_intermediate_value", copy_values)
     monkeypatch.delenv("HPOFLOW_JOURNAL_FSYNC", raising=False)
     study = optuna.create_study(storage=open_storage(None, tmp_path), study_name="fast")
     study.enqueue_trial({"x": 0.25})
     trial = study.ask()
     assert trial.suggest_float("x", 0, 1) == 0.25
+    for step in range(5):
+        trial.report(float(step), step)
+    assert copies == [0]  # Optuna's copying replay: only once the trial was handed out (ask), not per value
     study.tell(trial, 1.0)
     assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE]
+
+
+class _MemoryBackend(BaseJournalBackend):
+    """Optuna's journal records in a list: the replay's own cost, without a file's per-append cost."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, Any]] = []
+
+    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+        yield from self.logs[log_number_from:]
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        self.logs.extend(logs)
+
+
+def test_a_trials_ten_thousandth_intermediate_value_costs_what_its_thousandth_did() -> None:
+    """Optuna's journal replay copies a trial's earlier intermediate values at each new one (so a trial
+    handed out never changes under its holder): the 10,000th cost ~5x the 1,000th, and 100,000 reports
+    of one command trial took minutes (issue 66). ``_Journal`` adds a value in place unless the trial
+    was handed out since its last copy. A backend in memory leaves only the replay's cost to compare;
+    the median per write (CPU time) is robust to a pause (GC, another process); 2.5x is generous for
+    a cost that must not grow (before: 4.8x here)."""
+    storage = _Journal(_MemoryBackend())  # type: ignore[arg-type]  # (any Optuna journal backend)
+    study_id = storage.create_new_study([optuna.study.StudyDirection.MINIMIZE], "flat")
+    trial_id = storage.create_new_trial(study_id)
+    costs = []
+    for step in range(10_000):
+        t0 = time.process_time()
+        storage.set_trial_intermediate_value(trial_id, step, 1.0 / (step + 1))
+        costs.append(time.process_time() - t0)
+    early, late = statistics.median(costs[1000:2000]), statistics.median(costs[-1000:])
+    assert late < 2.5 * max(early, 1e-7), (early, late)
+    assert storage.get_trial(trial_id).intermediate_values == {s: 1.0 / (s + 1) for s in range(10_000)}
+
+
+def test_a_trial_handed_out_keeps_the_values_it_had_and_a_reopened_journal_has_them_all(tmp_path: Path) -> None:
+    storage = open_storage(None, tmp_path)
+    study = optuna.create_study(storage=storage, study_name="kept")
+    trial = study.ask()
+    for step in range(3):
+        trial.report(float(step), step)
+    held = storage.get_trial(trial._trial_id)  # handed out as it is (no deepcopy)
+    listed = storage.get_all_trials(study._study_id, deepcopy=False)[0]
+    copied = storage.get_all_trials(study._study_id)[0]
+    for step in range(3, 2000):
+        trial.report(float(step), step)
+    assert held.intermediate_values == listed.intermediate_values == copied.intermediate_values == \
+        {0: 0.0, 1: 1.0, 2: 2.0}  # as they were when handed out
+    now = storage.get_trial(trial._trial_id)
+    assert now.intermediate_values == {s: float(s) for s in range(2000)}
+    trial.report(2000.0, 2000)  # (handed out again just now: this one is copied, `now` keeps its 2,000)
+    assert len(now.intermediate_values) == 2000
+    other = open_storage(None, tmp_path)  # another process's replay of the file, and its writes seen here
+    assert other.get_trial(trial._trial_id).intermediate_values == {s: float(s) for s in range(2001)}
+    other.set_trial_intermediate_value(trial._trial_id, 2001, 1.5)
+    study.tell(trial, 1.0)
+    final = open_storage(None, tmp_path).get_trial(trial._trial_id)
+    assert final.state == TrialState.COMPLETE and len(final.intermediate_values) == 2002
+    assert final.intermediate_values[2001] == 1.5 and final.last_step == 2001
 
 
 # -- storages that cannot work, through the CLI ------------------------------------------------------
