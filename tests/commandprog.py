@@ -8,7 +8,9 @@ Its "loss" after epoch ``e`` is ``(x - 0.3)**2 + 1/e``. Each epoch it appends ``
 (``hpoflow.client.report``). It starts after the epoch of the checkpoint it finds. With ``--ask`` every
 rank asks ``hpoflow.client.should_stop()`` after each epoch and stops when it is true. ``--env FILE``
 writes its environment, argv, ``sys.path[0]`` and whether torch was imported before it as JSON first;
-``--fail N`` writes to stderr and exits with code N.
+``--fail N`` writes to stderr and exits with code N. ``--color`` prints its lines in ANSI colours (as
+``rich`` or ``colorama`` do where forced to). ``--kill-attempts N``: on the trial's attempts before N
+(``HPOFLOW_ATTEMPT``) it kills itself with SIGKILL after its first epoch, as the kernel's OOM killer would.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,8 @@ def main() -> int:
     p.add_argument("--ask", action="store_true")
     p.add_argument("--env", default="")
     p.add_argument("--fail", type=int, default=0)
+    p.add_argument("--color", action="store_true")
+    p.add_argument("--kill-attempts", type=int, default=0)
     a = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     if a.env:  # what it was started with: a warm start (runpy in a forked worker) has torch imported already
@@ -58,13 +63,18 @@ def main() -> int:
             tmp.write_text(json.dumps({"epoch": epoch}))
             os.replace(tmp, ckpt)
         if rank == 0:
-            if a.report == "print":
+            if a.report == "print" and a.color:  # a bold name, a green value, a reset after each
+                print(f"\x1b[1mepoch\x1b[0m={epoch} \x1b[1;32m{a.metric}={loss:.6f}\x1b[0m", flush=True)
+            elif a.report == "print":
                 print(f"epoch={epoch} {a.metric}={loss:.6f}", flush=True)
             elif a.report == "file":
                 with open(os.environ["HPOFLOW_METRICS_FILE"], "a") as f:
                     f.write(json.dumps({"step": epoch, a.metric: loss}) + "\n")
             else:
                 client.report(epoch, **{a.metric: loss})
+        if int(os.environ.get("HPOFLOW_ATTEMPT", "0")) < a.kill_attempts:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         if a.ask:
             if client.should_stop():
                 print(f"rank {rank}: stopping after epoch {epoch} (pausing: {client.pausing()})", flush=True)

@@ -26,6 +26,7 @@ CASES = {
                       {"hpoflow_launch_s", "torchrun_launch_s", "hpoflow_first_step_s"}),
     "command_launch.py": (["--trials", "1", "--torchrun-trials", "0"],
                           {"warm_first_report_s", "isolated_first_report_s", "torchrun_first_report_s"}),
+    "command_reports.py": (["--lines", "50", "200"], {"lines", "ratio"}),
     "startup.py": (["--repeats", "1", "--trials", "6"],
                    {"help_s", "validate_s", "status_s", "run_2_trials_s", "first_trial_start_s", "run_fixed_s",
                     "run_overhead_ms_per_trial_slot", "optuna_threads_2_trials_s"}),

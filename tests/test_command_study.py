@@ -74,3 +74,30 @@ def test_pbt_runs_a_population_of_a_program_interval_by_interval(tmp_path: Path)
         lineage = t.user_attrs[ATTR_LINEAGE]
         # each interval trains its own epochs once, from where its parent's checkpoint left off
         assert _trained(tmp_path / "run", t.number) == list(range(lineage["start"] + 1, lineage["end"] + 1)), lineage
+
+
+def test_a_program_the_oom_killer_would_kill_is_rerun_from_its_checkpoint_up_to_max_retries(tmp_path: Path) -> None:
+    # the program kills itself with SIGKILL after its first epoch on its first attempt (as the OOM killer or
+    # a preemption would): a signal hpoflow did not send, so the trial is rerun, from the epoch it saved
+    command = [*PROG, "--x", "${x}", "--epochs", "3", "--kill-attempts", "1"]
+    space = {"x": {"type": "float", "low": 0.0, "high": 1.0}}
+    data = _spec("killed", command, space, {"n_trials": 1})
+    data["resources"]["max_retries"] = 1
+    trial = optimize(data, tmp_path / "retried").study.trials[0]
+    assert trial.state == TrialState.COMPLETE, trial
+    assert trial.user_attrs.get("attempts") == 2
+    assert _trained(tmp_path / "retried", 0) == [1, 2, 3]  # epoch 1 on the killed attempt, then 2 and 3
+    data["resources"]["max_retries"] = 0
+    failed = optimize(data, tmp_path / "no-retries").study.trials[0]
+    assert failed.state == TrialState.FAIL
+    assert "killed by SIGKILL" in failed.user_attrs["error"]
+
+
+def test_a_program_hpoflow_stops_for_a_timeout_is_not_rerun(tmp_path: Path) -> None:
+    # resources.timeout: hpoflow kills the trial itself; the same configuration would run as long again
+    data = _spec("timeout", [*PROG, "--x", "${x}", "--epochs", "1000", "--sleep", "0.05"],
+                 {"x": {"type": "float", "low": 0.0, "high": 1.0}}, {"n_trials": 1})
+    data["resources"].update(timeout=2, max_retries=2)
+    trial = optimize(data, tmp_path / "run").study.trials[0]
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs.get("attempts", 1) == 1

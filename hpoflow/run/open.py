@@ -208,6 +208,15 @@ def _taken_back_on_error(rd: Path, url: str | None) -> Iterator[None]:
         raise
 
 
+def _study_exists(storage: optuna.storages.BaseStorage, name: str) -> bool:
+    """Whether ``storage`` holds a study named ``name`` (read only)."""
+    try:
+        storage.get_study_id_from_name(name)
+    except KeyError:
+        return False
+    return True
+
+
 def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
                sampler_for: Callable[[int], optuna.samplers.BaseSampler],
                pruner: optuna.pruners.BasePruner) -> tuple[optuna.Study, str]:
@@ -223,16 +232,20 @@ def open_study(rd: Path, spec: StudySpec, text: str, url: str | None, *,
         try:  # no waiting at open: a URL that does not answer now is more often wrong than down
             storage = RetryingStorage(optuna.storages.get_storage(open_storage(url, rd)), label, 0.0,
                                       secret=password_of(url))
-            try:
-                study = optuna.create_study(
-                    storage=storage, study_name=spec.study.name,
-                    directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
-                    sampler=sampler_for(0), pruner=pruner)
-                created = True
-            except optuna.exceptions.DuplicatedStudyError:
+            # an existing study is looked up first: creating it again would append a record (the journal's
+            # create-study, which Optuna then refuses as a duplicate) before its spec is checked
+            created = not _study_exists(storage, spec.study.name)
+            if created:
+                try:
+                    study = optuna.create_study(
+                        storage=storage, study_name=spec.study.name,
+                        directions=[optuna.study.StudyDirection[d.upper()] for _, d in spec.study.objectives],
+                        sampler=sampler_for(0), pruner=pruner)
+                except optuna.exceptions.DuplicatedStudyError:  # another driver created it meanwhile
+                    created = False
+            if not created:
                 study = optuna.load_study(study_name=spec.study.name, storage=storage, sampler=sampler_for(0),
                                           pruner=pruner)
-                created = False
         except (OSError, StorageFull):
             raise
         except Exception as exc:  # a database URL that does not answer, a missing driver, bad credentials

@@ -4,8 +4,10 @@ A command is an argv list, or a string split with ``shlex`` (never given to a sh
 may hold ``${param}`` placeholders, whole (``"${lr}"``) or inside it (``--lr=${lr}``, a Hydra
 override ``lr=${lr}``): each is replaced by the trial's value as text, so a value never becomes more
 than the one argument it stands in. An argument naming a parameter that is inactive in the trial (its
-``when`` condition unmet) is left out, and so is the option just before a whole placeholder
-(``--momentum "${momentum}"``: both go).
+``when`` condition unmet) is left out, and so is the option name written just before a whole
+placeholder (``--momentum "${momentum}"``: both go). Only an option name written as such in the command
+goes with it: an argument that is another parameter's value (``"${flag}"`` = ``--amp`` just before an
+inactive ``"${momentum}"``), ``--``, ``-`` and a negative number (``-1``) stay.
 
 ``${trial_dir}`` and ``${checkpoint_dir}`` (``RUN_PLACEHOLDERS``) are no parameters: they stand for the
 trial's directory and its checkpoint directory, known where the trial runs, and are replaced there
@@ -95,20 +97,36 @@ def command_placeholders(argv: list[str]) -> list[tuple[int, str]]:
 
 def substitute_command(value: Any, params: Mapping[str, Any]) -> list[str] | None:
     """The trial's argv: every placeholder replaced by its value; an argument of an inactive parameter
-    left out (with the option before it, for a whole placeholder)."""
+    left out (with the option name written just before it, for a whole placeholder: ``_option_name``)."""
     argv = command_argv(value)
     if argv is None:
         return None
     out: list[str] = []
-    for arg in argv:
+    after_option = False  # the last argument of out is an option name written in the command
+    for i, arg in enumerate(argv):
         names = [m.group(1) for m in _ANY_PLACEHOLDER.finditer(arg) if m.group(1) not in RUN_PLACEHOLDERS]
         if any(n not in params for n in names):
-            if _WHOLE.match(arg) and out and out[-1].startswith("-") and "=" not in out[-1] and len(out) > 1:
+            if _WHOLE.match(arg) and after_option:
                 out.pop()  # the option whose value this was
+            after_option = False
             continue
+        after_option = i > 0 and _option_name(arg)
         out.append(_ANY_PLACEHOLDER.sub(lambda m: m.group(0) if m.group(1) in RUN_PLACEHOLDERS
                                         else _text(params[m.group(1)]), arg))
     return out
+
+
+def _option_name(arg: str) -> bool:
+    """Whether ``arg``, as written in the command, is an option's name that may take the next argument as
+    its value (``--momentum``, ``-m``): it starts with ``-``, holds no placeholder and no ``=``, and is
+    neither ``-``/``--`` nor a negative number (``-1``: a value of the option before it)."""
+    if not arg.startswith("-") or arg in ("-", "--") or "=" in arg or "${" in arg:
+        return False
+    try:
+        float(arg)
+    except ValueError:
+        return True
+    return False
 
 
 def run_values(text: str, values: Mapping[str, str]) -> str:

@@ -19,7 +19,17 @@ way it does any trial.
   their step (``epoch=N``/``step=N``) or without (``hpoflow.train.lines``: such values never override or
   shift a step reported another way); JSON lines appended to ``HPOFLOW_METRICS_FILE``
   (``{"step": 3, "val_loss": 0.4}``); ``hpoflow.client.report``. The last value of each metric is the
-  trial's result.
+  trial's result. Every report reaches the study (a step's first value of a metric is kept), but what
+  is read at once (the metrics file's new lines, the printed lines queued since the last tick) is
+  decided on once (``_flush``): only its last report holding ``study.metric`` is judged by the pruner and
+  the scheduler (rank 0 waits for that answer alone); the others are sent without a wait. So a report
+  costs the same however many came before, and a program that left 100,000 lines behind does not wait
+  for 100,000 answers. A report through ``hpoflow.client`` is judged as it comes (its call returns with
+  the decision).
+- **Signals.** A program ended by a signal hpoflow did not send (the OOM killer's SIGKILL, a preemption's
+  SIGTERM, a segfault) fails the attempt as retryable (``CommandError.retryable``): the driver reruns the
+  trial up to ``resources.max_retries`` times. hpoflow's own signals (below, after a stop decision; a
+  timeout or a cancel, which end the rank too) are no such failure.
 - **Stop.** Pruned, paused (a scheduler's rung, the engine's SIGUSR1) or past ``training.epochs``:
   ``hpoflow.client.should_stop()`` turns true on every rank (rank 0 tells the others through the
   store); after ``training.stop_grace_s`` the program's process group gets SIGTERM, 5 s later SIGKILL.
@@ -58,6 +68,7 @@ import importlib.machinery
 import io
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -101,11 +112,18 @@ KILL_AFTER_S = 5.0  # SIGTERM -> SIGKILL
 _TAIL_BYTES = 4000  # of the program's stderr, for the error
 _TICK_S = 0.05
 _STORE_EVERY_S = 0.2  # a rank other than 0 looks for rank 0's stop decision this often
+_BATCH = 4096  # queued items handled in one tick of the supervising loop, at most
 _GROUPS: set[int] = set()  # process groups of the programs running in this process
 
 
 class CommandError(RuntimeError):
-    """The program of a command trial failed (it could not start, exited non-zero, reported nothing)."""
+    """The program of a command trial failed (it could not start, exited non-zero, reported nothing).
+    ``retryable``: it was ended by a signal hpoflow did not send (the OOM killer's SIGKILL, a preemption's
+    SIGTERM, a segfault): the driver reruns the trial up to ``resources.max_retries`` times."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def running_groups() -> set[int]:
@@ -162,6 +180,7 @@ class _Supervisor:
         self.finished = threading.Event()
         self.tail = bytearray()
         self.lines = LineReports(self.req.metric_names or (self.req.metric,), ctx.config.metrics)
+        self.pending: list[tuple[int, dict[str, float]]] = []  # reports read, not sent yet (_flush)
         self.store: Store | None = None
         self.proc: subprocess.Popen[bytes] | _Forked | None = None
         self.server: LineServer | None = None
@@ -264,15 +283,13 @@ class _Supervisor:
         next_store = 0.0
         term_sent = False
         while proc.poll() is None:
-            try:
-                item = self.items.get(timeout=_TICK_S)
-            except queue.Empty:
-                item = None
-            if reader is not None:  # first: what the program wrote there before it printed the line in item
+            batch = self._take(_TICK_S)
+            if reader is not None:  # first: what the program wrote there before it printed the lines in batch
                 for record in reader.read_new():
                     self._record(record)
-            if item is not None:
+            for item in batch:
                 self._handle(item)
+            self._flush()
             now = time.monotonic()
             if self.store is not None and self.rank != 0 and self.stop is None and now >= next_store:
                 next_store = now + _STORE_EVERY_S
@@ -300,17 +317,29 @@ class _Supervisor:
             self._decide("paused")
         log.info("command: rank %d: the program %s", self.rank, describe_exit(proc.returncode))
 
-    def _drain(self, reader: ReportReader | None) -> None:
-        """What the program said last, after it ended: lines still queued, the metrics file's last lines."""
-        while True:
+    def _take(self, timeout: float) -> list[tuple[Any, ...]]:
+        """The items queued now (waiting up to ``timeout`` for the first), at most ``_BATCH``."""
+        try:
+            batch = [self.items.get(timeout=timeout)] if timeout > 0 else [self.items.get_nowait()]
+        except queue.Empty:
+            return []
+        while len(batch) < _BATCH:
             try:
-                item = self.items.get_nowait()
+                batch.append(self.items.get_nowait())
             except queue.Empty:
                 break
-            self._handle(item)
+        return batch
+
+    def _drain(self, reader: ReportReader | None) -> None:
+        """What the program said last, after it ended: lines still queued, the metrics file's last lines."""
+        while batch := self._take(0.0):
+            for item in batch:
+                self._handle(item)
+            self._flush()
         if reader is not None:
             for record in reader.read_new():
                 self._record(record)
+        self._flush()
         self.finished.set()
 
     def _outcome(self, code: int | None, command: list[str]) -> dict[str, float]:
@@ -328,9 +357,12 @@ class _Supervisor:
             if self.moved and ("FileNotFoundError" in stderr or "No such file" in stderr):
                 hint = (f" (it ran in {self.cwd}, training.workdir: a relative path the command does not name is taken "
                         "from there. Fix: name the path in the command, make it absolute, or set training.workdir: .)")
-            raise CommandError(f"{shlex.join(command)} (training.command) {describe_exit(code)}"
+            killed = code is not None and code < 0  # hpoflow's own signals come after a stop decision (reason)
+            why = (" (a signal hpoflow did not send: the OOM killer, a preemption, a crash; the trial is rerun up to "
+                   "resources.max_retries times)" if killed else "")
+            raise CommandError(f"{shlex.join(command)} (training.command) {describe_exit(code)}{why}"
                                + (f": {cause}{hint}; its stderr ended with:\n{stderr}" if stderr
-                                  else " and wrote nothing to stderr"))
+                                  else " and wrote nothing to stderr"), retryable=killed)
         metric = self.req.metric
         if self.rank == 0 and metric not in self.latest:
             late = (f" Its printed values of {metric!r} came after reports that printed values never override "
@@ -373,34 +405,79 @@ class _Supervisor:
                 self._report(step, metric_dict(metrics, strict=True, where=f"hpoflow.client.report(step={step})"))
             except (TypeError, ValueError) as exc:
                 box["error"] = str(exc)
+            self._flush()  # its answer waits for the decision on it
             done.set()
 
     def _report(self, step: int | None, metrics: dict[str, float], refresh: bool = False,
                 printed: bool = False) -> None:
         """Values read at ``step`` (None: without one), ``printed`` on stdout or not: the reports they make
-        (``LineReports.route``: a printed value never overrides or shifts a step reported another way)."""
-        for at, values in self.lines.route(step, metrics, printed=printed, refresh=refresh):
-            self._send(at, values)
+        (``LineReports.route``: a printed value never overrides or shifts a step reported another way),
+        queued for ``_flush``."""
+        if self.stop is None:
+            self.pending.extend(self.lines.route(step, metrics, printed=printed, refresh=refresh))
 
-    def _send(self, step: int, metrics: dict[str, float]) -> None:
-        if self.stop is not None:
+    def _flush(self) -> None:
+        """Send the reports read since the last flush (``_coalesce``): every value, each step once, and
+        only the last report that holds the study's metric judged (``_emit``). Then decide: pruned or
+        paused by that judgement, or ended at ``training.epochs``."""
+        pending, self.pending = self.pending, []
+        if self.stop is not None or not pending:
             return  # asked to stop: what it says while it stops is not a report
-        said: set[str] = set()  # this step's metrics so far: one printed and given to hpoflow.client counts once
+        reports = self._coalesce(pending)
+        metric = self.ctx.metric
+        judged = max((i for i, (_, m) in enumerate(reports) if metric in m and math.isfinite(m[metric])), default=-1)
+        cfg = self.ctx.config
+        for i, (step, metrics) in enumerate(reports):
+            self._emit(step, metrics, judge=i == judged)
+            if self.ctx._prune:
+                self._decide("pruned")
+            elif self.ctx.pause_request.requested:
+                self._decide("paused")
+            elif step >= cfg.epochs and cfg.epochs != UNBOUNDED_EPOCHS:
+                self._decide("ended")
+            if self.stop is not None:
+                return
+
+    def _coalesce(self, pending: list[tuple[int, dict[str, float]]]) -> list[tuple[int, dict[str, float]]]:
+        """``pending`` as the reports to send: a metric already given at its step left out (printed and
+        given to hpoflow.client, it counts once: the first value is kept), consecutive reports of one step
+        merged into one, and none after the first at or past ``training.epochs``."""
+        cfg = self.ctx.config
+        step_now: int | None = None
+        said: set[str] = set()  # the metrics of step_now given so far
         for s, m in reversed(self.ctx.reports):
-            if s != step:
+            if step_now is None:
+                step_now = s
+            if s != step_now:
                 break
             said.update(m)
-        metrics = {k: v for k, v in metrics.items() if k not in said}
-        if not metrics:
-            return
+        out: list[tuple[int, dict[str, float]]] = []
+        for step, metrics in pending:
+            if step != step_now:
+                step_now, said = step, set()
+            new = {k: v for k, v in metrics.items() if k not in said}
+            if not new:
+                continue
+            said.update(new)
+            if out and out[-1][0] == step:
+                out[-1][1].update(new)
+            else:
+                out.append((step, new))
+            if step >= cfg.epochs and cfg.epochs != UNBOUNDED_EPOCHS:
+                break  # the trial ends here (_flush)
+        return out
+
+    def _emit(self, step: int, metrics: dict[str, float], *, judge: bool) -> None:
+        """One report to the study. ``judge``: the pruner and the scheduler decide on it (rank 0 waits for
+        their answer, ``ctx.report``); otherwise it is recorded and sent without a wait (a value the study
+        keeps, on which nothing is decided: a later report of the same batch is)."""
         self.latest.update(metrics)
-        self.ctx.report(step, **metrics)
-        if self.ctx._prune:
-            self._decide("pruned")
-        elif self.ctx.pause_request.requested:
-            self._decide("paused")
-        elif step >= self.ctx.config.epochs and self.ctx.config.epochs != UNBOUNDED_EPOCHS:
-            self._decide("ended")
+        if judge or self.ctx.elastic:
+            self.ctx.report(step, **metrics)
+            return
+        self.ctx.reports.append((step, metrics))
+        if self.rank == 0:
+            self.ctx.channel.report(step, metrics, False)
 
     def _decide(self, reason: str) -> None:
         if self.stop is not None:

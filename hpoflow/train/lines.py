@@ -4,7 +4,8 @@
 Lightning's progress bars redraw themselves with ``\\r``, and each redraw is a line of its own, a
 *refresh* (it follows a lone ``\\r``). A line longer than ``MAX_LINE`` bytes is read by its last
 ``MAX_LINE`` bytes, from its first separator there on (so no name is read by its end only). ANSI escape
-sequences (colours, cursor moves) are taken out before a line is read.
+sequences (colours, cursor moves, a window title: CSI and OSC, 7- and 8-bit) are taken out before a line
+is read, so a line is read as a terminal shows it.
 
 **What a line reports** (``LineReports.parse``), read in this order, the first reading of a name
 winning:
@@ -80,7 +81,11 @@ _MAX_SPAN = 16384  # characters of one
 _MAX_MATCHES = 64  # matches of one pattern on one line
 _MAX_NAME = 256
 
-_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -/]*[0-~])")
+# ANSI escape sequences: CSI (colours, cursor moves; ESC [ or the 8-bit U+009B), OSC (a window title, a
+# hyperlink; ESC ] or U+009D, to BEL or ST), and the other ESC sequences (a charset, ESC 7)
+_ANSI = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                   r"|\x1b[ -/]*[0-~]")
+_ESCAPES = ("\x1b", "\x9b", "\x9d")
 _NUMBER = (r"[-+]?(?:\d{1,3}(?:,\d{3}(?!\d))+(?:\.\d*)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
            r"|[-+]?(?i:nan|inf(?:inity)?)(?!\w)")
 _NAME = r"[A-Za-z_][\w./]*"
@@ -147,7 +152,7 @@ class LineReports:
             line = line[-MAX_LINE:]
             sep = _SEPARATOR_TEXT.search(line)
             line = line[sep.start():] if sep is not None else ""
-        text = _ANSI.sub("", line) if "\x1b" in line else line
+        text = _ANSI.sub("", line) if any(e in line for e in _ESCAPES) else line
         steps: dict[str, int] = {}
         metrics: dict[str, float] = {}
         self._patterns(text, steps, metrics)

@@ -40,7 +40,15 @@ from hpoflow.train.context import PauseRequest, TrialContext, metric_dict, real_
 from hpoflow.train.energy import meter_for_rank
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.train.usage import UsageSampler
-from hpoflow.trial import GPU_SHARE_ENV, RankJob, RankOutcome, TrialRequest
+from hpoflow.trial import (
+    GPU_RESERVE_ENV,
+    GPU_SHARE_ENV,
+    RankJob,
+    RankOutcome,
+    TrialRequest,
+    gpu_reserve_mib,
+    memory_fraction,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,29 +202,43 @@ def _usage(sampler: UsageSampler, req: TrialRequest, rank: int) -> dict[str, flo
 
 def _cap_gpu_share(req: TrialRequest, rank: int, use_cuda: bool) -> None:
     """A rank that shares its GPU with ranks of other trials (its engine set ``HPOFLOW_GPU_SHARE``)
-    keeps to its share: where MPS limits its memory (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, set by the
-    engine) that is the cap; otherwise torch's caching allocator is capped to the share of device 0 (the
-    rank's one GPU). Without CUDA in this process (a CPU stand-in GPU) nothing is applied. What was
-    applied goes to the rank log and to ``gpu_share_rank<r>.json`` in the trial directory."""
+    keeps to its share less a reserve (``HPOFLOW_GPU_SHARE_RESERVE_MIB``) for what no cap counts (its CUDA
+    context, NCCL's buffers): where MPS limits its memory (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, set by
+    the engine) that is the cap; otherwise torch's caching allocator is capped to that part of device 0
+    (the rank's one GPU), and a share too small to hold the reserve fails the trial, naming both. Without
+    CUDA in this process (a CPU stand-in GPU) nothing is applied. What was applied goes to the rank log
+    and to ``gpu_share_rank<r>.json`` in the trial directory."""
     text = os.environ.get(GPU_SHARE_ENV)
     if not text:
         return
     share = float(text)
+    reserve = gpu_reserve_mib(os.environ)
     mps_memory = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    fraction = cap_mib = None
     if mps_memory:
         applied = "mps"
     elif use_cuda:
         import torch
 
-        torch.cuda.set_per_process_memory_fraction(share, 0)
+        total_mib = torch.cuda.get_device_properties(0).total_memory / 2**20
+        fraction = memory_fraction(share, total_mib, reserve)
+        if fraction <= 0:
+            raise ValueError(
+                f"a {share:g} share of GPU {os.environ.get('CUDA_VISIBLE_DEVICES')} is {total_mib * share:.0f} MiB of "
+                f"{total_mib:.0f} MiB, which does not hold the {reserve} MiB each sharer keeps outside its memory cap "
+                f"for its CUDA context ({GPU_RESERVE_ENV}). Fix: a larger share (resources.gpus_per_process), or a "
+                f"smaller {GPU_RESERVE_ENV} where the contexts are known to fit")
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
         applied = "torch"
+        cap_mib = round(total_mib * fraction, 1)
     else:
         applied = "none: CUDA is not available in this process"
     record = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "share": share,
-              "memory_fraction": None if mps_memory else share, "applied": applied,
+              "reserve_mib": reserve, "memory_fraction": fraction, "memory_cap_mib": cap_mib, "applied": applied,
               "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
               "mps_pinned_device_mem_limit": mps_memory}
-    log.info("rank %d: a %g share of GPU %s, capped by %s", rank, share, record["cuda_visible_devices"], applied)
+    log.info("rank %d: a %g share of GPU %s, capped by %s (%s MiB kept outside the cap)", rank, share,
+             record["cuda_visible_devices"], applied, reserve)
     try:
         Path(req.trial_dir).mkdir(parents=True, exist_ok=True)
         (Path(req.trial_dir) / f"gpu_share_rank{rank}.json").write_text(json.dumps(record))
@@ -227,6 +249,9 @@ def _cap_gpu_share(req: TrialRequest, rank: int, use_cuda: bool) -> None:
 def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
     """Run one rank to the end. Exceptions in training become an ``error`` outcome."""
     log_to_stderr()
+    # CUDA numbers GPUs fastest first unless told otherwise; NVML, nvidia-smi and SLURM by PCI bus id. With
+    # this (before CUDA starts here or in a command trial's program), an index names one GPU to all of them.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     req = job.request
     channel = channel or NullChannel()
     use_cuda = False
@@ -323,9 +348,11 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         with contextlib.suppress(OSError):  # the rank log's disk is full: the outcome still goes back
             sys.stderr.write(tb)
             sys.stderr.flush()
-        # A broken collective (peer died) is a lost rank: worth retrying. User errors are not.
+        # A broken collective (peer died) is a lost rank: worth retrying, and so is a command trial's program
+        # killed by a signal hpoflow did not send (CommandError.retryable). User errors are not.
         text = str(exc).lower()
-        retryable = job.world_size > 1 and any(w in text for w in ("gloo", "connection", "timed out"))
+        retryable = getattr(exc, "retryable", False) is True or (
+            job.world_size > 1 and any(w in text for w in ("gloo", "connection", "timed out")))
         return RankOutcome("error", {}, error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
                            retryable=retryable, usage=_usage(usage, req, job.rank))
     finally:

@@ -59,6 +59,7 @@ def test_a_driver_of_another_spec_is_refused_and_the_study_keeps_its_trials(tmp_
     b["space"]["y"] = {"type": "int", "low": 0, "high": 3}
     c = copy.deepcopy(a)
     c["space"]["x"] = {"type": "categorical", "choices": [0.1, 0.9]}
+    journal = Path(storage).read_bytes() if kind == "journal" else b""
     for data, name, keys in ((b, "b", ["study.direction", "space.y"]), (c, "c", ["space.x.type"])):
         r = _run(tmp_path, storage, data, name)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
@@ -66,6 +67,8 @@ def test_a_driver_of_another_spec_is_refused_and_the_study_keeps_its_trials(tmp_
         assert "belongs to another spec" in line and all(k in line for k in keys), line
         assert "space.x.choices" not in line  # a parameter of another type differs at its type, said once
         assert not any((tmp_path / name / f).exists() for f in ("spec.yaml", "run.json", "trials"))
+        if kind == "journal":  # refused before it writes anything: no record of its own (it appended a
+            assert Path(storage).read_bytes() == journal  # create-study record that Optuna then refused)
     study = load(storage, a["study"]["name"], tmp_path)
     trials = study.get_trials(deepcopy=False)
     assert len(trials) == 2 and all(t.state == TrialState.COMPLETE and set(t.params) == {"x"} for t in trials)

@@ -45,6 +45,22 @@ def test_placeholders_are_replaced_whole_or_inside_an_argument_and_an_inactive_o
         ["python", "tests/commandprog.py", "--x=0.02", "--note", "a b;c"]
 
 
+def test_only_an_option_name_written_in_the_command_goes_with_an_inactive_parameters_argument() -> None:
+    # "${flag}" is an active parameter whose value starts with "-": it is the program's argument, not the
+    # option of the inactive "${momentum}" after it (the program lost --amp); "--", "-" and a negative
+    # number written before an inactive placeholder are no option names either
+    space = {**SPACE, "flag": {"type": "categorical", "choices": ["--amp", "--no-amp"]}}
+    data = spec({"command": ["python", "tests/commandprog.py", "${flag}", "${momentum}", "--", "${momentum}",
+                             "--offset", "-1", "${momentum}", "-", "${momentum}", "--m", "${momentum}"]})
+    data["space"] = space
+    s = spec_from_mapping(data)
+    adam = resolve_training(s.training, {"lr": 0.01, "opt": "adam", "flag": "--amp"})
+    assert adam.command == ["python", "tests/commandprog.py", "--amp", "--", "--offset", "-1", "-"]
+    sgd = resolve_training(s.training, {"lr": 0.01, "opt": "sgd", "flag": "--no-amp", "momentum": 0.5})
+    assert sgd.command == ["python", "tests/commandprog.py", "--no-amp", "0.5", "--", "0.5", "--offset", "-1",
+                           "0.5", "-", "0.5", "--m", "0.5"]
+
+
 @pytest.mark.parametrize(("training", "top", "path", "words"), [
     ({"command": ["python", "tests/commandprog.py", "--x", "${lrr}"]}, {}, "training.command.3",
      "${lrr} refers to no search parameter (did you mean 'lr'?)"),

@@ -116,6 +116,46 @@ def test_a_program_that_exits_non_zero_fails_the_trial_with_its_stderr(engine: L
     assert "something went wrong on purpose" in (res.error or "")
 
 
+@pytest.mark.parametrize("prog", [PROG, WARM], ids=["isolated", "warm"])
+def test_a_program_killed_by_a_signal_hpoflow_did_not_send_fails_the_trial_as_retryable(
+        engine: LocalEngine, tmp_path: Path, prog: list[str]) -> None:
+    # the program kills itself with SIGKILL after its first epoch, as the OOM killer would: the attempt fails
+    # as retryable (the driver reruns it up to resources.max_retries), not as an error in the user's code
+    res = events(engine, [request(tmp_path, 0, ["--epochs", "3", "--kill-attempts", "1"], prog=prog)])[0]
+    assert res.status == "failed" and res.retryable, res
+    assert "killed by SIGKILL" in (res.error or "") and "resources.max_retries" in (res.error or ""), res.error
+
+
+def test_a_metric_printed_in_colour_is_read(engine: LocalEngine, tmp_path: Path) -> None:
+    # "\x1b[1mepoch\x1b[0m=1 \x1b[1;32mval_loss=0.29\x1b[0m", as rich or colorama print where forced to
+    seen: list[int] = []
+    res = events(engine, [request(tmp_path, 0, ["--x", "0.5", "--epochs", "3", "--color"])],
+                 lambda ev: seen.append(ev.step))[0]
+    assert res.status == "complete", res
+    assert seen == [1, 2, 3]
+    assert res.value == pytest.approx((0.5 - 0.3) ** 2 + 1 / 3, abs=1e-6)
+
+
+def test_a_backlog_of_reports_keeps_every_value_and_is_judged_at_its_last(engine: LocalEngine,
+                                                                         tmp_path: Path) -> None:
+    # 2,000 lines appended to HPOFLOW_METRICS_FILE at once: each reaches the study (the pruner's study keeps
+    # every intermediate value), but the rank waits for a decision only on the last report of what it read
+    # at once, not on each (before: 2,000 round trips to the driver, each a storage write and a judgement)
+    judged: list[int] = []
+    steps: list[int] = []
+
+    def answer(ev: TrialReport) -> None:
+        steps.append(ev.step)
+        if ev.wants_answer:
+            judged.append(ev.step)
+            engine.answer(ev.number, False)
+
+    res = events(engine, [request(tmp_path, 0, ["--epochs", "2000", "--report", "file"], pruning=True)], answer)[0]
+    assert res.status == "complete", res
+    assert steps == list(range(1, 2001))
+    assert judged and judged[-1] == 2000 and len(judged) < 200, judged
+
+
 def test_a_metric_never_reported_is_a_clear_trial_error(engine: LocalEngine, tmp_path: Path) -> None:
     res = events(engine, [request(tmp_path, 0, ["--metric", "loss"])])[0]
     assert res.status == "failed"

@@ -76,6 +76,18 @@ def test_ansi_colours_are_taken_out() -> None:
         (2, {"val_loss": 0.4})
 
 
+def test_ansi_sequences_of_every_form_are_taken_out_and_make_no_value_of_their_own() -> None:
+    # what a terminal shows is what is read: the 8-bit CSI (U+009B) and OSC (U+009D), 256-colour and RGB
+    # parameters, a hyperlink (OSC 8, ended by ST), a charset (ESC ( B, as tput sgr0 writes it)
+    assert reads("\x9b1;32mscore=0.5\x9b0m", "score") == (None, {"score": 0.5})
+    assert reads("\x1b[38;5;196mval_loss\x1b[0m: \x1b[38;2;255;0;0m0.25\x1b(B\x1b[m") == (None, {"val_loss": 0.25})
+    assert reads("\x1b]8;;https://x.org/?val_loss=9\x1b\\epoch=3\x1b]8;;\x1b\\ val_loss=0.5") == (3, {"val_loss": 0.5})
+    assert reads("\x9d0;val_loss=9\x9c val_loss=0.5") == (None, {"val_loss": 0.5})  # a title is not shown
+    assert reads("\x1b]0;val_loss=9\x07 done") is None
+    assert reads("\x1b[1;32mmy_val_loss=0.5\x1b[0m") is None  # whole names still: my_val_loss is not val_loss
+    assert reads("\x1b[38;5;1m epoch 3\x1b[0m") is None  # the sequence's numbers are no value
+
+
 def test_names_with_a_slash() -> None:
     assert reads("val/loss=0.3 train/loss=0.5", "val/loss") == (None, {"val/loss": 0.3, "train/loss": 0.5})
     assert reads("val/loss=0.3", "loss") is None  # val/loss is not loss
