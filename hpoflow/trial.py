@@ -23,15 +23,42 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-__all__ = ["GPU_SHARE_ENV", "RANK_DIED", "Event", "RankJob", "RankOutcome", "RankStatus", "TrialReport",
-           "TrialRequest", "TrialResult", "TrialStatus", "Verdict", "aggregate_usage", "clip_error", "describe_exit",
-           "error_cause", "imports_torch", "needs_torch", "rank_died", "result_from_ranks"]
+__all__ = ["DEFAULT_GPU_RESERVE_MIB", "GPU_RESERVE_ENV", "GPU_SHARE_ENV", "RANK_DIED", "Event", "RankJob",
+           "RankOutcome", "RankStatus", "TrialReport", "TrialRequest", "TrialResult", "TrialStatus", "Verdict",
+           "aggregate_usage", "clip_error", "describe_exit", "error_cause", "gpu_reserve_mib", "imports_torch",
+           "memory_fraction", "needs_torch", "rank_died", "result_from_ranks"]
 
 TrialStatus = Literal["complete", "failed", "pruned", "cancelled"]
 
 GPU_SHARE_ENV = "HPOFLOW_GPU_SHARE"
 """Set by an engine for a rank that shares its GPU with ranks of other trials: the share it may use
 (``0.25``; ``hpoflow.engines.gpushare``); the rank caps itself to it (``hpoflow.train.runner``)."""
+GPU_RESERVE_ENV = "HPOFLOW_GPU_SHARE_RESERVE_MIB"
+"""Device memory (MiB) that each rank sharing a GPU leaves outside its memory cap, for what the cap does
+not count (its CUDA context, NCCL's buffers, memory a library takes past torch's allocator): set by the
+user in the driver's environment (default ``DEFAULT_GPU_RESERVE_MIB``), passed to the ranks by the engine."""
+DEFAULT_GPU_RESERVE_MIB = 512
+
+
+def gpu_reserve_mib(environ: Mapping[str, str]) -> int:
+    """``GPU_RESERVE_ENV`` of ``environ`` (default ``DEFAULT_GPU_RESERVE_MIB``); ``ValueError`` naming the
+    rule and the value where it is no whole number >= 0."""
+    text = environ.get(GPU_RESERVE_ENV, "").strip()
+    if not text:
+        return DEFAULT_GPU_RESERVE_MIB
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{GPU_RESERVE_ENV} must be a whole number of MiB >= 0, but got {text!r}. Fix: set it "
+                         f"to e.g. {DEFAULT_GPU_RESERVE_MIB} (the default), or unset it")
+    return int(text)
+
+
+def memory_fraction(share: float, total_mib: float, reserve_mib: float) -> float:
+    """The part of a GPU of ``total_mib`` that a rank given ``share`` of it may allocate: its share less
+    ``reserve_mib`` (what its CUDA context and the allocations no cap counts take), as a fraction of the
+    GPU; 0 or less where the share does not hold the reserve."""
+    return (total_mib * share - reserve_mib) / total_mib if total_mib > 0 else 0.0
+
+
 # How one rank ended: ok / pruned / error (an exception, sent by the rank itself), resized (an elastic
 # trial left at an epoch boundary, checkpointed, to be restarted by its engine with another number of
 # ranks), paused (the engine asked the trial to stop soon, e.g. before a walltime: it stopped at a step
@@ -466,18 +493,20 @@ def clip_error(text: str, limit: int = 2000) -> str:
 
 _USAGE_MEAN = ("cpu_percent", "rss_mean_mb", "gpu_util_percent", "cpu_energy_share", "gpu_energy_share")
 _USAGE_MAX = ("rss_peak_mb", "gpu_peak_mem_mb")
+_USAGE_TOTALS = ("energy_j", "energy_above_idle_j")  # kept only where every rank reported one
 
 
 def aggregate_usage(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One trial's usage from its ranks': means of rates, means and energy shares, maxima of peaks, sums
-    of bytes and joules. ``energy_j`` only where every rank reported one (``hpoflow.train.energy``: a
-    rank without it had a source it could not read, and a partial sum is no total)."""
+    of bytes and joules (and of the idle powers, each rank's of its own devices). ``energy_j`` and
+    ``energy_above_idle_j`` only where every rank reported one (``hpoflow.train.energy``: a rank without
+    it had a source it could not read, or no idle power, and a partial sum is no total)."""
     ranks = [u for u in per_rank if u]
     if not ranks:
         return {}
     keys = sorted({k for u in ranks for k in u})
-    if not all("energy_j" in u for u in ranks):
-        keys = [k for k in keys if k != "energy_j"]
+    partial = {k for k in _USAGE_TOTALS if not all(k in u for u in ranks)}
+    keys = [k for k in keys if k not in partial]
     out: dict[str, float] = {}
     for k in keys:
         vals = [float(u[k]) for u in ranks if k in u]

@@ -19,6 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.table import Table
 
 from hpoflow.fileio import write_atomic
+from hpoflow.run.energy import spent_j
 from hpoflow.run.lease import LeaseInfo, lease_rows, read_leases
 from hpoflow.run.ledger import (
     ATTR_DRIVER,
@@ -280,9 +281,10 @@ def energy_split(system: Mapping[str, Any]) -> str:
 
 
 def study_energy_kwh(trials: list[FrozenTrial]) -> float | None:
-    """The measured energy of the finished ``trials``, in kWh (what ``search.energy_budget_kwh`` counts);
-    None where no trial has one (no readable counter: docs/energy.md)."""
-    values = [e for t in trials if t.state.is_finished() and (e := _energy_j(t)) is not None]
+    """The energy every run of the study's ``trials`` spent, in kWh: finished, paused, retried and cancelled
+    runs (``hpoflow.run.energy.spent_j``; what ``search.energy_budget_kwh`` counts); None where no trial has
+    one (no readable counter: docs/energy.md)."""
+    values = [e for t in trials if (e := spent_j(t.user_attrs)) is not None]
     return sum(values) / 3.6e6 if values else None
 
 

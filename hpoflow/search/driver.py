@@ -39,6 +39,7 @@ from optuna.trial import TrialState
 
 from hpoflow.engines.base import Engine
 from hpoflow.errors import EngineError
+from hpoflow.run.energy import record_run, spent_j, trial_energy
 from hpoflow.run.fencing import attempt_dir
 from hpoflow.run.lease import WaitStopped
 from hpoflow.run.ledger import ATTR_CHECKPOINTS, ATTR_GRID
@@ -117,10 +118,11 @@ class Driver:
                                          memory_gb=r.memory_gb or 0.0)  # the study's trial shape
         self._inflight: dict[int, _InFlight] = {}
         self._failures = 0
-        self._energy_j: dict[int, float] = {}  # measured energy of the study's finished trials, by number
+        self._energy_j: dict[int, float] = {}  # energy every run of each trial spent, by number (any state)
         pbt = spec.search.scheduler.type == "pbt"
         self.shared = SharedStudy(study, run_dir, spec.search.lease_s, on_finished=self._on_finished, pbt=pbt)
         self.tally = self.shared.tally  # the whole study, every driver's trials, as of the last read
+        self.tally.watch(self._energy_seen)  # every trial read anew: paused and interrupted ones spent energy too
         self._best: float | None = None
         self.summary = DriverSummary(self.n_trials)
         # Ask-ahead (search.ask_ahead): a trial asked while every slot was busy, submitted when one frees
@@ -304,13 +306,17 @@ class Driver:
             self._update_best(t.values[0])
         if t.state == TrialState.FAIL:
             self._failures = max(self._failures, self.tally.n_failed)
-        self._note_energy(t.number, t.user_attrs.get("system"))
+        self._note_energy(t.number, spent_j(t.user_attrs))
 
-    def _note_energy(self, number: int, system: Any) -> None:
-        """Count a finished trial's measured energy (``system_energy_j``) against ``search.energy_budget_kwh``."""
-        value = system.get("energy_j") if isinstance(system, dict) else None
-        if isinstance(value, int | float) and math.isfinite(value):
-            self._energy_j[number] = float(value)
+    def _energy_seen(self, changed: list[optuna.trial.FrozenTrial], _gone: set[int]) -> None:
+        for t in changed:
+            self._note_energy(t.number, spent_j(t.user_attrs))
+
+    def _note_energy(self, number: int, joules: float | None) -> None:
+        """Count what a trial's runs spent so far (``hpoflow.run.energy``: paused segments, retried attempts,
+        cancelled runs, any driver's) against ``search.energy_budget_kwh``."""
+        if joules is not None and math.isfinite(joules):
+            self._energy_j[number] = max(self._energy_j.get(number, 0.0), joules)
 
     def _energy_spent(self, more_j: float = 0.0) -> bool:
         """Whether the finished trials' energy (plus ``more_j``) reached ``search.energy_budget_kwh``."""
@@ -320,8 +326,9 @@ class Driver:
     def _energy_reason(self) -> str:
         kwh = self.spec.search.energy_budget_kwh or 0.0
         spent = sum(self._energy_j.values())
-        return (f"search.energy_budget_kwh ({kwh:g} kWh) is spent: the {len(self._energy_j)} finished trial(s) with "
-                f"a measured energy used {spent / _J_PER_KWH:.6g} kWh ({spent:.6g} J); no new trial was started, "
+        return (f"search.energy_budget_kwh ({kwh:g} kWh) is spent: the runs of {len(self._energy_j)} trial(s) with "
+                f"a measured energy (paused, retried and cancelled runs included) used {spent / _J_PER_KWH:.6g} kWh "
+                f"({spent:.6g} J); no new trial was started, "
                 "the running ones finished. Fix: raise search.energy_budget_kwh and rerun the same command to go on")
 
     def _tick(self, now: float) -> None:
@@ -519,7 +526,7 @@ class Driver:
         freed = sum(1 for ev in events if isinstance(ev, TrialResult) and ev.number in self._inflight
                     and ev.status in ("complete", "pruned"))
         ending_j = sum(float(ev.system.get("energy_j", 0.0)) for ev in events if isinstance(ev, TrialResult)
-                       and ev.number in self._inflight and ev.status != "cancelled")
+                       and ev.number in self._inflight)
         if freed and not self._energy_spent(ending_j) and len(self._inflight) - freed < slots and self._room(0):
             self._start_one()
 
@@ -537,10 +544,12 @@ class Driver:
                             checkpoint_dir=self._checkpoint_dir(res.number, fl.trial.user_attrs, attempt))
             fl.request = retry
             fl.trial.set_user_attr("attempts", retry.attempt + 1)
+            self._note_energy(res.number, record_run(fl.trial, res.system))  # the failed attempt's, in the budget
             self.engine.submit(retry)
             return
         del self._inflight[res.number]
         if self.scheduling is not None and self.scheduling.paused(fl.trial, fl.request, res):
+            self._note_energy(res.number, record_run(fl.trial, res.system))  # the segment's, in the budget
             return  # paused at a rung with a checkpoint: RUNNING in the study, holding no slot
         if "duration_s" in res.timings and res.status in ("complete", "pruned"):  # failures are no guide
             self._trial_s.append(float(res.timings["duration_s"]))
@@ -566,6 +575,7 @@ class Driver:
     def _tell(self, fl: _InFlight, res: TrialResult) -> None:
         """Record a finished trial in the study (and its result file), and count it."""
         trial = fl.trial
+        res = replace(res, system=trial_energy(res.system, trial.user_attrs))  # summed over its segments
         values, missing = objective_values(self.spec, res)
         if res.status == "complete" and missing:
             res = replace(res, status="failed", error=missing)
@@ -577,11 +587,11 @@ class Driver:
             trial.set_user_attr("error", clip_error(res.error))  # its first line and its cause at the end
         if not self._write_result(fl.request, res) and res.status == "failed":
             res = replace(res, status="cancelled")  # the disk filled under it: rerun it on resume, uncounted
+        self._note_energy(trial.number, spent_j({"system": res.system}))  # a cancelled run's too
         if res.status == "cancelled":
             self.shared.interrupt(trial.number, fl.params, self._carry_over(trial.number, dict(trial.user_attrs)))
             return
         summary = self.summary
-        self._note_energy(trial.number, res.system)
         for key, violation in constraint_values(self.spec, res).items():
             trial.set_constraint(key, violation)
         if res.status == "complete" and values is not None:

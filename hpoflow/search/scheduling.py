@@ -19,6 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.registry import SCHEDULERS
 from hpoflow.run.claims import Claims
+from hpoflow.run.energy import SEGMENT_ENERGY, carried_energy, run_energy
 from hpoflow.run.ledger import (
     ATTR_BRACKET,
     ATTR_CHECKPOINTS,
@@ -100,7 +101,7 @@ class Scheduling:
         segments = list(trial.user_attrs.get(ATTR_SEGMENTS) or [])
         segments.append({"start": round(start, 3), "end": round(start + duration, 3), "step": rung,
                          "reported": step, "run_s": round(float(tm.get("run_s", duration)), 3),
-                         "outcome": "paused"})
+                         "outcome": "paused", **({SEGMENT_ENERGY: e} if (e := run_energy(res.system)) else {})})
         trial.set_user_attr(ATTR_SEGMENTS, segments)
         if ATTR_CHECKPOINTS not in trial.user_attrs:  # where any driver's promotion finds its checkpoint
             trial.set_user_attr(ATTR_CHECKPOINTS, str(Path(request.trial_dir) / "checkpoints"))
@@ -160,6 +161,8 @@ class Scheduling:
 
 
 def carried(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's attrs a rerun of an interrupted trial keeps (its rungs and bracket, a PBT lineage)."""
-    return {k: v for k, v in attrs.items() if k in (ATTR_RUNGS, ATTR_BRACKET, ATTR_LINEAGE)}
+    """The scheduler's attrs a rerun of an interrupted trial keeps (its rungs and bracket, a PBT lineage),
+    and the energy of its paused segments, which the rerun resumes from (``hpoflow.run.energy``)."""
+    return {**{k: v for k, v in attrs.items() if k in (ATTR_RUNGS, ATTR_BRACKET, ATTR_LINEAGE)},
+            **carried_energy(attrs)}
 

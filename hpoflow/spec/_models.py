@@ -434,8 +434,9 @@ class SearchSpec(_Strict):
     )
     max_failures: int | None = Field(default=None, ge=1)
     energy_budget_kwh: float | None = Field(
-        default=None, gt=0, description="Energy budget in kWh (docs/energy.md): once the finished trials' "
-        "measured energy (system_energy_j) adds up to it, no new trial starts; running ones finish.")
+        default=None, gt=0, description="Energy budget in kWh (docs/energy.md): once the energy every run of the trials "
+        "spent (finished, paused, retried and cancelled runs; system_energy_j) adds up to it, no new trial "
+        "starts; running ones finish.")
     fail_fast: int = Field(
         default=3, ge=0, description="Stop when the first K finished trials all failed with the same error "
                                      "(0: never).")

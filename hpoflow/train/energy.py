@@ -1,195 +1,80 @@
-"""Energy a trial used, from the machine's own counters: never an estimate.
+"""Energy a trial used, read from the machine's own counters, and the part of it the trial is given.
 
-Two sources, each read where it is readable, else left out (its figure stays empty):
+A rank's figures are of three kinds (docs/energy.md lists them key by key):
+
+- **raw** (``*_raw``): what a counter measured over the rank's span, whole. ``cpu_energy_j_raw``: the
+  node's CPU packages; ``dram_energy_j_raw``: its DRAM (where it has a DRAM counter; in no total);
+  ``gpu_energy_j_raw``: the rank's GPUs. These are measurements.
+- **attributed** (``cpu_energy_j``, ``gpu_energy_j``, their sum ``energy_j``): the part of the raw
+  figure the trial is given by a rule, because a counter measures a whole package or device that the
+  trial may share. An allocation of measured energy, not a measurement of the trial alone:
+  - CPU: the packages' energy times the trial's share of the machine's cores (``cpu_energy_share`` = the
+    trial's cores on this node / the machine's cores), idle and other programs' energy included;
+  - GPU: at each sample, the device's energy since the last one divided by the number of processes NVML
+    lists on it (its MPS clients under an MPS daemon, else its compute processes; at least 1).
+    ``gpu_energy_share`` = attributed / raw (1.0: the devices were the rank's alone).
+- **above idle** (``cpu_idle_w``, ``gpu_idle_w``; ``cpu_energy_above_idle_j``, ``gpu_energy_above_idle_j``,
+  their sum ``energy_above_idle_j``): the attributed figure less the idle power measured just before the
+  trial times the rank's span, where an idle power could be measured (``EnergyMeter.start``): the CPU
+  packages' mean power over ``HPOFLOW_ENERGY_BASELINE_S`` (0.1 s) before the trial, only where the trial
+  holds every core of the machine (else other trials' load would be in it); the GPUs' power as NVML reports
+  it (``nvmlDeviceGetPowerUsage``) when the rank starts, only where the rank has its GPUs whole and NVML
+  lists no other process on them. Elsewhere these figures are absent, never guessed.
+
+Sources, each read where it is readable, else left out (its figures stay empty):
 
 - **GPU**: NVML's energy counter, ``nvmlDeviceGetTotalEnergyConsumption`` (mJ since the driver loaded;
   Volta and newer), through ``pynvml`` (the ``nvidia-ml-py`` package, the ``nvml`` extra) of each GPU
-  the rank was given (``CUDA_VISIBLE_DEVICES``: indices or ``GPU-`` UUIDs; a MIG instance has no counter
-  of its own). A GPU shared with other processes (fractional GPUs) is split by time share: at each sample
-  the energy since the last one is divided by the number of processes NVML lists on the device (its MPS
-  clients under an MPS daemon, else its compute processes; at least 1). ``gpu_energy_share`` is the part
-  of the devices' energy this rank was given (1.0: whole devices; below 1: the time-share split).
-- **CPU**: the package counters of RAPL (``/sys/class/powercap/intel-rapl:<n>/energy_uj``, µJ, wrapping at
-  ``max_energy_range_uj``; subzones such as ``intel-rapl:0:0`` are parts of a package, not added). The
-  counter is the whole machine's, shared by every trial running on it: the trial is given its share of the
-  machine's cores (``cpu_energy_share`` = the trial's cores on this node / the machine's cores). Only one
-  rank per node reads it (the node's local rank 0), so a node is counted once per trial. Linux >= 5.10
-  makes ``energy_uj`` readable by root only (CVE-2020-8694): unprivileged, the CPU figure is empty.
+  the rank was given (``CUDA_VISIBLE_DEVICES``: indices, in PCI bus order as NVML numbers them, since
+  ``hpoflow.train.runner`` sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; or ``GPU-`` UUIDs). A MIG instance
+  (``MIG-``), and a GPU in MIG mode named by index or ``GPU-`` UUID (``nvmlDeviceGetMigMode``), has no
+  counter of its own: the GPU's counts every instance, so the GPU figures stay empty.
+- **CPU**: RAPL (``/sys/class/powercap/intel-rapl:<n>``, ``energy_uj`` in µJ, wrapping at
+  ``max_energy_range_uj``), zones chosen by their ``name`` file (``Rapl.zones``): the top-level zones named
+  ``package-<n>`` are the packages; zones named ``dram`` are the DRAM, outside the packages' counters and
+  reported apart; ``psys`` (the whole platform, packages included, on Intel client parts), ``core``,
+  ``uncore`` (parts of a package) and ``intel-rapl-mmio`` (the same package again) are left out. Only one
+  rank per node reads them (the node's local rank 0), so a node is counted once per trial. Linux >= 5.10
+  makes ``energy_uj`` readable by root only (CVE-2020-8694): unprivileged, the CPU figures are empty.
 
 Counters are sampled by the usage sampler's ticks (``hpoflow.train.usage``), so a RAPL counter that wraps
 between two samples (minutes apart at the least) is counted right, and each NVML interval gets the number
 of processes sharing the device then.
 
-``energy_j`` is the sum of the rank's sources, present only when every source the rank has is readable
-(a rank with no source of its own, a non-zero local rank of a CPU trial, reports 0.0): a partial sum is
-never passed off as the total. ``hpoflow.trial.aggregate_usage`` keeps a trial's ``energy_j`` only where
-every rank reported one.
+``energy_j`` is the sum of the rank's attributed sources, present only when every source the rank has is
+readable (a rank with no source of its own, a non-zero local rank of a CPU trial, reports 0.0): a partial
+sum is never passed off as the total; ``energy_above_idle_j`` likewise, where every source also had an idle
+power. ``hpoflow.trial.aggregate_usage`` keeps a trial's totals only where every rank reported them.
 
 Test hooks (documented in docs/energy.md): ``HPOFLOW_POWERCAP_ROOT`` replaces ``/sys/class/powercap`` (a
 directory tree of the same shape), ``HPOFLOW_NVML_FIXTURE`` replaces pynvml with ``FixtureNvml``, which
-replays a JSON recording of a device's answers.
+replays a JSON recording of a device's answers (``hpoflow.train.nvml_fixture``).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["EnergyMeter", "FixtureNvml", "NvmlUnreadable", "Rapl", "device_handle", "load_nvml", "meter_for_rank",
-           "probe", "visible_gpus"]
+from hpoflow.train.nvml_fixture import FixtureNvml, NvmlUnreadable
+from hpoflow.train.rapl import Rapl
+from hpoflow.trial import GPU_SHARE_ENV
 
-POWERCAP_ROOT = Path("/sys/class/powercap")
+__all__ = ["BASELINE_ENV", "EnergyMeter", "FixtureNvml", "NvmlUnreadable", "Rapl", "device_handle", "load_nvml",
+           "meter_for_rank", "mig_mode", "probe", "visible_gpus"]
+
+BASELINE_ENV = "HPOFLOW_ENERGY_BASELINE_S"  # the CPU idle window before a trial, s (0: none)
+_BASELINE_S = 0.1
 _MJ_PER_J = 1000.0
-_UJ_PER_J = 1_000_000.0
-
-
-class NvmlUnreadable(Exception):
-    """The fixture's stand-in for NVML's errors (``NVMLError_NotSupported``, no such device)."""
-
-
-# -- CPU: RAPL -------------------------------------------------------------------------------------------
-@dataclass
-class _Zone:
-    path: Path
-    max_uj: int | None
-    last: int
-    total_uj: int = 0
-
-
-class Rapl:
-    """The CPU package counters under ``root`` (``/sys/class/powercap``): ``start`` reads them,
-    ``sample`` adds what each advanced since (once around the counter where it wrapped), ``joules`` is
-    the sum so far. ``readable`` is False where no package counter could be read (none, or root only)."""
-
-    def __init__(self, root: Path | str | None = None) -> None:
-        self.root = Path(root) if root is not None else _powercap_root()
-        self._zones: list[_Zone] = []
-
-    @staticmethod
-    def packages(root: Path) -> list[Path]:
-        """The package zones (``intel-rapl:<n>``, not their subzones ``intel-rapl:<n>:<m>``)."""
-        try:
-            entries = sorted(root.iterdir())
-        except OSError:
-            return []
-        return [p for p in entries if p.name.startswith("intel-rapl:") and p.name.count(":") == 1]
-
-    def start(self) -> Rapl:
-        self._zones = []
-        for zone in self.packages(self.root):
-            value = _read_int(zone / "energy_uj")
-            if value is not None:
-                self._zones.append(_Zone(zone, _read_int(zone / "max_energy_range_uj"), value))
-        return self
-
-    @property
-    def readable(self) -> bool:
-        return bool(self._zones)
-
-    def sample(self) -> None:
-        for z in self._zones:
-            value = _read_int(z.path / "energy_uj")
-            if value is None:
-                continue
-            if value >= z.last:
-                z.total_uj += value - z.last
-            elif z.max_uj:  # wrapped around once since the last sample
-                z.total_uj += z.max_uj - z.last + value
-            z.last = value
-
-    def joules(self) -> float:
-        return sum(z.total_uj for z in self._zones) / _UJ_PER_J
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):  # absent, root only (kernels >= 5.10), or not a number
-        return None
-
-
-def _powercap_root() -> Path:
-    return Path(os.environ.get("HPOFLOW_POWERCAP_ROOT") or POWERCAP_ROOT)
+_MIG_ENABLED = 1  # NVML_DEVICE_MIG_ENABLE
 
 
 # -- GPU: NVML --------------------------------------------------------------------------------------------
-class FixtureNvml:
-    """pynvml's calls that ``EnergyMeter`` and the usage sampler (``hpoflow.train.usage``) make, answered
-    from a recording (``HPOFLOW_NVML_FIXTURE``)::
-
-        {"t0": 1764200000.0,                       # wall clock of the recording's time 0 (default: load time)
-         "devices": [{"index": 0, "uuid": "GPU-...", "name": "...",
-                      "energy_mj": [[0.0, 81234567], [0.5, 81234712], ...],   # (s, counter) pairs, or null
-                      "processes": 1,                                          # compute processes listed
-                      "mps_processes": 0,                                      # MPS clients listed
-                      "utilization_gpu": 37}]}                                 # % busy (optional)
-
-    The counter at wall time ``t`` is the recording's, linearly between its samples, and past its end
-    advancing at the recording's mean rate (a device's counter never stops). ``energy_mj: null`` is a
-    device without the counter (pre-Volta: ``NVMLError_NotSupported``). Every process reading the same
-    file with the same ``t0`` sees the same counter at the same time, as with one real device."""
-
-    def __init__(self, path: Path | str, clock: Callable[[], float] = time.time) -> None:
-        data = json.loads(Path(path).read_text())
-        self.clock = clock  # wall clock (tests: a clock they step)
-        self.t0 = float(data.get("t0", clock()))
-        self.devices: list[dict[str, Any]] = list(data.get("devices", []))
-
-    def nvmlInit(self) -> None:
-        pass
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> dict[str, Any]:
-        for d in self.devices:
-            if int(d.get("index", -1)) == index:
-                return d
-        raise NvmlUnreadable(f"no device {index}")
-
-    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> dict[str, Any]:
-        text = uuid.decode() if isinstance(uuid, bytes) else uuid
-        for d in self.devices:
-            if d.get("uuid") == text:
-                return d
-        raise NvmlUnreadable(f"no device {text}")
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: dict[str, Any]) -> int:
-        points = handle.get("energy_mj")
-        if not points:
-            raise NvmlUnreadable("NVML_ERROR_NOT_SUPPORTED")
-        return round(_replay([(float(t), float(v)) for t, v in points], self.clock() - self.t0))
-
-    def nvmlDeviceGetUtilizationRates(self, handle: dict[str, Any]) -> SimpleNamespace:
-        """``.gpu``: the device's ``utilization_gpu`` (%); not supported where the recording has none."""
-        util = handle.get("utilization_gpu")
-        if util is None:
-            raise NvmlUnreadable("NVML_ERROR_NOT_SUPPORTED")
-        return SimpleNamespace(gpu=int(util), memory=0)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: dict[str, Any]) -> list[int]:
-        return list(range(int(handle.get("processes", 1))))
-
-    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: dict[str, Any]) -> list[int]:
-        return list(range(int(handle.get("mps_processes", 0))))
-
-
-def _replay(points: list[tuple[float, float]], t: float) -> float:
-    """The recorded counter at ``t`` seconds: interpolated, then extrapolated at the mean rate."""
-    if len(points) == 1 or t <= points[0][0]:
-        return points[0][1]
-    for (ta, va), (tb, vb) in itertools.pairwise(points):
-        if t <= tb:
-            return va + (vb - va) * (t - ta) / max(1e-9, tb - ta)
-    (ta, va), (tb, vb) = points[0], points[-1]
-    return vb + (vb - va) / max(1e-9, tb - ta) * (t - tb)
-
-
 _LOADED: dict[tuple[int, str], Any] = {}  # (pid, fixture) -> the NVML loaded: once per process, not per trial
 
 
@@ -226,6 +111,16 @@ def device_handle(nvml: Any, device: int | str) -> Any:
     return nvml.nvmlDeviceGetHandleByUUID(device)
 
 
+def mig_mode(nvml: Any, handle: Any) -> bool:
+    """Whether the device is a GPU in MIG mode (``nvmlDeviceGetMigMode``: its current mode enabled); False
+    where NVML cannot say (a GPU without MIG answers NOT_SUPPORTED)."""
+    try:
+        current = nvml.nvmlDeviceGetMigMode(handle)[0]
+    except Exception:  # NVMLError (not supported), the fixture's, or an NVML without the call
+        return False
+    return int(current) == _MIG_ENABLED
+
+
 @dataclass
 class _Gpu:
     handle: Any
@@ -243,7 +138,8 @@ class _Nvml:
 
     @classmethod
     def open(cls, nvml: Any, devices: Sequence[int | str]) -> _Nvml | None:
-        """None when any of ``devices`` has no readable counter (the GPU figure is then empty)."""
+        """None when any of ``devices`` has no readable counter of its own (the GPU figure is then empty):
+        a MIG instance, a GPU in MIG mode, a GPU without the counter, no such device."""
         if nvml is None or not devices:
             return None
         if any(isinstance(d, str) and d.startswith("MIG-") for d in devices):
@@ -252,6 +148,8 @@ class _Nvml:
         for dev in devices:
             try:
                 handle = device_handle(nvml, dev)
+                if mig_mode(nvml, handle):
+                    return None  # a GPU in MIG mode given whole: its counter is every instance's
                 out.gpus.append(_Gpu(handle, float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))))
             except Exception:  # NVMLError (not supported, no such device) or the fixture's
                 return None
@@ -263,29 +161,45 @@ class _Nvml:
                 now = float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(g.handle))
             except Exception:
                 continue
-            sharing = self._processes(g.handle)
+            sharing = max(1, len(self._listed(g.handle)))
             delta = max(0.0, now - g.last)  # (a driver reload resets it: that interval is lost, not negative)
             g.total_mj += delta
-            g.mine_mj += delta / max(1, sharing)
+            g.mine_mj += delta / sharing
             g.last = now
 
-    def _processes(self, handle: Any) -> int:
+    def _listed(self, handle: Any) -> list[Any]:
         """The processes using the device now: MPS clients where an MPS daemon runs (NVML then lists the
         MPS server alone among the compute processes), else the compute processes (those with a CUDA
-        context); 1 where NVML cannot say."""
-        listed = 0
+        context); none where NVML cannot say."""
         for call in ("nvmlDeviceGetMPSComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses"):
             fn = getattr(self.nvml, call, None)
             try:
-                listed = len(fn(handle)) if fn is not None else 0
+                listed = list(fn(handle)) if fn is not None else []
             except Exception:  # not supported by this driver or device
-                listed = 0
+                listed = []
             if listed:
-                break
-        return max(1, listed)
+                return listed
+        return []
+
+    def idle_w(self) -> float | None:
+        """The devices' power now (W, ``nvmlDeviceGetPowerUsage``), where none of them lists a process but
+        this one; None where another process is on one of them or NVML cannot say."""
+        me = os.getpid()
+        watts = 0.0
+        for g in self.gpus:
+            if any(getattr(p, "pid", None) != me for p in self._listed(g.handle)):
+                return None  # another process uses the device: its power now is not this device's idle
+            try:
+                watts += float(self.nvml.nvmlDeviceGetPowerUsage(g.handle)) / _MJ_PER_J
+            except Exception:  # not supported
+                return None
+        return watts
 
     def joules(self) -> float:
         return sum(g.mine_mj for g in self.gpus) / _MJ_PER_J
+
+    def raw_joules(self) -> float:
+        return sum(g.total_mj for g in self.gpus) / _MJ_PER_J
 
     def share(self) -> float:
         total = sum(g.total_mj for g in self.gpus)
@@ -313,26 +227,56 @@ def visible_gpus(count: float) -> list[int | str]:
 
 
 # -- the meter ----------------------------------------------------------------------------------------------
+def _baseline_s() -> float:
+    """``HPOFLOW_ENERGY_BASELINE_S``: the CPU idle window (s) before a trial that holds the whole machine
+    (default 0.1; 0 or anything unreadable: no window, no CPU idle figure)."""
+    text = os.environ.get(BASELINE_ENV)
+    if text is None:
+        return _BASELINE_S
+    try:
+        value = float(text)
+    except ValueError:
+        return 0.0
+    return value if math.isfinite(value) and value > 0 else 0.0
+
+
 class EnergyMeter:
     """One rank's energy over its trial. ``gpus``: the rank's devices (NVML indices or UUIDs);
     ``cpu_share``: the trial's share of this machine's cores where this rank reads the node's RAPL
-    counter (the node's local rank 0), None elsewhere. ``powercap_root`` and ``nvml`` are injectable
-    (tests: a fixture tree, ``FixtureNvml``); by default ``/sys/class/powercap`` (or
-    ``HPOFLOW_POWERCAP_ROOT``) and ``load_nvml()``."""
+    counter (the node's local rank 0), None elsewhere; ``gpus_whole``: the rank was given its GPUs whole
+    (not a share ``1/k``: ``HPOFLOW_GPU_SHARE`` unset), a condition of the GPU idle power;
+    ``baseline_s``: the CPU idle window (default ``HPOFLOW_ENERGY_BASELINE_S``, 0.1 s). ``powercap_root``
+    and ``nvml`` are injectable (tests: a fixture tree, ``FixtureNvml``); by default
+    ``/sys/class/powercap`` (or ``HPOFLOW_POWERCAP_ROOT``) and ``load_nvml()``."""
 
     def __init__(self, gpus: Sequence[int | str] = (), cpu_share: float | None = None,
-                 powercap_root: Path | str | None = None, nvml: Any = None) -> None:
+                 powercap_root: Path | str | None = None, nvml: Any = None, *, gpus_whole: bool = True,
+                 baseline_s: float | None = None) -> None:
         self.gpus = list(gpus)
         self.cpu_share = cpu_share
+        self.gpus_whole = gpus_whole
+        self.baseline_s = _baseline_s() if baseline_s is None else baseline_s
         self._rapl = Rapl(powercap_root) if cpu_share is not None else None
         self._nvml_src = nvml
         self._nvml: _Nvml | None = None
+        self.cpu_idle_w: float | None = None
+        self.gpu_idle_w: float | None = None
+        self._t0 = time.monotonic()
 
     def start(self) -> EnergyMeter:
+        """Read the counters' starting values, and the idle powers where they can be measured: the CPU
+        packages' over ``baseline_s`` (only where the trial holds every core of the machine, so that no
+        other trial of this machine runs then; the rank waits that long), the GPUs' now (only where the
+        rank has them whole and NVML lists no other process on them). The span starts after them."""
         if self._rapl is not None:
             self._rapl.start()
+            if self._rapl.readable and (self.cpu_share or 0.0) >= 1.0 and self.baseline_s > 0:
+                self.cpu_idle_w = self._rapl.idle_w(self.baseline_s)
         if self.gpus:
             self._nvml = _Nvml.open(self._nvml_src if self._nvml_src is not None else load_nvml(), self.gpus)
+            if self._nvml is not None and self.gpus_whole:
+                self.gpu_idle_w = self._nvml.idle_w()
+        self._t0 = time.monotonic()
         return self
 
     def sample(self) -> None:
@@ -342,35 +286,65 @@ class EnergyMeter:
             self._nvml.sample()
 
     def stop(self) -> dict[str, float]:
-        """The last sample, then the figures (J, rounded to mJ): ``cpu_energy_j`` / ``cpu_energy_share``,
-        ``gpu_energy_j`` / ``gpu_energy_share`` where readable, and ``energy_j`` where every source is."""
+        """The last sample, then the figures (J and W, rounded to mJ and mW; see the module docstring):
+        ``cpu_energy_j`` / ``cpu_energy_share`` / ``cpu_energy_j_raw``, ``dram_energy_j_raw``,
+        ``gpu_energy_j`` / ``gpu_energy_share`` / ``gpu_energy_j_raw`` where readable, ``energy_j`` where
+        every source is; ``cpu_idle_w`` / ``cpu_energy_above_idle_j``, ``gpu_idle_w`` /
+        ``gpu_energy_above_idle_j`` where an idle power was measured, ``energy_above_idle_j`` where every
+        source had one."""
         self.sample()
+        span = max(0.0, time.monotonic() - self._t0)
         out: dict[str, float] = {}
-        complete = True
+        complete = above_idle = True
+        above = 0.0
         if self._rapl is not None:
             if self._rapl.readable and self.cpu_share is not None:
-                out["cpu_energy_j"] = round(self._rapl.joules() * self.cpu_share, 3)
+                raw = self._rapl.joules()
+                out["cpu_energy_j"] = round(raw * self.cpu_share, 3)
                 out["cpu_energy_share"] = round(self.cpu_share, 4)
+                out["cpu_energy_j_raw"] = round(raw, 3)
+                if self.cpu_idle_w is not None:
+                    cpu_above = max(0.0, raw - self.cpu_idle_w * span) * self.cpu_share
+                    out["cpu_idle_w"] = round(self.cpu_idle_w, 3)
+                    out["cpu_energy_above_idle_j"] = round(cpu_above, 3)
+                    above += cpu_above
+                else:
+                    above_idle = False
+                if self._rapl.dram_readable:  # (reported with the packages' figures, in no total)
+                    out["dram_energy_j_raw"] = round(self._rapl.dram_joules(), 3)
             else:
                 complete = False
         if self.gpus:
             if self._nvml is not None:
+                raw = self._nvml.raw_joules()
                 out["gpu_energy_j"] = round(self._nvml.joules(), 3)
                 out["gpu_energy_share"] = round(self._nvml.share(), 4)
+                out["gpu_energy_j_raw"] = round(raw, 3)
+                if self.gpu_idle_w is not None:
+                    gpu_above = max(0.0, raw - self.gpu_idle_w * span) * self._nvml.share()
+                    out["gpu_idle_w"] = round(self.gpu_idle_w, 3)
+                    out["gpu_energy_above_idle_j"] = round(gpu_above, 3)
+                    above += gpu_above
+                else:
+                    above_idle = False
             else:
                 complete = False
         if complete:
             out["energy_j"] = round(out.get("cpu_energy_j", 0.0) + out.get("gpu_energy_j", 0.0), 3)
+            if above_idle:
+                out["energy_above_idle_j"] = round(above, 3)
         return out
 
 
 def meter_for_rank(local_rank: int, ranks_here: int, cpus_per_process: int, gpus_per_process: float) -> EnergyMeter:
-    """A rank's meter: its own GPUs (where it has any), and the node's CPU counter at local rank 0 with
-    the trial's share of the machine's cores (``ranks_here`` x ``cpus_per_process`` / all cores)."""
+    """A rank's meter: its own GPUs (where it has any; whole unless its engine gave it a share,
+    ``HPOFLOW_GPU_SHARE``), and the node's CPU counter at local rank 0 with the trial's share of the
+    machine's cores (``ranks_here`` x ``cpus_per_process`` / all cores)."""
     share = None
     if local_rank == 0:
         share = min(1.0, ranks_here * cpus_per_process / max(1, os.cpu_count() or 1))
-    return EnergyMeter(visible_gpus(gpus_per_process) if gpus_per_process > 0 else (), share)
+    return EnergyMeter(visible_gpus(gpus_per_process) if gpus_per_process > 0 else (), share,
+                       gpus_whole=not os.environ.get(GPU_SHARE_ENV))
 
 
 def probe(gpus: bool) -> dict[str, bool]:

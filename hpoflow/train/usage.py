@@ -21,8 +21,10 @@ has run ``quiet_s``, so a long trial's peak and mean memory are seen while it ru
 - ``gpu_peak_mem_mb`` (torch's peak allocation on the rank's device) and ``gpu_util_percent``
   (NVML's mean utilisation over the samples, where pynvml is installed, of the device that
   ``CUDA_VISIBLE_DEVICES`` names for the rank: ``hpoflow.train.energy.visible_gpus``), on GPU only;
-- ``energy_j``, ``cpu_energy_j``, ``gpu_energy_j`` and their shares, where an ``EnergyMeter``
-  (``hpoflow.train.energy``) is given: its counters are read at start, at each sample, and at stop.
+- the energy figures, where an ``EnergyMeter`` (``hpoflow.train.energy``) is given: the attributed
+  ``energy_j``, ``cpu_energy_j``, ``gpu_energy_j`` and their shares, the raw counters beside them
+  (``*_raw``), and the idle powers and figures above idle where measured; its counters are read at
+  start, at each sample, and at stop.
 
 ``HPOFLOW_USAGE=0`` in the workers' environment turns sampling off.
 ``hpoflow.trial.aggregate_usage`` merges a trial's ranks: CPU and mean RSS averaged, peaks maxed,

@@ -56,13 +56,15 @@ def test_four_quarter_trials_run_at_once_on_one_stand_in_gpu_each_capped(tmp_pat
         assert seen["arrived"] == 4
         assert seen["CUDA_VISIBLE_DEVICES"] == "0" and seen["HPOFLOW_GPU_SHARE"] == "0.25"
         cap = json.loads((tmp_path / str(n) / "gpu_share_rank0.json").read_text())
-        assert cap["cuda_visible_devices"] == "0" and cap["share"] == 0.25 and cap["memory_fraction"] == 0.25
+        assert cap["cuda_visible_devices"] == "0" and cap["share"] == 0.25 and cap["reserve_mib"] == 512
         if not mps_running(os.environ):
             assert seen["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] is None
             import torch
 
             assert cap["applied"] == ("torch" if torch.cuda.is_available() else
                                       "none: CUDA is not available in this process")
+            # the allocator's cap is the share less the reserve for the rank's context (none without CUDA)
+            assert (0 < cap["memory_fraction"] < 0.25) if torch.cuda.is_available() else cap["memory_fraction"] is None
 
 
 def test_shares_are_packed_and_given_back_and_ranks_of_one_trial_use_different_gpus() -> None:

@@ -183,7 +183,8 @@ def test_a_gpu_without_the_counter_leaves_gpu_and_total_empty(tmp_path: Path) ->
     meter = EnergyMeter(gpus=[1], cpu_share=1.0, powercap_root=root, nvml=_nvml(tmp_path, clock)).start()
     _advance(root, "intel-rapl:0", 5_000_000)
     out = meter.stop()
-    assert out == {"cpu_energy_j": 5.0, "cpu_energy_share": 1.0}  # the CPU part alone is no total
+    # the CPU part alone is no total (the DRAM zone, intel-rapl:0:1, did not advance)
+    assert out == {"cpu_energy_j": 5.0, "cpu_energy_share": 1.0, "cpu_energy_j_raw": 5.0, "dram_energy_j_raw": 0.0}
 
 
 def test_a_trial_total_needs_every_rank_to_have_one() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 
 from hpoflow.engines.base import Engine, Event, Placement, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.elastic import ElasticBook, Segments
-from hpoflow.engines.gpushare import is_mig, share_env
+from hpoflow.engines.gpushare import MEMORY_FRACTION_ENV, is_mig, mps_running, share_env
 from hpoflow.engines.local._pool import Worker, WorkerPool
 from hpoflow.engines.local._slots import RankShare, all_free, give_back, plan_placement, take
 from hpoflow.engines.local._slots import RunningTrial as _Trial
@@ -51,7 +51,7 @@ from hpoflow.errors import EngineError
 from hpoflow.fileio import append_jsonl
 from hpoflow.spec import runs_warm, shares_per_gpu
 from hpoflow.train.rendezvous import private_dir, remove_private_dir, store_path, sweep_private_dirs
-from hpoflow.trial import RankJob, RankOutcome, needs_torch, rank_died, result_from_ranks
+from hpoflow.trial import RankJob, RankOutcome, gpu_reserve_mib, needs_torch, rank_died, result_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,10 @@ class LocalEngine(Engine):
         self.pg_timeout_s = pg_timeout_s
         try:
             cap = cap_bytes()
+            self._reserve_mib = gpu_reserve_mib(os.environ)  # each GPU sharer's memory outside its cap
         except ValueError as exc:
             raise EngineError(str(exc)) from None
+        self._warned_uncapped = False  # a command trial given a share without MPS: said once
         self._pool = WorkerPool(len(self.cores), preload, max_trials_per_worker, warm=prestart)
         self._logs = LogPump(cap)
         self._trials: dict[int, _Trial] = {}
@@ -163,6 +165,7 @@ class LocalEngine(Engine):
         check_fits(request, len(cores), len(gpus), sum(1 for g in gpus if is_mig(g)))
         try:
             cap_bytes()  # the engine refuses to start with a rank log cap it cannot read
+            gpu_reserve_mib(os.environ)  # nor with a GPU share reserve it cannot read
         except ValueError as exc:
             raise EngineError(str(exc)) from None
 
@@ -259,7 +262,9 @@ class LocalEngine(Engine):
                     if p.gpus:
                         w.gpus = p.gpus
                     if p.share is not None:  # shared with ranks of other trials: capped to its share
-                        env.update(share_env(p.gpus[0], p.share, os.environ))
+                        env.update(share_env(p.gpus[0], p.share, os.environ, self._reserve_mib))
+                        if command is not None and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env:
+                            self._warn_uncapped(request, p.gpus[0], env)
                 job = RankJob(request, first + p.rank, world, p.rank, "127.0.0.1", 0, threads, self.pg_timeout_s,
                               store, share.announce if share is not None else "")
                 w.trial, w.rank = request.number, p.rank
@@ -275,6 +280,24 @@ class LocalEngine(Engine):
                     os.close(out)  # the worker holds it now (or nobody: its log ends at once)
         self._trials[request.number] = trial
         return True
+
+    def _warn_uncapped(self, request: TrialRequest, gpu: GpuId, env: dict[str, str]) -> None:
+        """A command trial's program on a share of a GPU with no MPS memory limit has no memory cap (hpoflow
+        caps torch's allocator only in a process it runs itself): said once per engine, on the driver's log."""
+        if self._warned_uncapped:
+            return
+        self._warned_uncapped = True
+        fraction = env.get(MEMORY_FRACTION_ENV)
+        why = ("MPS runs but sets no memory limit (nvidia-smi gave no memory figure for the GPU)"
+               if mps_running(os.environ) else
+               "no MPS control daemon runs (no control socket in CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps)")
+        log.warning(
+            "trial %d: a command: trial's program gets a %s share of GPU %s with no memory cap: %s, and hpoflow "
+            "caps torch's allocator only in processes it runs itself, so the program can take its neighbours' "
+            "memory. Fix: start MPS (nvidia-cuda-mps-control -d), or cap the program itself before it allocates: "
+            "torch.cuda.set_per_process_memory_fraction(float(os.environ[%r])) (%s; docs/architecture.md)",
+            request.number, env.get("HPOFLOW_GPU_SHARE"), gpu, why, MEMORY_FRACTION_ENV,
+            f"{fraction} here" if fraction else "set where nvidia-smi gives the GPU's memory")
 
     def _restart(self, t: _Trial) -> None:
         """An elastic trial left at an epoch boundary (every rank ``resized``, checkpointed): free its
