@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the built-in names of each kind; a new built-in must be added here (test_every_built_in_is_covered)
 BUILT_IN = {
-    "SAMPLERS": ["cmaes", "gp", "grid", "nsga2", "nsga3", "random", "tpe"],
+    "SAMPLERS": ["bohb", "cmaes", "gp", "grid", "nsga2", "nsga3", "random", "tpe"],
     "PRUNERS": ["asha", "hyperband", "median", "none", "percentile"],
     "STRATEGIES": ["allreduce", "easgd", "fsdp", "local_sgd", "parameter_server", "zero1"],
     "MODELS": ["cnn", "gpt", "mlp"],
@@ -131,6 +131,8 @@ def test_every_sampler(tmp_path: Path, name: str) -> None:
         search["sampler_options"] = {"n_startup_trials": 2}  # the model-based part runs too
     if name == "grid":
         search["n_trials"] = 4
+    if name == "bohb":  # the model fitted from the 4th trial on; no pruner, so all 4 complete
+        search.update(sampler_options={"min_points_in_model": 1, "random_fraction": 0.0}, pruner={"type": "none"})
     result = _validates_and_runs(tmp_path, _simulated(search=search))
     assert result.summary.n_complete == 4
 

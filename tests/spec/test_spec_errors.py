@@ -43,7 +43,7 @@ CASES = [
     ("low > high", "low: 0.001, high: 0.1", "low: 0.5, high: 0.1", "space.lr", 6, "low <= high"),
     ("empty choices", "choices: [adam, sgd]", "choices: []", "space.opt", 7, "at least one"),
     ("unknown algorithm", "algorithm: tpe", "algorithm: bayes", "search.algorithm", 11,
-     "valid samplers: cmaes, gp, grid, nsga2, nsga3, random, tpe"),
+     "valid samplers: bohb, cmaes, gp, grid, nsga2, nsga3, random, tpe"),
     ("algorithm typo", "algorithm: tpe", "algorithm: tpee", "search.algorithm", 11, "did you mean 'tpe'"),
     ("missing metric", "  metric: val_accuracy\n", "", "study.metric", 1, "missing required key"),
     ("missing search", "search:\n  algorithm: tpe\n  n_trials: 4\n  max_concurrent: 1\n", "",
