@@ -59,9 +59,10 @@ ARMS: dict[str, dict[str, Any]] = {
     "tpe": {"algorithm": "tpe"},
     "gp": {"algorithm": "gp"},
     "tpe+median": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5}, "pruner": _MEDIAN},
-    # the paper's Optuna arm as YAHPO Gym's own code runs it: evaluated at Hyperband's budgets 2, 6, 17, 52,
-    # each evaluation a run from scratch (its epochs charged again), median pruner from the first one
-    "optuna-paper": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5},
+    # the paper's Optuna arm as YAHPO Gym's own code runs it: Optuna's TPESampler(n_startup_trials=5) (then
+    # univariate) and MedianPruner(n_startup_trials=5, n_warmup_steps=0), evaluated at Hyperband's budgets
+    # 2, 6, 17, 52, each evaluation a run from scratch (its epochs charged again)
+    "optuna-paper": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5, "multivariate": False},
                      "pruner": {**_MEDIAN, "warmup_steps": 0}, "fidelities": [2, 6, 17, 52]},
     "tpe+asha": {"algorithm": "tpe", "pruner": {"type": "asha"}},
     "tpe+hyperband": {"algorithm": "tpe", "pruner": {"type": "hyperband"}},
@@ -69,8 +70,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "random+hb": {"algorithm": "random", "scheduler": {"type": "hyperband"}},
     "tpe+promo": {"algorithm": "tpe", "scheduler": {"type": "asha"}},
     "tpe+hb": {"algorithm": "tpe", "scheduler": {"type": "hyperband"}},
-    # BOHB's model (hpoflow.search.bohb) with the Hyperband pruner (its default), or pausing and resuming
-    "bohb": {"algorithm": "bohb"},
+    # BOHB's model (hpoflow.search.bohb) with the Hyperband pruner, the ASHA pruner (bohb's default and
+    # search.algorithm auto's), or pausing and resuming
+    "bohb": {"algorithm": "bohb", "pruner": {"type": "hyperband"}},
     "bohb+hb": {"algorithm": "bohb", "scheduler": {"type": "hyperband"}},
     "bohb+promo": {"algorithm": "bohb", "scheduler": {"type": "asha"}},
     "bohb+asha": {"algorithm": "bohb", "pruner": {"type": "asha"}},

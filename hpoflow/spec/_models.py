@@ -422,10 +422,10 @@ class SchedulerSpec(_Strict):
 
 class SearchSpec(_Strict):
     algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, bohb, "
-                                                      "...), any Optuna sampler class by import path, or auto (TPE, "
-                                                      "with the benchmark's best pruner, median, when trials train "
-                                                      "several epochs: docs/search.md); bohb comes with the hyperband "
-                                                      "pruner unless a pruner or scheduler is named")
+                                                      "...), any Optuna sampler class by import path, or auto (the "
+                                                      "benchmark's best arm: bohb with the asha pruner when trials "
+                                                      "train several epochs, else tpe: docs/search.md); bohb comes "
+                                                      "with the asha pruner unless a pruner or scheduler is named")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
     seed: int | None = None
@@ -434,9 +434,9 @@ class SearchSpec(_Strict):
     )
     max_failures: int | None = Field(default=None, ge=1)
     energy_budget_kwh: float | None = Field(
-        default=None, gt=0, description="Energy budget in kWh (docs/energy.md): once the energy every run of the trials "
-        "spent (finished, paused, retried and cancelled runs; system_energy_j) adds up to it, no new trial "
-        "starts; running ones finish.")
+        default=None, gt=0, description="Energy budget in kWh (docs/energy.md): once the energy every run of the "
+        "trials spent (finished, paused, retried and cancelled runs; system_energy_j) adds up to it, no new "
+        "trial starts; running ones finish.")
     fail_fast: int = Field(
         default=3, ge=0, description="Stop when the first K finished trials all failed with the same error "
                                      "(0: never).")
@@ -973,8 +973,8 @@ class StudySpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _auto_search(cls, data: Any) -> Any:
-        """``search.algorithm: auto``: TPE, with the benchmark's winning pruner for trials of several epochs
-        (``hpoflow.spec._auto``, docs/search.md)."""
+        """``search.algorithm: auto``: the benchmark's winning arm (``hpoflow.spec._auto``, docs/search.md);
+        ``bohb``: with its default pruner."""
         search = data.get("search") if isinstance(data, dict) else None
         if isinstance(search, dict) and search.get("algorithm") == "auto":
             data = {**data, "search": resolve_auto(search, data.get("training"))}

@@ -88,12 +88,12 @@ def _numbered(study: optuna.Study, number: int) -> optuna.trial.FrozenTrial:
 
 
 @pytest.mark.parametrize(("search", "pruner", "scheduler"), [
-    ({"algorithm": "bohb"}, "hyperband", "none"),
+    ({"algorithm": "bohb"}, "asha", "none"),
     ({"algorithm": "bohb", "scheduler": {"type": "hyperband"}}, "none", "hyperband"),
     ({"algorithm": "bohb", "pruner": {"type": "asha"}}, "asha", "none"),
     ({"algorithm": "bohb", "pruner": {"type": "none"}}, "none", "none"),
 ])
-def test_bohb_is_hyperband_unless_the_study_names_its_pruner_or_scheduler(search: dict[str, object], pruner: str,
+def test_bohb_stops_with_asha_unless_the_study_names_its_pruner_or_scheduler(search: dict[str, object], pruner: str,
                                                                           scheduler: str) -> None:
     spec = StudySpec.model_validate({"study": {"name": "b", "metric": "acc", "direction": "maximize"},
                                      "space": {"x": {"type": "float", "low": 0, "high": 1}},
