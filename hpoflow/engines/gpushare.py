@@ -59,16 +59,23 @@ def is_mig(gpu: GpuId) -> bool:
 def mig_enabled(gpu: GpuId) -> bool:
     """Whether NVML reports the GPU in MIG mode (``nvidia-smi --query-gpu=mig.mode.current``: ``Enabled``);
     False where it cannot be asked (no ``nvidia-smi``) or the GPU has no MIG (``[N/A]``). Asked once per GPU."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None or (isinstance(gpu, str) and gpu.startswith("MIG-")):
+    if isinstance(gpu, str) and gpu.startswith("MIG-"):
         return False
+    return _smi_query(gpu, "mig.mode.current").lower() == "enabled"
+
+
+def _smi_query(gpu: GpuId, field: str) -> str:
+    """``nvidia-smi --query-gpu=FIELD`` of one GPU (no header, no units): its first line, or "" where it
+    cannot be asked."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ""
     try:
-        out = subprocess.run([smi, "--query-gpu=mig.mode.current", "--format=csv,noheader", "-i", str(gpu)],
+        out = subprocess.run([smi, f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", str(gpu)],
                              capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    first = out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
-    return first.lower() == "enabled"
+        return ""
+    return out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
 
 
 def mps_running(environ: Mapping[str, str]) -> bool:
@@ -85,15 +92,7 @@ def mps_running(environ: Mapping[str, str]) -> bool:
 def gpu_memory_mib(gpu: GpuId) -> int | None:
     """The GPU's memory in MiB as NVML reports it (``nvidia-smi``), or None where it cannot be read; asked
     once per GPU (a driver's GPUs do not change their memory)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", str(gpu)],
-                             capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    first = out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
+    first = _smi_query(gpu, "memory.total")
     return int(first) if first.isdigit() else None
 
 
