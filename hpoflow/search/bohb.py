@@ -27,7 +27,7 @@ import copy
 import math
 import random
 from collections import Counter
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import optuna
@@ -35,6 +35,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.run.ledger import ATTR_PAUSED
+from hpoflow.search.samplers import StudyView
 
 __all__ = ["BOHBSampler"]
 
@@ -73,34 +74,21 @@ class _Budgets:
         return max(full) if full else None
 
 
-class _BudgetView:
+class _BudgetView(StudyView):
     """The study as the model reads it: trials evaluated at ``budget`` as COMPLETE with that value,
     running (not paused) trials as RUNNING, nothing else."""
 
     def __init__(self, study: optuna.Study, budget: float | None) -> None:
-        self._study = study
+        super().__init__(study)
         self._budget = budget
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._study, name)
-
-    def _get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None,
-                    use_cache: bool = False) -> list[FrozenTrial]:
-        out = []
-        b = self._budget
-        for t in self._study._get_trials(deepcopy=False, states=None, use_cache=use_cache):
-            value = _value_at(t, b) if b is not None else None
-            if value is not None:
-                t = copy.copy(t)
-                t.state, t.values = TrialState.COMPLETE, [value]
-            elif not (t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_PAUSED) is None):
-                continue
-            if states is None or t.state in states:
-                out.append(copy.deepcopy(t) if deepcopy else t)
-        return out
-
-    def get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
-        return self._get_trials(deepcopy=deepcopy, states=states)
+    def shown(self, t: FrozenTrial) -> FrozenTrial | None:
+        value = _value_at(t, self._budget) if self._budget is not None else None
+        if value is not None:
+            t = copy.copy(t)
+            t.state, t.values = TrialState.COMPLETE, [value]
+            return t
+        return t if t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_PAUSED) is None else None
 
 
 def _value_at(t: FrozenTrial, budget: float) -> float | None:
@@ -180,5 +168,4 @@ class BOHBSampler(optuna.samplers.BaseSampler):
 
 
 def _view(study: optuna.Study, budget: float | None) -> optuna.Study:
-    view: optuna.Study = _BudgetView(study, budget)  # type: ignore[assignment]  # duck-typed: reads only
-    return view
+    return _BudgetView(study, budget).as_study()

@@ -32,7 +32,7 @@ from hpoflow.search.options import PrunerOptions, SamplerOptions
 from hpoflow.search.schedulers import first_rung
 from hpoflow.spec import PrunerSpec, SearchSpec
 
-__all__ = ["PausedAsPruned", "make_pruner", "make_sampler"]
+__all__ = ["PausedAsPruned", "StudyView", "make_pruner", "make_sampler"]
 
 
 def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers.BaseSampler:
@@ -53,8 +53,9 @@ def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers
     return PausedAsPruned(sampler) if search.scheduler.enabled else sampler
 
 
-class _PausedView:
-    """A study as a sampler reads it, with every paused trial shown PRUNED (its intermediate values kept)."""
+class StudyView:
+    """A study as a sampler reads it: the study's trials, each shown as ``shown`` says (None: left out);
+    everything else is the study's. Read-only: a sampler given it through ``as_study`` only reads trials."""
 
     def __init__(self, study: optuna.Study) -> None:
         self._study = study
@@ -62,19 +63,34 @@ class _PausedView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._study, name)
 
+    def shown(self, t: FrozenTrial) -> FrozenTrial | None:
+        raise NotImplementedError
+
     def _get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None,
                     use_cache: bool = False) -> list[FrozenTrial]:
         out = []
         for t in self._study._get_trials(deepcopy=False, states=None, use_cache=use_cache):
-            if t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_PAUSED) is not None:
-                t = copy.copy(t)
-                t.state = TrialState.PRUNED
-            if states is None or t.state in states:
-                out.append(copy.deepcopy(t) if deepcopy else t)
+            seen = self.shown(t)
+            if seen is not None and (states is None or seen.state in states):
+                out.append(copy.deepcopy(seen) if deepcopy else seen)
         return out
 
     def get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
         return self._get_trials(deepcopy=deepcopy, states=states)
+
+    def as_study(self) -> optuna.Study:
+        view: optuna.Study = self  # type: ignore[assignment]  # duck-typed: samplers read only
+        return view
+
+
+class _PausedView(StudyView):
+    """Every paused trial shown PRUNED (its intermediate values kept)."""
+
+    def shown(self, t: FrozenTrial) -> FrozenTrial | None:
+        if t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_PAUSED) is not None:
+            t = copy.copy(t)
+            t.state = TrialState.PRUNED
+        return t
 
 
 class PausedAsPruned(optuna.samplers.BaseSampler):
@@ -106,8 +122,7 @@ class PausedAsPruned(optuna.samplers.BaseSampler):
 
 
 def _view(study: optuna.Study) -> optuna.Study:
-    view: optuna.Study = _PausedView(study)  # type: ignore[assignment]  # duck-typed: reads only
-    return view
+    return _PausedView(study).as_study()
 
 
 def make_pruner(p: PrunerSpec, epochs: Any = None) -> optuna.pruners.BasePruner:
