@@ -63,10 +63,18 @@ def _gpt() -> nn.Module:
     return build_model("gpt", (16,), 56, layers=2, heads=2, width=24, context=16)
 
 
-def _truncated() -> nn.Module:  # trunc_normal_ needs whole tensors: fsdp builds it whole
+def _centred() -> nn.Module:  # a mean over the whole weight: no rank's rows can compute it, fsdp builds it whole
     first = nn.Linear(64, 32)
-    nn.init.trunc_normal_(first.weight, std=0.1)
+    with torch.no_grad():
+        first.weight.sub_(first.weight.mean())
     return nn.Sequential(first, nn.ReLU(), nn.Linear(32, 10))
+
+
+def _truncated() -> nn.Module:  # trunc_normal_ (torchtitan's, timm's): whole on a scratch, then this rank's rows
+    first, second = nn.Linear(64, 32), nn.Linear(32, 10)
+    nn.init.trunc_normal_(first.weight, std=0.1)
+    nn.init.orthogonal_(second.weight)
+    return nn.Sequential(first, nn.ReLU(), second)
 
 
 def _built(name: str, builder: Any, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[str], int]:
@@ -180,7 +188,7 @@ def _session_rank(rank: int, world: int, port: int, out_dir: str, ckpt_dir: str)
                             timeout=datetime.timedelta(seconds=60))
     try:
         res: dict[str, Any] = {"equiv": {}, "digests": {}, "volume": {}, "resume": {}, "accum": {}, "init": {}}
-        for key, builder in (("gpt", _gpt), ("truncated", _truncated)):
+        for key, builder in (("gpt", _gpt), ("truncated", _truncated), ("centred", _centred)):
             res["init"][key] = {name: _built(name, builder, rank, world) for name in ("allreduce", "fsdp")}
         x, y = _data(STEPS, WORLD * B)
         for key, (name, opts) in EQUIV.items():
@@ -258,10 +266,19 @@ def test_fsdp_builds_only_its_shard_and_the_gathered_weights_are_a_replicas(sess
 
 
 def test_a_model_fsdp_cannot_build_in_shards_is_built_whole_with_a_warning(session: list[dict[str, Any]]) -> None:
+    replica, _, _ = session[0]["init"]["centred"]["allreduce"]
+    sharded, warned, _ = session[0]["init"]["centred"]["fsdp"]
+    assert len(warned) == 1 and "cannot be built shard by shard (aten.mean" in warned[0], warned
+    assert all(torch.equal(sharded[k], replica[k]) for k in replica)
+
+
+def test_trunc_normal_and_orthogonal_build_in_shards_with_a_replicas_values(session: list[dict[str, Any]]) -> None:
     replica, _, _ = session[0]["init"]["truncated"]["allreduce"]
     sharded, warned, _ = session[0]["init"]["truncated"]["fsdp"]
-    assert len(warned) == 1 and "cannot be built shard by shard (aten.any" in warned[0], warned
+    assert warned == []  # built shard by shard: no rank held the whole model
     assert all(torch.equal(sharded[k], replica[k]) for k in replica)
+    total = sum(t.numel() for t in replica.values())
+    assert sum(session[r]["init"]["truncated"]["fsdp"][2] for r in range(WORLD)) == total
 
 
 @pytest.mark.parametrize("key", list(EQUIV))

@@ -18,10 +18,14 @@ computed on the rows alone:
 * views of the whole tensor (``detach``, ``alias``, same-shape ``view``) share its rows; other views
   (``w[0][0].numel()`` of ``nn.init``'s fan computation) answer shape questions only.
 
-Anything else on a sharded tensor (a reduction, ``linalg_qr``, writing a slice, reading a value:
-``trunc_normal_``'s rejection loop, ``orthogonal_``) needs values of other ranks' rows: the build
-stops with :class:`NotShardable` naming the operation, with torch's generators restored to where they
-were, so the caller can build the model whole instead and get the same values. At most one tensor
+``nn.init``'s initialisations that read the tensor they fill (``trunc_normal_``'s rejection loop,
+``orthogonal_``'s QR, ``sparse_``'s scatter) run as a whole on a scratch tensor too, the rows copied
+from it (``_WHOLE_INITS``: while the build runs, ``torch.nn.init``'s functions of those names, and the
+private helper ``trunc_normal_`` calls, are wrapped; a reference taken to another function before the
+build is not). Anything else on a sharded tensor (a reduction, ``linalg_qr``, writing a slice, reading
+a value) needs values of other ranks' rows: the build stops with :class:`NotShardable` naming the
+operation, with torch's generators restored to where they were, so the caller can build the model whole
+instead and get the same values. At most one tensor
 exists whole at a time (the scratch of a random initialisation or of a non-empty factory), beside
 this rank's rows of everything: no rank ever holds the whole model.
 
@@ -34,6 +38,7 @@ sharded it on the meta device.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["NotShardable", "ShardedBuild", "build_sharded", "shard_rows"]
@@ -302,13 +307,48 @@ def _to_meta(model: nn.Module) -> None:
                 module._buffers[key] = meta(b)
 
 
+#: nn.init functions that read the tensor they fill: each runs whole on a scratch (module docs)
+_WHOLE_INITS = ("trunc_normal_", "_no_grad_trunc_normal_", "orthogonal_", "sparse_")
+
+
+def _on_scratch(init: Callable[..., Any]) -> Callable[..., Any]:
+    """``init`` (an in-place ``nn.init`` function of a tensor, its first argument), for a tensor being
+    built: run on a whole scratch tensor, outside the dispatch mode (the generator advances as in a
+    replica's build), this rank's rows copied from it."""
+    def wrapped(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(tensor, _Handle):
+            return init(tensor, *args, **kwargs)
+        if not tensor.whole():
+            raise NotShardable(f"nn.init.{init.__name__} on part of a tensor being built")
+        rows = tensor.rows
+        with _disable_current_modes():
+            scratch = torch.empty(rows.shape, dtype=rows.rows.dtype, device=rows.rows.device)
+            init(scratch, *args, **kwargs)
+            rows.rows.copy_(scratch[rows.start : rows.start + rows.rows.shape[0]])
+            del scratch
+        return tensor
+    return wrapped
+
+
+@contextlib.contextmanager
+def _whole_inits() -> Iterator[None]:
+    saved = {name: getattr(nn.init, name) for name in _WHOLE_INITS if hasattr(nn.init, name)}
+    try:
+        for name, fn in saved.items():
+            setattr(nn.init, name, _on_scratch(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def build_sharded(build: Callable[[], nn.Module], world: int, rank: int) -> ShardedBuild:
     """Run ``build()`` keeping only rank ``rank``'s rows of each tensor (see the module docs);
     :class:`NotShardable` (torch's generators restored) where the builder needs more."""
     cpu_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        with _ShardedMode(world, rank):
+        with _whole_inits(), _ShardedMode(world, rank):
             model = build()
         if not isinstance(model, nn.Module):
             raise NotShardable(f"the builder returned a {type(model).__name__}, not an nn.Module")
