@@ -11,6 +11,7 @@ data set's task at validate time.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -104,6 +105,9 @@ class ZeRO1Options(Options):
         return {"strategy": "zero1", "bucket_mb": self.bucket_cap_mb, "grad_dtype": self.reduce_dtype}
 
 
+_FSDP2_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+
+
 class FSDPOptions(Options):
     """FSDP2 (``torch.distributed.fsdp.fully_shard``) per block: parameters, gradients and optimizer
     state sharded; each block's parameters all-gathered for its forward (and again for its backward
@@ -119,6 +123,22 @@ class FSDPOptions(Options):
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     cpu_offload: bool = False
+
+    @model_validator(mode="after")
+    def _fsdp2_here(self) -> FSDPOptions:
+        """The strategy imports FSDP2 and its collectives (``hpoflow.train.strategies._fsdp``): a torch
+        without them is refused at validate time, not in every trial's ranks."""
+        try:
+            found = importlib.util.find_spec(_FSDP2_COLLECTIVES) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            import torch
+
+            raise ValueError(f"strategy fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard) and its collectives "
+                             f"({_FSDP2_COLLECTIVES}), which torch {torch.__version__} lacks. Fix: install a newer "
+                             "torch (hpoflow is tested with 2.13), or use strategy allreduce or zero1")
+        return self
 
     def oracle_plan(self) -> dict[str, Any]:
         dtype = "fp32" if self.mixed_precision == "none" else self.mixed_precision

@@ -45,8 +45,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+try:  # FSDP2, and its default collectives (private: the comm meter subclasses them)
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+except ImportError as exc:  # an older torch than pyproject's floor for the other strategies
+    raise ImportError(
+        f"strategy fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard) and its collectives "
+        f"(torch.distributed.fsdp._fully_shard._fsdp_collectives), which torch {torch.__version__} lacks "
+        f"({exc}). Fix: install a newer torch (hpoflow is tested with 2.13), or use strategy allreduce or "
+        "zero1") from exc
 
 from hpoflow.train.strategies._base import CommMeter, OptimizerLike, Strategy
 from hpoflow.train.strategies._sharded_init import NotShardable, build_sharded
