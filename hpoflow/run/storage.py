@@ -31,7 +31,6 @@ __all__ = ["DEFAULT_JOURNAL", "check_storage_path", "open_storage", "storage_lab
 
 DEFAULT_JOURNAL = "study.journal"
 
-_LENT_BOUND = 1024  # ids in _Journal._lent before the finished trials' are dropped
 try:  # the record of an intermediate value, as Optuna's journal writes it (private: None where it moved)
     from optuna.storages.journal._storage import JournalOperation
 
@@ -53,16 +52,19 @@ class _Journal(JournalStorage):
     Optuna's replay applies each intermediate value by copying the trial's earlier ones (a trial handed
     out must not change under its holder), so a trial's n-th report cost O(n): 100,000 reports of one
     trial took minutes, and so did replaying them when a run reopens its journal. Here a trial's values
-    are copied only where a ``FrozenTrial`` of it was handed out (``get_trial``, ``get_all_trials``
-    without ``deepcopy``) since its last copy (``_lent``); otherwise the value is added in place.
+    are copied only where its record may have been handed out (``get_trial``, ``get_all_trials`` without
+    ``deepcopy``) since it was made (``_handouts``, ``_made``); otherwise the value is added in place.
     Reads Optuna's replay state; if that changes shape, the parent's ways are used.
     """
 
     def __init__(self, backend: JournalFile) -> None:
-        # unfinished trials whose FrozenTrial (and so its intermediate_values) was handed out since their
-        # intermediate values were last copied: the next value copies them (set before the first replay)
-        self._lent: set[int] = set()
-        self._lent_bound = _LENT_BOUND
+        # A trial's record may be held by whoever it was handed out to since it was made. Each hand-out of
+        # records (get_all_trials without deepcopy) counts one; each record this storage made by a copy
+        # is stamped with that count: a value for a record stamped below the count (or not stamped: made
+        # by Optuna's replay, or handed out alone by get_trial) copies it first. O(1) a read and a write.
+        # (Set before the first replay.)
+        self._handouts = 0
+        self._made: dict[int, int] = {}
         super().__init__(backend)
         self._waiting: dict[int, tuple[int, set[int]]] = {}  # study -> (trials seen, unfinished ones)
 
@@ -72,16 +74,16 @@ class _Journal(JournalStorage):
         has lent no trial of it."""
         super().__setstate__(state)
         self._waiting = {}
-        self._lent = set()
+        self._handouts, self._made = 0, {}
 
     def _sync_with_backend(self) -> None:
-        """Optuna's replay of the records appended since the last one, an intermediate value of a trial not
-        ``_lent`` added in place (class docstring)."""
+        """Optuna's replay of the records appended since the last one, an intermediate value of a trial whose
+        record was not handed out since it was made added in place (class docstring)."""
         replay = self._replay_result
         trials = getattr(replay, "_trials", None)
         updatable = getattr(replay, "_trial_exists_and_updatable", None)
-        lent = getattr(self, "_lent", None)
-        if not isinstance(trials, dict) or updatable is None or not isinstance(lent, set) or _INTERMEDIATE is None:
+        made = getattr(self, "_made", None)
+        if not isinstance(trials, dict) or updatable is None or not isinstance(made, dict) or _INTERMEDIATE is None:
             super()._sync_with_backend()
             return
         run: list[dict[str, Any]] = []  # records for Optuna's replay, in order
@@ -93,9 +95,9 @@ class _Journal(JournalStorage):
                 replay.apply_logs(run)
                 run = []
             trial_id = log["trial_id"]
-            if trial_id in lent:
-                replay.apply_logs([log])  # a copy: the FrozenTrial handed out keeps what it held
-                lent.discard(trial_id)
+            if made.get(trial_id, -1) < self._handouts:
+                replay.apply_logs([log])  # a copy: a FrozenTrial handed out keeps what it held
+                made[trial_id] = self._handouts
                 continue
             replay.log_number_read += 1  # (counted first, as Optuna does: a record that raises is read)
             if updatable(trial_id, log):
@@ -103,20 +105,11 @@ class _Journal(JournalStorage):
         if run:
             replay.apply_logs(run)
 
-    def _lend(self, trials: list[FrozenTrial]) -> None:
-        """``trials`` are handed out as they are (no deepcopy): a later value copies their values first.
-        (Under the lock. A trial that finished gets no value: its id is dropped once the set doubled.)"""
-        self._lent.update(t._trial_id for t in trials if not t.state.is_finished())
-        if len(self._lent) > self._lent_bound:
-            known = getattr(self._replay_result, "_trials", {})
-            self._lent = {t for t in self._lent if t in known and not known[t].state.is_finished()}
-            self._lent_bound = max(_LENT_BOUND, 2 * len(self._lent))
-
     def get_trial(self, trial_id: int) -> FrozenTrial:
         with self._thread_lock:
             self._sync_with_backend()
             trial = self._replay_result.get_trial(trial_id)
-            self._lend([trial])
+            self._made.pop(trial_id, None)  # handed out as it is: its next value copies it
             return trial
 
     def get_all_trials(self, study_id: int, deepcopy: bool = True,
@@ -140,7 +133,7 @@ class _Journal(JournalStorage):
                 out = [trials[t] for t in sorted(candidates) if trials[t].state == TrialState.WAITING]
             if deepcopy:
                 return copy.deepcopy(out)
-            self._lend(out)
+            self._handouts += 1  # handed out as they are: each one's next value copies it
             return out
 
 
