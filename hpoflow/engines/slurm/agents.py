@@ -54,6 +54,10 @@ __all__ = ["AgentFleet"]
 
 _HELLO_S = 10.0  # an admitted agent says which node it is within this
 _START_TIMEOUT_S = 600.0  # an agent not connected by then (its node never started it) counts as lost
+# after a node's ranks of a trial fail without a death of their own (a broken collective: maybe the echo
+# of a rank's death on another node), the other nodes' shares are cancelled this much later, unless one of
+# them names a death first; as the local engine waits for a peer's end that may be a failure's cause
+PEER_WAIT_S = 1.0
 
 
 @dataclass
@@ -81,6 +85,7 @@ class _Trial:
     ended: dict[str, TrialResult | None] = field(default_factory=dict)  # node -> its share's result (None: lost)
     lost: str | None = None
     failed_first: str | None = None  # the node whose ranks failed first
+    cancel_at: float | None = None  # when the other nodes' shares are cancelled after a failure (PEER_WAIT_S)
     cancel_reason: str | None = None
     pending_answer: bool = False
 
@@ -198,6 +203,7 @@ class AgentFleet:
             for agent in list(self.agents.values()):
                 self._read(agent)
             self._check_lost()
+            self._cancel_due()
             self._dispatch()
             if self._events or not self._trials:
                 out, self._events = self._events, []
@@ -206,6 +212,8 @@ class AgentFleet:
             if deadline is not None and now >= deadline:
                 return []
             step = 1.0 if len(self.agents) == len(self.allocation.hosts) else 0.05  # (agents still to come)
+            if any(t.cancel_at is not None for t in self._trials.values()):
+                step = min(step, 0.05)
             links = [a.link.sock for a in self.agents.values() if not a.link.closed]
             wait(links, step if deadline is None else max(0.0, min(step, deadline - now)))
 
@@ -367,6 +375,17 @@ class AgentFleet:
             if node not in t.ended:
                 self._send(node, msg)
 
+    def _cancel_shares(self, t: _Trial, node: str) -> None:
+        t.cancel_at = None
+        self._to_shares(t, {"kind": "cancel", "number": t.request.number,
+                            "reason": f"the trial's ranks on {node} ended ({t.lost or 'failed'})"})
+
+    def _cancel_due(self) -> None:
+        now = time.monotonic()
+        for t in list(self._trials.values()):
+            if t.cancel_at is not None and now >= t.cancel_at:
+                self._cancel_shares(t, t.failed_first or t.nodes[0])
+
     # -- trials -----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         """Start waiting trials, in order, on agents with room (one per node of the trial)."""
@@ -406,8 +425,13 @@ class AgentFleet:
         if failed and t.failed_first is None and result is not None:
             t.failed_first = agent.node
         if failed and len(t.ended) < len(t.nodes):  # the other nodes' ranks would wait in a collective
-            self._to_shares(t, {"kind": "cancel", "number": number,
-                                "reason": f"the trial's ranks on {agent.node} ended ({t.lost or 'failed'})"})
+            echo = result is not None and RANK_DIED not in (result.error or "") and t.lost is None
+            if echo and t.cancel_at is None:
+                # a failure that may be the echo of a peer's death on another node (its collective broke):
+                # that node's word, which names the death, gets PEER_WAIT_S to come first
+                t.cancel_at = time.monotonic() + PEER_WAIT_S
+            elif not echo:
+                self._cancel_shares(t, agent.node)
         if len(t.ended) == len(t.nodes):
             del self._trials[number]
             self._events.append(_merged_result(t))
