@@ -51,7 +51,18 @@ class RandomOptions(NoOptions):
     """``optuna.samplers.RandomSampler`` (seeded by ``search.seed``)."""
 
 
-class TPEOptions(SamplerOptions):
+class _LiarOptions(SamplerOptions):
+    """A TPE-based sampler's: ``constant_liar`` defaults to on when trials run concurrently (with trials in
+    flight, TPE must know about running trials or it proposes near-duplicates)."""
+
+    constant_liar: bool | None = None
+
+    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
+        liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar
+        return {**self.kwargs(), "constant_liar": liar}
+
+
+class TPEOptions(_LiarOptions):
     """``optuna.samplers.TPESampler``. ``constant_liar`` defaults to on when trials run concurrently.
     (The options Optuna deprecated in 4.9 — prior_weight, consider_magic_clip, consider_endpoints,
     warn_independent_sampling — are not offered.)"""
@@ -60,26 +71,15 @@ class TPEOptions(SamplerOptions):
     n_ei_candidates: int = Field(default=24, ge=1)
     multivariate: bool = True
     group: bool = False
-    constant_liar: bool | None = None
-
-    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
-        # With trials in flight, TPE must know about running trials or it proposes near-duplicates.
-        liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar
-        return {**self.kwargs(), "constant_liar": liar}
 
 
-class BOHBOptions(SamplerOptions):
+class BOHBOptions(_LiarOptions):
     """``hpoflow.search.bohb.BOHBSampler``: BOHB's model on Optuna's TPE. ``constant_liar`` defaults to on
     when trials run concurrently."""
 
     min_points_in_model: int | None = Field(default=None, ge=1)
     random_fraction: float = Field(default=1 / 3, ge=0, le=1)
     n_ei_candidates: int = Field(default=64, ge=1)
-    constant_liar: bool | None = None
-
-    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
-        liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar
-        return {**self.kwargs(), "constant_liar": liar}
 
 
 class GPOptions(Options):
@@ -134,6 +134,12 @@ class PrunerOptions(Options):
         return self.kwargs()
 
 
+def _int_or_auto(v: int | str, least: int, name: str) -> int | str:
+    if isinstance(v, int) and v < least:
+        raise ValueError(f"{name} must be >= {least} or auto, but got {v}")
+    return v
+
+
 class MedianPrunerOptions(PrunerOptions):
     """``optuna.pruners.MedianPruner``: stop a trial below the median of earlier trials at the same step."""
 
@@ -147,9 +153,7 @@ class MedianPrunerOptions(PrunerOptions):
     @field_validator("warmup_steps")
     @classmethod
     def _steps(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 0:
-            raise ValueError(f"warmup_steps must be >= 0 or auto, but got {v}")
-        return v
+        return _int_or_auto(v, 0, "warmup_steps")
 
     def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
         warmup = (first_rung or 0) if self.warmup_steps == "auto" else self.warmup_steps
@@ -180,9 +184,7 @@ class _RungPrunerOptions(PrunerOptions):
     @field_validator("min_resource")
     @classmethod
     def _positive(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError(f"min_resource must be >= 1 or auto, but got {v}")
-        return v
+        return _int_or_auto(v, 1, "min_resource")
 
     def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
         auto = self.min_resource == "auto"
