@@ -47,26 +47,19 @@ class _Budgets:
 
     def __init__(self) -> None:
         self.count: Counter[float] = Counter()
-        self._seen: dict[int, tuple[int, bool]] = {}  # number -> (reports counted, counted as final)
+        self._seen: dict[int, tuple[set[int], bool]] = {}  # number -> (steps counted, counted as final)
 
     def update(self, trials: Sequence[FrozenTrial]) -> None:
         for t in trials:
             final = t.state == TrialState.COMPLETE and not t.intermediate_values
-            seen = self._seen.get(t.number, (0, False))
-            n = len(t.intermediate_values)
-            if seen == (n, final):
-                continue
-            if n < seen[0]:  # a trial's reports never shrink; recount it from scratch if they seem to
-                for step in t.intermediate_values:
-                    self.count[float(step)] -= 1
-                seen = (0, seen[1])
-            if n > seen[0]:
-                steps = sorted(t.intermediate_values)
-                for step in steps[seen[0]:] if seen[0] else steps:
+            steps, was_final = self._seen.setdefault(t.number, (set(), False))
+            if len(t.intermediate_values) != len(steps):  # reports only ever add steps, in any order
+                for step in t.intermediate_values.keys() - steps:
                     self.count[float(step)] += 1
-            if final and not seen[1]:
+                    steps.add(step)
+            if final and not was_final:
                 self.count[_FINAL] += 1
-            self._seen[t.number] = (n, final)
+                self._seen[t.number] = (steps, True)
 
     def largest(self, at_least: int) -> float | None:
         """The largest budget with ``at_least`` trials reported at it, or None."""

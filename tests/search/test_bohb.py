@@ -100,3 +100,15 @@ def test_bohb_stops_with_asha_unless_the_study_names_its_pruner_or_scheduler(sea
                                      "search": {**search, "n_trials": 4},
                                      "training": {"model": "mlp", "epochs": 9}})
     assert (spec.search.algorithm, spec.search.pruner.type, spec.search.scheduler.type) == ("bohb", pruner, scheduler)
+
+
+def test_budget_counts_take_each_report_once_whatever_its_order() -> None:
+    from hpoflow.search.bohb import _Budgets
+
+    budgets = _Budgets()
+    t = _trial(0.5, {6: 0.4}, TrialState.RUNNING)
+    budgets.update([t])
+    t.intermediate_values[2] = 0.3  # a lower step reported later (a resumed run's earlier rung, say)
+    budgets.update([t])
+    budgets.update([t])  # nothing new: nothing counted again
+    assert dict(budgets.count) == {6.0: 1, 2.0: 1}
