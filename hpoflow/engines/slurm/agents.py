@@ -85,7 +85,6 @@ class _Trial:
     ended: dict[str, TrialResult | None] = field(default_factory=dict)  # node -> its share's result (None: lost)
     lost: str | None = None
     failed_first: str | None = None  # the node whose ranks failed first
-    cancel_at: float | None = None  # when the other nodes' shares are cancelled after a failure (PEER_WAIT_S)
     cancel_reason: str | None = None
     pending_answer: bool = False
 
@@ -138,6 +137,7 @@ class AgentFleet:
         self.agents: dict[str, _Agent] = {}
         self._lost: dict[str, str] = {}
         self._trials: dict[int, _Trial] = {}
+        self._cancel_at: dict[int, float] = {}  # trial -> when its other nodes' shares are cancelled (PEER_WAIT_S)
         self._events: list[Event] = []
         self._closed = False
         threading.Thread(target=self._accept, name="hpoflow-agents-accept", daemon=True).start()
@@ -212,7 +212,7 @@ class AgentFleet:
             if deadline is not None and now >= deadline:
                 return []
             step = 1.0 if len(self.agents) == len(self.allocation.hosts) else 0.05  # (agents still to come)
-            if any(t.cancel_at is not None for t in self._trials.values()):
+            if self._cancel_at:
                 step = min(step, 0.05)
             links = [a.link.sock for a in self.agents.values() if not a.link.closed]
             wait(links, step if deadline is None else max(0.0, min(step, deadline - now)))
@@ -376,14 +376,17 @@ class AgentFleet:
                 self._send(node, msg)
 
     def _cancel_shares(self, t: _Trial, node: str) -> None:
-        t.cancel_at = None
+        self._cancel_at.pop(t.request.number, None)
         self._to_shares(t, {"kind": "cancel", "number": t.request.number,
                             "reason": f"the trial's ranks on {node} ended ({t.lost or 'failed'})"})
 
     def _cancel_due(self) -> None:
         now = time.monotonic()
-        for t in list(self._trials.values()):
-            if t.cancel_at is not None and now >= t.cancel_at:
+        for number, at in list(self._cancel_at.items()):
+            t = self._trials.get(number)
+            if t is None:  # every node's share ended meanwhile
+                del self._cancel_at[number]
+            elif now >= at:
                 self._cancel_shares(t, t.failed_first or t.nodes[0])
 
     # -- trials -----------------------------------------------------------------------------------------
@@ -426,10 +429,10 @@ class AgentFleet:
             t.failed_first = agent.node
         if failed and len(t.ended) < len(t.nodes):  # the other nodes' ranks would wait in a collective
             echo = result is not None and RANK_DIED not in (result.error or "") and t.lost is None
-            if echo and t.cancel_at is None:
+            if echo:
                 # a failure that may be the echo of a peer's death on another node (its collective broke):
                 # that node's word, which names the death, gets PEER_WAIT_S to come first
-                t.cancel_at = time.monotonic() + PEER_WAIT_S
+                self._cancel_at.setdefault(number, time.monotonic() + PEER_WAIT_S)
             elif not echo:
                 self._cancel_shares(t, agent.node)
         if len(t.ended) == len(t.nodes):
