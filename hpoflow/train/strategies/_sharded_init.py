@@ -191,11 +191,7 @@ class _ShardedMode(TorchDispatchMode):
         """An in-place random initialisation of a whole tensor: on a whole scratch, keep the rows."""
         if not _mutates_first(func) or any(isinstance(x, _Handle) for x in tree_flatten((args[1:], kwargs))[0]):
             raise NotShardable(f"{func} reading a tensor being built")
-        rows = self._whole(args[0], func)
-        scratch = torch.empty(rows.shape, dtype=rows.rows.dtype, device=rows.rows.device)
-        func(scratch, *args[1:], **kwargs)
-        rows.rows.copy_(scratch[rows.start : rows.start + rows.rows.shape[0]])
-        del scratch
+        _fill_from_whole(self._whole(args[0], func), lambda scratch: func(scratch, *args[1:], **kwargs))
         return args[0]
 
     def _elementwise(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -307,6 +303,15 @@ def _to_meta(model: nn.Module) -> None:
                 module._buffers[key] = meta(b)
 
 
+def _fill_from_whole(rows: _Rows, fill: Callable[[torch.Tensor], object]) -> None:
+    """``fill`` a scratch tensor of the whole shape (at most one whole tensor at a time), then keep this
+    rank's rows of it."""
+    scratch = torch.empty(rows.shape, dtype=rows.rows.dtype, device=rows.rows.device)
+    fill(scratch)
+    rows.rows.copy_(scratch[rows.start : rows.start + rows.rows.shape[0]])
+    del scratch
+
+
 #: nn.init functions that read the tensor they fill: each runs whole on a scratch (module docs)
 _WHOLE_INITS = ("trunc_normal_", "_no_grad_trunc_normal_", "orthogonal_", "sparse_")
 
@@ -320,12 +325,8 @@ def _on_scratch(init: Callable[..., Any]) -> Callable[..., Any]:
             return init(tensor, *args, **kwargs)
         if not tensor.whole():
             raise NotShardable(f"nn.init.{init.__name__} on part of a tensor being built")
-        rows = tensor.rows
         with _disable_current_modes():
-            scratch = torch.empty(rows.shape, dtype=rows.rows.dtype, device=rows.rows.device)
-            init(scratch, *args, **kwargs)
-            rows.rows.copy_(scratch[rows.start : rows.start + rows.rows.shape[0]])
-            del scratch
+            _fill_from_whole(tensor.rows, lambda scratch: init(scratch, *args, **kwargs))
         return tensor
     return wrapped
 
