@@ -95,6 +95,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def submit(self, request: TrialRequest) -> None: ...
 
+    def prepare(self, request: TrialRequest) -> None:
+        """``request`` will be submitted when a slot frees (the driver asked for it ahead, while every slot
+        is busy): an engine may make ready now what its start needs on disk, off the path from one trial's
+        end to the next one's start. It may never be submitted (the study stopped); what was made for it
+        is then removed by ``close``. The default does nothing."""
+        return None
+
     @abc.abstractmethod
     def poll(self, timeout: float | None) -> list[Event]: ...
 

@@ -209,6 +209,7 @@ class Driver:
                         summary.stopped_by = "grid_exhausted"
                     elif self._ready is not None:  # (None: the precheck recorded it pruned, or it yielded)
                         self.asked_ahead += 1
+                        self.engine.prepare(self._ready.request)
                 overhead += time.monotonic() - t0
                 if not self._inflight:
                     if (self.scheduling is not None and not cancelling and summary.stopped_by == "budget"

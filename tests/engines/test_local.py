@@ -388,3 +388,24 @@ def test_system_usage_counts_a_ddp_trials_network_volume(engine: LocalEngine, tm
     for rank in (0, 1):
         per_rank = json.loads((tmp_path / "0" / f"usage_rank{rank}.json").read_text())
         assert per_rank["net_sent_mb"] == pytest.approx(theory_mb / 2, rel=0.10)
+
+
+def test_a_prepared_trial_starts_in_its_prepared_directory_and_close_removes_what_never_started(
+        engine: LocalEngine, tmp_path: Path) -> None:
+    """``prepare`` (the driver's trial asked ahead) makes the trial directory and its ranks' logs before the
+    slot frees; the trial then runs there as any other, and ``close`` removes only what was made for a trial
+    that never started, and only while it is empty."""
+    ran, never = request(tmp_path, 0, "trainfns_light:fail"), request(tmp_path, 1, "trainfns_light:fail")
+    kept = tmp_path / "2"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("the user's")
+    other = request(tmp_path, 2, "trainfns_light:fail")
+    for r in (ran, never, other):
+        engine.prepare(r)
+    assert (tmp_path / "0" / "rank0.log").read_text() == "" and (tmp_path / "1" / "rank0.log").exists()
+    res = run_all(engine, [ran])[0]
+    assert res.status == "failed" and "about to fail" in (tmp_path / "0" / "rank0.log").read_text()
+    engine.close()
+    assert not (tmp_path / "1").exists()  # prepared, never started: its empty log and directory gone
+    assert (kept / "notes.txt").exists() and not (kept / "rank0.log").exists()  # a directory it did not make stays
+    assert "about to fail" in (tmp_path / "0" / "rank0.log").read_text()  # a trial that ran keeps everything

@@ -475,6 +475,35 @@ def test_a_trial_asked_ahead_is_submitted_before_the_finished_trial_is_recorded(
     assert driver.asked_ahead >= 5 and len(early) >= driver.asked_ahead - 1
 
 
+def test_a_trial_asked_ahead_is_prepared_by_the_engine_before_it_is_submitted(tmp_path: Path) -> None:
+    """The engine may make a trial asked ahead ready (its directory, its logs) while every slot is busy:
+    ``prepare`` comes for each trial asked ahead, before its submit, and never for one started at once."""
+    spec = make(n_trials=10, max_concurrent=2, ask_ahead=True)
+    study = optuna.create_study(direction="maximize", sampler=_SlowSampler(0.01))
+
+    class Preparing(ThreadEngine):
+        def __init__(self) -> None:
+            super().__init__(lambda p, r: _sleep_then(0.05, p["x"]), slots=2)
+            self.prepared: list[int] = []
+            self.prepared_at_submit: list[bool] = []
+
+        def prepare(self, request: Any) -> None:
+            assert request.number not in {r.number for r in self.submitted}
+            self.prepared.append(request.number)
+
+        def submit(self, request: Any) -> None:
+            self.prepared_at_submit.append(request.number in self.prepared)
+            super().submit(request)
+
+    engine = Preparing()
+    driver = Driver(spec, study, engine, tmp_path)
+    driver.run()
+    engine.close()
+    assert count_finished(study) == 10 and driver.asked_ahead >= 5
+    assert len(engine.prepared) == driver.asked_ahead == sum(engine.prepared_at_submit)
+    assert engine.prepared_at_submit[:2] == [False, False]  # the first two started at once, unprepared
+
+
 def test_a_retried_attempt_reporting_its_steps_again_raises_no_optuna_warning(tmp_path: Path) -> None:
     """A rank lost mid-trial (a killed worker) is retried in the same trial from its start: its
     reports repeat steps the study has. Optuna keeps a step's first value and warns at a second; the
