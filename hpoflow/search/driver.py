@@ -131,6 +131,12 @@ class Driver:
         self._trial_s: list[float] = []  # durations of finished trials
         self._worth_asking: tuple[tuple[int, int], bool] = ((0, 0), False)  # ask-ahead's verdict, for these lengths
         self.asked_ahead = 0  # trials asked while every slot was busy
+        # A sampler whose asks read no result (Optuna's random and QMC samplers, not a subclass, which may): a freed
+        # slot is refilled before the finished trial's bookkeeping, with a trial asked then, as ask-ahead does with
+        # one asked before (``_start_early``). Never with a scheduler: a freed slot may be a paused trial's.
+        self._blind = (type(study.sampler) in (optuna.samplers.RandomSampler, optuna.samplers.QMCSampler)
+                       and spec.search.ask_ahead is not False and self.grid is None
+                       and not spec.search.scheduler.enabled)
         self.scheduling = Scheduling(spec, study, self.shared) if spec.search.scheduler.enabled and not pbt else None
         self.pbt = PbtScheduling(spec, study, self.shared, run_dir, budget) if pbt else None
         if self.pbt is not None:  # population x intervals at most (hpoflow.search.pbt)
@@ -222,13 +228,19 @@ class Driver:
                 wait = 0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
                 events = self.engine.poll(wait)
                 t1 = time.monotonic()
-                if self._ready is not None and not cancelling and summary.stopped_by == "budget":
-                    self._start_early(events, slots)
-                for ev in events:
-                    if isinstance(ev, TrialReport):
-                        self._on_report(ev)
-                    else:
-                        self._on_result(ev)
+                while events:
+                    if (self._ready is not None or self._blind) and not cancelling and summary.stopped_by == "budget":
+                        self._start_early(events, slots)
+                    for ev in events:
+                        if isinstance(ev, TrialReport):
+                            self._on_report(ev)
+                        else:
+                            self._on_result(ev)
+                    # Results that came while these were recorded: their slots are refilled now, not after the
+                    # next ask ahead (with trials of one length, slots end together, each behind the other's
+                    # bookkeeping)
+                    events = self.engine.poll(0) if self._blind and any(
+                        isinstance(ev, TrialResult) for ev in events) else []
                 overhead += time.monotonic() - t1
         except WaitStopped:  # stopped while it waited to see whether another host's driver runs: nothing done
             pass
@@ -520,16 +532,21 @@ class Driver:
             self.engine.cancel(fl.trial.number, "taken over by another driver")
 
     def _start_early(self, events: list[Event], slots: int) -> None:
-        """Results that free slots: submit the trial asked ahead before the finished trials' bookkeeping
-        (their storage writes, one of them fsynced, and their result files), so a slot does not idle
-        through it. Only for complete and pruned results: a failure may be retried in its slot, or stop
-        the study (``max_failures``), and a pause is the scheduler's (which asks nothing ahead)."""
+        """Results that free slots: submit the trial asked ahead (with a blind sampler, a trial asked now for
+        each freed slot) before the finished trials' bookkeeping (their storage writes, one of them fsynced,
+        and their result files), so a slot does not idle through it. Only for complete and pruned results: a
+        failure may be retried in its slot, or stop the study (``max_failures``), and a pause is the
+        scheduler's (which asks nothing ahead)."""
         freed = sum(1 for ev in events if isinstance(ev, TrialResult) and ev.number in self._inflight
                     and ev.status in ("complete", "pruned"))
         ending_j = sum(float(ev.system.get("energy_j", 0.0)) for ev in events if isinstance(ev, TrialResult)
                        and ev.number in self._inflight)
-        if freed and not self._energy_spent(ending_j) and len(self._inflight) - freed < slots and self._room(0):
-            self._start_one()
+        if not freed or self._energy_spent(ending_j):
+            return
+        for _ in range(freed if self._blind else 1):  # a blind sampler's ask needs no result: one per freed slot
+            if (len(self._inflight) - freed >= slots or not self._room(0 if self._ready is not None else 1)
+                    or (self._ready is None and not self._blind) or self._start_one() is not True):
+                return
 
     def _on_result(self, res: TrialResult) -> None:
         fl = self._inflight.get(res.number)

@@ -12,6 +12,7 @@ import pytest
 from optuna.trial import TrialState
 
 from hpoflow.api import optimize
+from hpoflow.engines.base import Engine
 from hpoflow.engines.threads import Reporter, ThreadEngine
 from hpoflow.errors import SpecError
 from hpoflow.run.ledger import count_finished, interrupted
@@ -502,6 +503,66 @@ def test_a_trial_asked_ahead_is_prepared_by_the_engine_before_it_is_submitted(tm
     assert count_finished(study) == 10 and driver.asked_ahead >= 5
     assert len(engine.prepared) == driver.asked_ahead == sum(engine.prepared_at_submit)
     assert engine.prepared_at_submit[:2] == [False, False]  # the first two started at once, unprepared
+
+
+class _Lockstep(Engine):
+    """Two slots whose trials end together: each poll returns every running trial's result, and one more
+    result (a trial started meanwhile) ends during the next poll of nothing-to-wait (``poll(0)``)."""
+
+    name = "lockstep"
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.study = study
+        self.running_: dict[int, Any] = {}
+        self.polled: set[int] = set()
+        self.pending_at_submit: list[set[int]] = []  # results polled and not yet told, at each submit
+
+    def capacity(self, request: Any) -> int:
+        return 2
+
+    def submit(self, request: Any) -> None:
+        told = {t.number for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()}
+        self.pending_at_submit.append(self.polled - told)
+        self.running_[request.number] = request
+
+    def poll(self, timeout: float | None) -> list[Any]:
+        from hpoflow.trial import TrialResult
+
+        out = [TrialResult(n, "complete", value=r.params["x"], metrics={"score": r.params["x"]},
+                           timings={"duration_s": 0.05}) for n, r in self.running_.items()]
+        self.running_.clear()
+        self.polled.update(r.number for r in out)
+        return out
+
+    def answer(self, number: int, prune: bool, pause: bool = False) -> None:
+        pass
+
+    def cancel(self, number: int, reason: str) -> None:
+        self.running_.pop(number, None)
+
+    def running(self) -> list[int]:
+        return list(self.running_)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_a_blind_sampler_refills_every_freed_slot_before_the_finished_trials_are_recorded(
+        tmp_path: Path, sampler: str) -> None:
+    """With Optuna's random sampler (its asks read no result), every slot that a batch of results frees is
+    refilled before those results are recorded, and results that come while they are recorded are seen
+    (``poll(0)``) and refilled before anything else; a sampler that reads results (TPE) waits for them."""
+    spec = make(n_trials=12, max_concurrent=2, algorithm=sampler, ask_ahead="auto" if sampler == "random" else False)
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(spec.search))
+    engine = _Lockstep(study)
+    Driver(spec, study, engine, tmp_path).run()
+    assert count_finished(study) == 12 and len(study.trials) == 12
+    refills = engine.pending_at_submit[2:]  # after the first two
+    if sampler == "random":  # both slots of each batch, each submitted with the batch's results untold
+        assert all(len(p) >= 1 for p in refills) and sum(len(p) == 2 for p in refills) >= len(refills) // 2, refills
+    else:  # told first (and nothing asked ahead): TPE sees each result before it proposes the next trial
+        assert all(not p for p in refills), refills
 
 
 def test_a_retried_attempt_reporting_its_steps_again_raises_no_optuna_warning(tmp_path: Path) -> None:
