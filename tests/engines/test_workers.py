@@ -617,3 +617,68 @@ def test_a_driver_killed_with_sigkill_leaves_no_rendezvous_directory_behind(tmp_
         assert not (mine & _rdzv_dirs()) and os.path.isdir(held)
     finally:
         remove_private_dir(held)
+
+
+BYTECODE = '''
+import json, sys
+import hpoflow
+
+spec = {"study": {"name": "bytecode", "metric": "value", "direction": "maximize"},
+        "space": {"x": {"type": "float", "low": 0, "high": 1}},
+        "search": {"algorithm": "random", "n_trials": 3, "max_concurrent": 1, "seed": 0},
+        "training": {"function": "bytecode_fns:probe"}}
+res = hpoflow.optimize(spec, run_dir=sys.argv[1])
+print(json.dumps(sorted(([t.number, t.user_attrs["metrics"]] for t in res.study.trials))))
+'''
+
+BYTECODE_FNS = '''
+import os, sys
+
+FROM_CACHE = float(os.path.exists(__cached__))  # at import: was this module's bytecode there already?
+
+
+def probe(ctx):
+    return {"value": 1.0, "from_cache": FROM_CACHE, "writes": float(not sys.dont_write_bytecode)}
+'''
+
+
+def test_with_bytecode_writing_off_a_trials_module_is_compiled_once_into_a_private_cache(tmp_path: Path) -> None:
+    """``PYTHONDONTWRITEBYTECODE`` (set in many container images): each trial imports the user's module anew,
+    which compiled its source every time. Workers keep its bytecode in a cache of this user's (under the
+    temporary directory, mode 0700) instead, and nothing is written beside the user's code."""
+    (tmp_path / "bytecode_fns.py").write_text(BYTECODE_FNS)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**RUN_ENV, "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": str(tmp)}
+    p = subprocess.run([sys.executable, "-c", BYTECODE, str(tmp_path / "run")], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    metrics = [m for _, m in json.loads(p.stdout.strip().splitlines()[-1])]
+    # compiled once (by the first trial, or by the check that the workers can import it) and read back since
+    assert [m["from_cache"] for m in metrics[1:]] == [1.0, 1.0] and {m["writes"] for m in metrics} == {1.0}, metrics
+    cache = tmp / f"hpoflow-pycache-{os.getuid()}"
+    assert (cache.stat().st_mode & 0o777) == 0o700
+    assert list(cache.rglob("bytecode_fns.*.pyc")) and not (tmp_path / "__pycache__").exists()
+
+
+def test_the_bytecode_cache_is_used_only_where_it_is_this_users_alone(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpoflow.engines.local._modules import cache_bytecode
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    name = f"hpoflow-pycache-{os.getuid()}"
+    loose = tmp_path / "loose"
+    (loose / name).mkdir(parents=True, mode=0o755)
+    os.chmod(loose / name, 0o755)  # (the umask may have kept it from 0755)
+    assert cache_bytecode(str(loose)) is None and sys.dont_write_bytecode  # others may write there: not used
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / name).symlink_to(tmp_path)
+    assert cache_bytecode(str(linked)) is None and sys.pycache_prefix is None
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert cache_bytecode(str(fresh)) == str(fresh / name) == sys.pycache_prefix and not sys.dont_write_bytecode
+    assert (fresh / name).stat().st_mode & 0o777 == 0o700
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert cache_bytecode(str(fresh)) is None  # an interpreter's own prefix (set above) is kept

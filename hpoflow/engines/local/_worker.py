@@ -33,7 +33,7 @@ import threading
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
-from hpoflow.engines.local._modules import ModuleKeeper
+from hpoflow.engines.local._modules import ModuleKeeper, cache_bytecode
 from hpoflow.engines.proc import become_subreaper, reap_descendants, unblock_sigint
 from hpoflow.train.processes import become_main_process
 from hpoflow.train.runner import run_rank
@@ -127,6 +127,7 @@ def worker_main(conn: Connection, worker_id: int) -> None:
     unblock_sigint()  # out of the terminal's group now: a trial sees SIGINT as any process does
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the engine's pause request; a trial's rank handles it
     become_subreaper()  # orphaned descendants of a trial stay below this worker (reap_descendants)
+    cache_bytecode()  # the trial's modules are imported anew for each trial: compiled once, not each time
     _die_with_engine(conn)  # ... and die with it when the engine dies
     _keep_fds_to_self()
     devnull = os.open(os.devnull, os.O_WRONLY)
