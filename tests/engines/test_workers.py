@@ -24,6 +24,7 @@ import yaml
 from hpoflow.engines import TrialRequest, TrialResult
 from hpoflow.engines.local import LocalEngine
 from hpoflow.engines.local._modules import MARK, ModuleKeeper
+from hpoflow.engines.local._worker import FULL_GC_AFTER_S
 from hpoflow.engines.logcap import CAP_ENV, LogPump
 from hpoflow.errors import EngineError
 from hpoflow.spec import TrainConfig
@@ -682,3 +683,44 @@ def test_the_bytecode_cache_is_used_only_where_it_is_this_users_alone(tmp_path: 
     assert (fresh / name).stat().st_mode & 0o777 == 0o700
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     assert cache_bytecode(str(fresh)) is None  # an interpreter's own prefix (set above) is kept
+
+
+GC_FNS = '''
+import gc, time
+
+
+def collections(ctx):
+    """How many collections of each generation this worker has made so far; sleeps ``options.sleep`` s."""
+    time.sleep(float(ctx.options.get("sleep", 0.0)))
+    stats = gc.get_stats()
+    return {"value": 0.0, "young": float(stats[1]["collections"]), "full": float(stats[2]["collections"])}
+'''
+
+
+def test_a_short_cpu_trial_is_followed_by_a_young_collection_and_a_long_one_by_a_full_one(tmp_path: Path) -> None:
+    """The collection after each trial is on the path to the next one in the worker: a full one costs
+    0.3-0.7 ms however little the trial left (``_worker.FULL_GC_AFTER_S``), so after a short CPU trial only
+    the young generations are collected; a trial of a second or more gets a full collection."""
+    (tmp_path / "gc_fns.py").write_text(GC_FNS)
+    engine = LocalEngine(cores=[0])
+    try:
+        def run(n: int, sleep: float) -> dict[str, float]:
+            train = TrainConfig(function="gc_fns:collections", options={"sleep": sleep}).model_dump(mode="json")
+            req = TrialRequest(n, {}, train, "value", "minimize", str(tmp_path / str(n)), python_path=(str(tmp_path),))
+            engine.submit(req)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                for ev in engine.poll(1.0):
+                    if isinstance(ev, TrialResult):
+                        assert ev.status == "complete", ev
+                        return ev.metrics
+            raise AssertionError("no result in 120 s")
+
+        seen = [run(n, 0.0) for n in range(4)]  # one core: one worker runs them all
+        full = [m["full"] for m in seen]
+        young = [m["young"] for m in seen]
+        assert full[-1] - full[0] <= 1 and young[-1] - young[0] >= 3, seen  # (1: the interpreter's own, maybe)
+        after_long = run(5, FULL_GC_AFTER_S)  # the trial after it sees its full collection
+        assert run(6, 0.0)["full"] >= after_long["full"] + 1
+    finally:
+        engine.close()
