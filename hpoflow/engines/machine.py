@@ -7,13 +7,17 @@ COMPSs node launcher all detect the machine through this one module.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 from hpoflow.errors import EngineError
 from hpoflow.trial import TrialRequest
 
-__all__ = ["GpuId", "check_fits", "detect_gpus", "gpus_needed", "machine_cores", "parse_visible_devices"]
+__all__ = ["GpuId", "check_fits", "detect_gpus", "gpu_lock_dir", "gpus_needed", "machine_cores",
+           "parse_visible_devices"]
 
 GpuId = int | str
 """A GPU as ``CUDA_VISIBLE_DEVICES`` names it: an index (``0``), or a GPU or MIG instance UUID (``GPU-...``,
@@ -49,6 +53,27 @@ def detect_gpus() -> list[GpuId]:
         return parse_visible_devices(visible)
     proc = Path("/proc/driver/nvidia/gpus")
     return list(range(len(list(proc.iterdir())))) if proc.is_dir() else []
+
+
+def gpu_lock_dir(base: str | os.PathLike[str] | None = None) -> Path:
+    """This user's directory of GPU lock files on this node (a rank holds a lock on each GPU it was
+    given): ``hpoflow-gpus-<uid>`` in ``base``, by default ``/dev/shm`` where it is writable (node-local;
+    a site's TMPDIR may be per job), else the temp dir; made mode 0700. Per user: one directory for all
+    users would be made by the first with what its umask leaves (1755 under 022), and the next user's
+    ranks on a shared node could not make their locks in it. ``PermissionError`` where the name is
+    another user's or not a directory (a link, a file): its locks could be read or swapped."""
+    if base is None:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    path = Path(base) / f"hpoflow-gpus-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory of this user (uid {os.getuid()}): it is owned by uid "
+                              f"{st.st_uid}{'' if stat.S_ISDIR(st.st_mode) else ' and not a directory'}. Fix: remove "
+                              "it (a node's administrator)")
+    return path
 
 
 def machine_cores() -> list[int]:

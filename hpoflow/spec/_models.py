@@ -832,8 +832,8 @@ class ResourcesSpec(_Strict):
     memory_gb: float | None = Field(
         default=None, gt=0, description="Host memory per rank in GB. The slurm engine asks each step for it "
                                         "(--mem: this x ranks per node) and counts it against the allocation's "
-                                        "memory; unset, each rank gets its CPUs' share of the node's allocated "
-                                        "memory.")
+                                        "memory; unset, each rank gets its CPUs' or its GPUs' share of the "
+                                        "node's allocated memory, whichever is larger.")
     timeout: float | None = Field(default=None, gt=0, description="Seconds before a trial is killed.")
     max_retries: int = Field(
         default=2, ge=0, description="Reruns of a trial killed by the system (signal, lost rank or node, "

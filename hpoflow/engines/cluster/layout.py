@@ -13,7 +13,7 @@ import os
 import shlex
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -29,9 +29,12 @@ __all__ = [
     "bound_cpus",
     "bound_gpus",
     "choose_ifname",
+    "export_flags",
     "fabric_candidates",
+    "gloo_ifname_from_nccl",
     "launcher_argv",
     "mpirun_argv",
+    "nccl_ifnames",
     "node_index_from_env",
     "ordered_hosts",
     "parse_id_list",
@@ -246,6 +249,35 @@ def node_index_from_env(env: Mapping[str, str]) -> int | None:
     return None
 
 
+def export_flags(args: Sequence[str], needed: Iterable[str] = ("PYTHONPATH",)) -> list[str]:
+    """``args`` (a user's srun flags) with the ``--export`` every srun of hpoflow carries.
+
+    A job submitted with ``sbatch --export=NONE`` (a site's default, or a user's habit) has
+    ``SLURM_EXPORT_ENV=NONE`` in its environment, which every ``srun`` inside reads as its own
+    ``--export``: its tasks would get the ``SLURM_*`` variables only, without ``PYTHONPATH``, the
+    agents' secret or the site's settings. So ``--export=ALL`` goes first, and the tasks get the
+    environment the engine gave srun. Where ``args`` name an ``--export`` of their own, that one
+    stands, with the ``needed`` names added: a list (``--export=A,B``) gets them appended; ``NONE``,
+    which takes no names, becomes the list of them (SLURM still adds its ``SLURM_*``); ``ALL...``
+    exports them already."""
+    out = list(args)
+    mine = [i for i, a in enumerate(out) if a.startswith("--export=")]
+    if not mine:
+        return ["--export=ALL", *out]
+    i = mine[-1]  # srun takes the last one
+    value = out[i].partition("=")[2]
+    names = [n for n in value.split(",") if n]
+    if names[:1] == ["ALL"]:
+        return out
+    wanted = [n for n in dict.fromkeys(needed) if n not in names]
+    if names == ["NONE"]:
+        names = []
+        if not wanted:
+            return out
+    out[i] = "--export=" + ",".join([*names, *wanted])
+    return out
+
+
 def route_address(target: str, port: int = 9) -> str:
     """This host's IPv4 address on the route to ``target`` (where ``target`` reaches it back); the host
     name where there is no route."""
@@ -298,6 +330,58 @@ def fabric_candidates(exclude: str | None = None) -> list[str]:
     return out
 
 
+def nccl_ifnames(value: str, interfaces: Sequence[str]) -> list[str]:
+    """The interfaces among ``interfaces`` that ``NCCL_SOCKET_IFNAME=value`` selects, in their order, as
+    NCCL reads the variable: a comma-separated list of name prefixes (``hsn`` selects ``hsn0`` and
+    ``hsn1``), of exact names after ``=`` (``=hsn0``), or of prefixes (``^docker,lo``) or exact names
+    (``^=eth1``) to leave out, every other interface but loopback selected."""
+    text = value.strip()
+    exclude = text.startswith("^")
+    text = text.removeprefix("^")
+    exact = text.startswith("=")
+    items = [p.strip() for p in text.removeprefix("=").split(",") if p.strip()]
+
+    def named(name: str) -> bool:
+        return any(name == p if exact else name.startswith(p) for p in items)
+
+    if exclude:
+        return [n for n in interfaces if n != "lo" and not named(n)]
+    return [n for n in interfaces if named(n)]
+
+
+def _up_interfaces() -> list[str]:
+    """This host's interfaces that are up and hold an IPv4 address, by name (loopback included)."""
+    try:
+        import psutil
+
+        stats = psutil.net_if_stats()
+        addrs = psutil.net_if_addrs()
+    except (ImportError, OSError):
+        return []
+    return sorted(name for name, items in addrs.items()
+                  if name in stats and stats[name].isup and any(a.family == socket.AF_INET for a in items))
+
+
+def gloo_ifname_from_nccl(value: str, route: str | None = None,
+                          interfaces: Sequence[str] | None = None) -> tuple[str | None, str]:
+    """One exact interface name for gloo from a site's ``NCCL_SOCKET_IFNAME`` (gloo takes names, not
+    NCCL's prefixes or exclusions: ``GLOO_SOCKET_IFNAME=hsn`` fails where the fabric is ``hsn0``), and
+    why, for the rank log. ``interfaces``: this host's (default: up, with an IPv4 address); ``route``:
+    the interface that routes to the launch node. Of several selected, the first by name that is
+    neither ``route`` (at most sites the management network) nor a container's or a VM's bridge;
+    ``(None, why)`` where none is selected."""
+    up = _up_interfaces() if interfaces is None else sorted(interfaces)
+    chosen = nccl_ifnames(value, up)
+    if not chosen:
+        return None, (f"NCCL_SOCKET_IFNAME={value} selects none of this host's interfaces "
+                      f"({', '.join(up) or 'none found'})")
+    if len(chosen) == 1:
+        return chosen[0], f"the one interface NCCL_SOCKET_IFNAME={value} selects"
+    pick = min(chosen, key=lambda n: (n == route, n.startswith(_VIRTUAL)))  # min keeps the name order
+    besides = f"; {route} routes to the launch node" if route in chosen else ""
+    return pick, f"the first of {', '.join(chosen)}, which NCCL_SOCKET_IFNAME={value} selects{besides}"
+
+
 @dataclass(frozen=True)
 class NodePlan:
     """How a multi-node task starts its node launchers: one argv per launcher process."""
@@ -330,7 +414,7 @@ def srun_argv(job: LaunchJob) -> list[list[str]]:
     each node launcher finds its index by its node name in ``--hosts``."""
     n, host_list = len(job.hosts), ",".join(job.hosts)
     argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--cpus-per-task={job.cpus}",
-            "--kill-on-bad-exit=1", "--export=ALL", *job.args]
+            "--kill-on-bad-exit=1", *export_flags(job.args)]
     if job.gpus:
         argv.append(f"--gres=gpu:{job.gpus}")
     return [[*argv, *_node_cli(job.python, job.job_path), "--hosts", host_list]]

@@ -45,6 +45,7 @@ from hpoflow.engines.cluster.layout import (
     bound_gpus,
     choose_ifname,
     fabric_candidates,
+    gloo_ifname_from_nccl,
     node_index_from_env,
     parse_id_list,
     resolve_node_index,
@@ -53,7 +54,7 @@ from hpoflow.engines.cluster.layout import (
     step_rank_gpus,
 )
 from hpoflow.engines.logcap import LogPump, LogStream, cap_bytes
-from hpoflow.engines.machine import parse_visible_devices
+from hpoflow.engines.machine import gpu_lock_dir, parse_visible_devices
 from hpoflow.fileio import read_json, write_json_atomic
 from hpoflow.train.transport import TrialFiles
 
@@ -377,13 +378,8 @@ _GPU_LOCKS: list[int] = []  # the lock files of this rank's GPUs, held open (and
 
 
 def _gpu_lock_dir() -> Path:
-    """Node-local, shared by every job on the node: /dev/shm where it exists (a site's TMPDIR may be
-    per job), else the temp dir."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(
-        tempfile.gettempdir())
-    path = base / "hpoflow-gpus"
-    path.mkdir(mode=0o1777, exist_ok=True)
-    return path
+    """Node-local, shared by every job of this user on the node (``hpoflow.engines.machine.gpu_lock_dir``)."""
+    return gpu_lock_dir()
 
 
 def _bind_step_gpus(rank: int, local: int, ranks_on_node: int, per_rank: int, node: str,
@@ -491,18 +487,19 @@ def host_addresses(ifname: str | None) -> str:
 
 def gloo_interface(job: Mapping[str, Any], world: int, env: Mapping[str, str]) -> tuple[str | None, str]:
     """The ``GLOO_SOCKET_IFNAME`` a rank of a multi-rank trial on several nodes should get here (None:
-    leave it as it is) and why (for the rank log). The site's ``GLOO_SOCKET_IFNAME`` stands; else its
-    ``NCCL_SOCKET_IFNAME`` when that names interfaces (not a ``^`` exclusion or ``=`` exact-match form),
-    as a site module sets it for its fabric; else, with ``socket_ifname: auto``, the interface that
+    leave it as it is) and why (for the rank log). The site's ``GLOO_SOCKET_IFNAME`` stands; else the
+    interface its ``NCCL_SOCKET_IFNAME`` selects here (prefix, ``=`` exact or ``^`` exclusion form, as a
+    site module sets it for its fabric), resolved to one exact name (``gloo_ifname_from_nccl``); else,
+    with ``socket_ifname: auto``, the interface that
     routes to the launch node (the one the step's hosts share; never all of them)."""
     if "GLOO_SOCKET_IFNAME" in env:
         return None, "GLOO_SOCKET_IFNAME was set"
     if world <= 1:
         return None, "one rank"
     nccl = env.get("NCCL_SOCKET_IFNAME", "").strip()
-    if nccl and not nccl.startswith(("^", "=")):
-        return nccl, "from NCCL_SOCKET_IFNAME"
     target = env.get("SLURM_LAUNCH_NODE_IPADDR") or str(job.get("master_addr") or "")
+    if nccl and (named := gloo_ifname_from_nccl(nccl, choose_ifname(target) if target else None))[0]:
+        return named  # NCCL's prefix, exact or exclusion form, resolved to one exact name here
     if job.get("socket_ifname") == "auto" and target:
         ifname = choose_ifname(target)
         others = fabric_candidates(exclude=ifname)

@@ -41,7 +41,7 @@ from typing import Any
 
 from hpoflow.engines.agent.protocol import SECRET_ENV, AuthError, Link, accept, new_secret
 from hpoflow.engines.base import Event, TrialReport, TrialRequest, TrialResult
-from hpoflow.engines.cluster.layout import default_pythonpath, processes_per_node
+from hpoflow.engines.cluster.layout import default_pythonpath, export_flags, processes_per_node
 from hpoflow.engines.proc import tail
 from hpoflow.engines.slurm.allocation import Allocation
 from hpoflow.engines.slurm.options import SlurmOptions
@@ -150,8 +150,9 @@ class AgentFleet:
                 "--kill-on-bad-exit=0", "--no-kill", "--input=none", f"--output={self.dir / 'agent-%n.out'}"]
         if not any(x == "--mpi" or x.startswith("--mpi=") for x in options.srun_args):
             argv.append("--mpi=none")
-        argv += [*options.srun_args, python, "-m", "hpoflow.engines.agent", "--port", str(self.port),
-                 "--pg-timeout-s", str(options.pg_timeout_s), "--socket-ifname", options.socket_ifname]
+        argv += [*export_flags(options.srun_args, ("PYTHONPATH", SECRET_ENV)), python, "-m", "hpoflow.engines.agent",
+                 "--port", str(self.port), "--pg-timeout-s", str(options.pg_timeout_s),
+                 "--socket-ifname", options.socket_ifname]
         self.started_at = time.monotonic()
         self.warm_at: float | None = None  # when every agent said its warm pool is up
         self._record: dict[str, float] = {"step_started": time.time()}  # agents.json: the agents' start

@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from hpoflow.engines.cluster.hostlist import HostlistError, expand
 from hpoflow.errors import EngineError
@@ -88,7 +89,10 @@ def _gres_gpus(text: str) -> int | None:
 @dataclass(frozen=True)
 class JobDetail:
     """What ``scontrol -d show job -o ID`` says a job holds on each node: CPUs (``CPU_IDs``), memory in MB
-    (``Mem``; 0 where SLURM does not account memory) and GPUs (``GRES=gpu:4(IDX:0-3)``)."""
+    (``Mem``; 0 where SLURM does not account memory) and GPUs (``GRES=gpu:4(IDX:0-3)``; ``GRES=`` with no
+    GPU in it: 0). ``gpus`` names only the nodes whose group has a ``GRES=`` field: a line without one
+    (a SLURM that does not print it, a group cut short) says nothing of their GPUs, not that they have
+    none."""
 
     cpus: dict[str, int]
     memory_mb: dict[str, int]
@@ -116,7 +120,6 @@ def job_detail(scontrol_line: str) -> JobDetail | None:
             for h in hosts:
                 cpus.setdefault(h, 0)
                 mem.setdefault(h, 0)
-                gpus.setdefault(h, 0)
         elif key == "CPU_IDs" and hosts:
             n = len(_id_list(value))
             for h in hosts:
@@ -224,7 +227,8 @@ class Allocation:
         if detail is not None and all(h in detail.cpus for h in self.hosts):
             if any(detail.memory_mb[h] for h in self.hosts):
                 memory = tuple(detail.memory_mb[h] for h in self.hosts)
-            gpus = min(detail.gpus[h] for h in self.hosts) if self.hosts else 0
+            if self.hosts and all(h in detail.gpus for h in self.hosts):  # else the environment's count stands
+                gpus = min(detail.gpus[h] for h in self.hosts)
             ids = tuple(detail.gpu_ids.get(h, ()) for h in self.hosts)
         tpc = max((hardware[h].threads_per_core for h in self.hosts if h in hardware), default=self.threads_per_core)
         return replace(self, gpus_per_node=gpus, memory_mb=memory, threads_per_core=tpc, whole_cores=whole_cores,
@@ -250,14 +254,21 @@ class Allocation:
 
     def rank_memory_mb(self, request: TrialRequest) -> int:
         """The memory a step asks for each rank of ``request`` (``--mem`` is this times the ranks per
-        node): ``resources.memory_gb``, else the rank's share of its node's memory by CPUs (the smallest
-        over the nodes, so a step fits any of them); 0 where memory is not accounted and not asked."""
+        node): ``resources.memory_gb``, else the rank's share of its node's memory: the larger of its
+        share by CPUs and its share by GPUs (SLURM's ``DefMemPerGPU`` counts a job's memory by its GPUs
+        too: a 1-GPU rank of a 128-CPU, 8-GPU node of 512 GB gets 64 GB, not the 4 GB of its one CPU),
+        the smallest over the nodes, so a step fits any of them; 0 where memory is not accounted and
+        not asked."""
         if request.memory_gb:
             return math.ceil(request.memory_gb * 1024)
-        if not self.memory_mb:
+        if not self.memory_mb or not any(self.cpus):
             return 0
         rank = self.rank_cpus(request)
-        return min(m * rank // c for m, c in zip(self.memory_mb, self.cpus, strict=True) if c) if self.cpus else 0
+        # the node's share a rank's GPUs are (a share 1/k of a GPU: 1/k of one GPU's), 0 without GPUs
+        share = (Fraction(request.gpus_per_process).limit_denominator(1024) / self.gpus_per_node
+                 if self.gpus_per_node else Fraction(0))
+        return min(max(m * rank // c, math.floor(m * share)) for m, c in zip(self.memory_mb, self.cpus, strict=True)
+                   if c)
 
     def capacity(self, request: TrialRequest) -> int:
         """How many trials shaped like ``request`` fit the allocation at once (each node holds

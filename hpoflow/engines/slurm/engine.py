@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.cluster.attempt import HEARTBEAT_S, stderr_tail
-from hpoflow.engines.cluster.layout import default_pythonpath, processes_per_node
+from hpoflow.engines.cluster.layout import default_pythonpath, export_flags, processes_per_node
 from hpoflow.engines.proc import tail
 from hpoflow.engines.slurm.allocation import (
     Allocation,
@@ -372,7 +372,7 @@ class SlurmEngine(Engine):
         req, files = t.request, t.files
         argv = ["srun", "--exact", f"--job-name={self._name(req)}", *self._resources(req, per_task=True),
                 "--kill-on-bad-exit=1", "--input=none", f"--output={files.dir / 'task%t.out'}",
-                *self.options.srun_args, self.python, "-m", "hpoflow.engines.cluster.node", "step",
+                *export_flags(self.options.srun_args), self.python, "-m", "hpoflow.engines.cluster.node", "step",
                 "--job", str(files.job)]
         if req.timeout:  # a backstop only: the engine stops a trial at its timeout itself
             argv.insert(1, f"--time={math.ceil((req.timeout + 120) / 60)}")

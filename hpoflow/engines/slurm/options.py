@@ -24,6 +24,21 @@ def _safe(value: str, key: str) -> str:
     return value
 
 
+def _no_hint_clash(srun_args: tuple[str, ...]) -> None:
+    """``threads_per_core: 1`` is ``--hint=nomultithread``, which srun refuses beside a binding of the
+    user's (``--cpu-bind`` other than ``verbose``, ``--threads-per-core``, ``--ntasks-per-core``, ``-B``):
+    every step would fail to start, so the spec is refused at the flag."""
+    for flag in srun_args:
+        name, _, value = flag.partition("=")
+        binds = name == "--cpu-bind" and any(v not in ("v", "verbose") for v in value.split(",") if v)
+        if binds or name in ("--threads-per-core", "--ntasks-per-core", "--extra-node-info") or flag.startswith("-B"):
+            raise ValueError(
+                f"threads_per_core: 1 runs each rank with --hint=nomultithread, which srun does not take together "
+                f"with a CPU binding of its own (--cpu-bind, --threads-per-core, --ntasks-per-core, -B), but "
+                f"srun_args holds {flag!r}. Fix: remove {flag} from srun_args, or remove threads_per_core: 1 and "
+                "say the binding in srun_args alone (e.g. --cpu-bind=cores --threads-per-core=1)")
+
+
 class SlurmOptions(Options):
     """``mode``: ``steps`` runs each trial as a job step of the allocation the driver runs in (the
     default where ``SLURM_JOB_ID`` is set, i.e. inside ``sbatch``/``salloc``); ``jobs`` submits each
@@ -33,10 +48,11 @@ class SlurmOptions(Options):
     margin, else the partition's default). ``max_jobs``: trial jobs queued or running at once (jobs mode).
     ``memory_gb``: memory per node of a trial job (jobs mode, ``--mem``) where ``resources.memory_gb``
     (per rank) is not set; default: SLURM's default. In steps mode every step asks for memory: the
-    ranks' ``resources.memory_gb``, else their CPUs' share of the allocation's memory.
+    ranks' ``resources.memory_gb``, else their share of the allocation's memory by CPUs or by GPUs,
+    whichever is larger (as SLURM's ``DefMemPerGPU``).
     ``threads_per_core``: 1 gives each rank whole cores, one thread each (``--hint=nomultithread``: a
-    rank's ``cpus_per_process`` counts cores); unset, SLURM's default (it counts hardware threads,
-    rounded up to whole cores where SLURM allocates cores).
+    rank's ``cpus_per_process`` counts cores; srun takes no ``--cpu-bind`` beside it); unset, SLURM's
+    default (it counts hardware threads, rounded up to whole cores where SLURM allocates cores).
     ``srun_args`` / ``sbatch_args``: extra flags, each one element (``--reservation=x``).
     ``python``: the interpreter on the nodes (default: the driver's). ``env``: extra environment for
     every rank. ``socket_ifname``: ``auto`` points gloo at the interface that routes to the driver's node
@@ -85,6 +101,8 @@ class SlurmOptions(Options):
             if not v.startswith("-") or any(c.isspace() for c in v):
                 raise ValueError(f"{info.field_name}: each element is one flag such as --reservation=x, but got "
                                  f"{v!r}")
+        if info.field_name == "srun_args" and info.data.get("threads_per_core") == 1:
+            _no_hint_clash(value)
         return value
 
     @field_validator("env", mode="before")
