@@ -38,6 +38,7 @@ from hpoflow.errors import NonFiniteLoss
 from hpoflow.spec import TrainConfig, import_plugins
 from hpoflow.train.context import PauseRequest, TrialContext, metric_dict, real_number
 from hpoflow.train.energy import meter_for_rank
+from hpoflow.train.faults import collective_lost
 from hpoflow.train.transport import Channel, NullChannel
 from hpoflow.train.usage import UsageSampler
 from hpoflow.trial import (
@@ -355,11 +356,11 @@ def run_rank(job: RankJob, channel: Channel | None = None) -> RankOutcome:
         with contextlib.suppress(OSError):  # the rank log's disk is full: the outcome still goes back
             sys.stderr.write(tb)
             sys.stderr.flush()
-        # A broken collective (peer died) is a lost rank: worth retrying, and so is a command trial's program
-        # killed by a signal hpoflow did not send (CommandError.retryable). User errors are not.
-        text = str(exc).lower()
+        # A broken collective (a peer died: gloo, NCCL; hpoflow.train.faults) is a lost rank: worth retrying, and
+        # so is a command trial's program killed by a signal hpoflow did not send (CommandError.retryable).
+        # User errors are not.
         retryable = getattr(exc, "retryable", False) is True or (
-            job.world_size > 1 and any(w in text for w in ("gloo", "connection", "timed out")))
+            job.world_size > 1 and collective_lost(type(exc).__name__, str(exc)))
         return RankOutcome("error", {}, error=f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__,
                            retryable=retryable, usage=_usage(usage, req, job.rank))
     finally:

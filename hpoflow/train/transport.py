@@ -6,13 +6,14 @@ Rank 0 sends reports out and receives pruning decisions back over a ``Channel``:
 - ``FileChannel``: for engines whose ranks run on other nodes (compss), through files in the shared
   run directory, laid out by ``TrialFiles``; the engine side reads them with ``ReportReader``.
 - ``SocketChannel``: the slurm engine's steps mode. Reports go to the file as with ``FileChannel``
-  (the durable record) and, as they are made, over a TCP connection the engine opens to rank 0
-  (``ControlLink``); decisions come back over it, so rank 0 waits on the connection, not by polling
-  answer files on the shared file system (a Lustre metadata server's load at hundreds of ranks;
-  NFS attribute caching delays a file by seconds). Rank 0 listens on a kernel-picked port and
-  announces ``ADDRESS PORT TOKEN`` in ``control.addr`` (mode 0600); the engine's first line must be
-  the token. Where no engine connects within ``FALLBACK_S``, rank 0 falls back to answer files.
-- ``LineServer``: the token-checked JSON-lines server behind ``SocketChannel``, and behind a command
+  (the durable record) and, as they are made, over a TCP connection rank 0 opens to the engine's
+  ``ControlServer`` (one listening socket for the whole study, at the address and port the job file
+  names, with a random token per attempt); decisions and stops come back over it. Neither side polls a
+  file: rank 0 waits on the connection, and the engine reads no ``reports.jsonl`` and no address file
+  while a step runs (at hundreds of ranks, a Lustre metadata server's load; NFS attribute caching
+  delays a file by seconds). Where rank 0 cannot connect within ``CONNECT_S`` it trains on without
+  decisions, and the engine reads its reports from the file once, when the step has ended.
+- ``LineServer``: a token-checked JSON-lines server with a thread per connection, behind a command
   trial's channel to its program (``hpoflow.train.command``, ``hpoflow.client``: ``HPOFLOW_CONTROL``).
 
 The file protocol: one directory per attempt of a trial (``TrialFiles``); every write atomic (temp
@@ -31,7 +32,8 @@ file, fsync, rename: ``hpoflow.fileio``) except the report log, which is append-
   rank's watcher turns it into the SIGUSR1 the rank's training loop reacts to.
 - ``result.json``: the task's ``TrialResult`` (written last; its presence means the task ended);
   ``status: resized`` when an elastic trial's ranks all left to be restarted on another size.
-- ``outcome-<rank>.json``, ``job.json``, ``heartbeat``: between the task and its rank processes.
+- ``outcome-<rank>.json``, ``job.json``, ``heartbeat``: between the task and its rank processes
+  (``job.json`` of a step, mode 0600, holds the token of rank 0's connection to the engine).
 
 Standard library only: the engine, the task body (inside a persistent COMPSs worker) and the node
 launchers use it without importing torch.
@@ -44,20 +46,21 @@ import contextlib
 import json
 import logging
 import secrets
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from hpoflow.fileio import append_jsonl, read_json, write_atomic
+from hpoflow.fileio import append_jsonl, read_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Channel", "ControlLink", "FileChannel", "LineServer", "NullChannel", "PipeChannel", "ReportReader",
+__all__ = ["Channel", "ControlServer", "FileChannel", "LineServer", "NullChannel", "PipeChannel", "ReportReader",
            "SocketChannel", "TrialFiles", "drain"]
 
 class Channel(abc.ABC):
@@ -156,11 +159,6 @@ class TrialFiles:
     def answer(self, seq: int) -> Path:
         return self.dir / f"answer-{seq}.json"
 
-    @property
-    def control(self) -> Path:
-        """Where rank 0 announces its control socket (``SocketChannel``): ``ADDRESS PORT TOKEN``."""
-        return self.dir / "control.addr"
-
     def outcome(self, rank: int) -> Path:
         return self.dir / f"outcome-{rank}.json"
 
@@ -258,8 +256,8 @@ class FileChannel(Channel):
 
 
 class LineServer:
-    """A TCP server of JSON lines for whoever holds its token: the one place a control socket is
-    served (rank 0's ``SocketChannel``; a command trial's ``hpoflow.client`` channel). It listens on a
+    """A TCP server of JSON lines for whoever holds its token, a thread per connection (a command trial's
+    ``hpoflow.client`` channel, one client on this host). It listens on a
     port the kernel picks (on ``host``: ``""`` every interface, ``127.0.0.1`` this host only); a
     connection's first line must be the token (else it is closed), then each line is one JSON object,
     handed to ``on_message(conn, message)``, whose reply (a dict) goes back as one line. ``announce``
@@ -317,45 +315,80 @@ class LineServer:
                     self._on_close(conn)
 
 
-FALLBACK_S = 30.0  # SocketChannel: no engine connected by then: decisions are read from answer files
+CONNECT_S = 30.0  # SocketChannel: rank 0 tries to reach the engine this long (with back-off), then trains on
+MAX_LINE = 1 << 20  # ControlServer: a line longer than this closes its connection
 
 
 class SocketChannel(FileChannel):
-    """Rank 0's channel in steps mode (see the module docstring): reports to the file and over the
-    engine's connection, decisions from it. ``address``: where the engine reaches this node."""
+    """Rank 0's channel in steps mode (see the module docstring): reports to the file and over a
+    connection to the engine's ``ControlServer``, decisions back over it. ``engine``: what the engine
+    put in the job file, ``HOST PORT TOKEN`` (the host may be overridden by the caller: a step's rank
+    reaches the driver at ``SLURM_LAUNCH_NODE_IPADDR``); ``hello``: sent after the token (where the
+    step runs: its id and nodes). Rank 0 connects in the background with back-off for ``CONNECT_S``;
+    where it cannot, it trains on without decisions (said once in its log) and the engine reads its
+    reports from ``reports.jsonl`` when the step ends."""
 
-    def __init__(self, files: TrialFiles, answer_timeout_s: float = 600.0, address: str = "127.0.0.1") -> None:
+    def __init__(self, files: TrialFiles, answer_timeout_s: float = 600.0, *, engine: str,
+                 hello: dict[str, Any] | None = None) -> None:
         super().__init__(files, answer_timeout_s)
+        host, port, token = engine.split()
+        self._target = (host, int(port))
         self._cv = threading.Condition()
         self._answers: dict[int, dict[str, Any]] = {}
         self._conn: socket.socket | None = None
+        self._gave_up = False
         self._stopped = False
-        self._opened = time.monotonic()
-        self._server = LineServer(self._on_message, on_open=self._on_open, on_close=self._on_close)
-        self.token = self._server.token
-        write_atomic(files.control, self._server.announce(address) + "\n", mode=0o600)
+        self._first = (token + "\n" + json.dumps({"hello": hello or {}}) + "\n").encode()
+        threading.Thread(target=self._connect, name="hpoflow-control", daemon=True).start()
 
     @property
     def connected(self) -> bool:
         return self._conn is not None
 
-    def _on_open(self, conn: socket.socket) -> None:
+    def _connect(self) -> None:
+        end, delay, last = time.monotonic() + CONNECT_S, 0.05, ""
+        while True:
+            try:
+                conn = socket.create_connection(self._target, timeout=max(0.1, min(5.0, end - time.monotonic())))
+                conn.settimeout(None)
+                conn.sendall(self._first)
+                break
+            except OSError as exc:
+                last = str(exc)
+            if time.monotonic() + delay >= end:
+                log.warning("rank 0 could not reach the engine at %s:%d within %g s (%s): reports go to %s only, "
+                            "and this trial gets no pruning decisions", *self._target, CONNECT_S, last,
+                            self.files.reports)
+                with self._cv:
+                    self._gave_up = True
+                    self._cv.notify_all()
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
         with self._cv:
-            self._conn = conn  # the engine's latest connection: reports go there
+            self._conn = conn
             self._cv.notify_all()
+        self._read(conn)
 
-    def _on_message(self, conn: socket.socket, msg: dict[str, Any]) -> None:
-        with self._cv:
-            if "seq" in msg:
-                self._answers[int(msg["seq"])] = msg
-            if msg.get("stop"):
-                self._stopped = True
+    def _read(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn.makefile("rb") as reader:
+            for line in reader:
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(msg, dict):
+                    continue
+                with self._cv:
+                    if "seq" in msg:
+                        self._answers[int(msg["seq"])] = msg
+                    if msg.get("stop"):
+                        self._stopped = True
+                    self._cv.notify_all()
+        with self._cv:  # the engine went away: no more decisions
+            self._conn = None
+            self._gave_up = True
             self._cv.notify_all()
-
-    def _on_close(self, conn: socket.socket) -> None:
-        with self._cv:
-            if self._conn is conn:
-                self._conn = None
 
     def report(self, step: int, metrics: dict[str, float], wants_answer: bool) -> bool:
         seq = self.seq
@@ -363,21 +396,15 @@ class SocketChannel(FileChannel):
         record = {"seq": seq, "step": int(step), "metrics": metrics, "wants_answer": bool(wants_answer),
                   "time": time.time()}
         self._append(record)
-        self._push(record)
+        self._push(record, wait=True)
         if not wants_answer:
             return False
         deadline = time.monotonic() + self.answer_timeout_s
         with self._cv:
-            while seq not in self._answers and not self._stopped:
+            while seq not in self._answers and not self._stopped and not self._gave_up:
                 now = time.monotonic()
                 if now >= deadline:
                     break
-                if self._conn is None and now - self._opened > FALLBACK_S:
-                    self._cv.release()
-                    try:  # no engine connected: answer files, as FileChannel reads them
-                        return self._wait_for_file(seq, step, deadline, lambda: self._socket_answer(seq), 0.05, 1.0)
-                    finally:
-                        self._cv.acquire()
                 self._cv.wait(min(1.0, deadline - now))
             if self._stopped:
                 return True  # cancelled: stop training as if pruned; srun's SIGTERM ends us anyway
@@ -387,21 +414,28 @@ class SocketChannel(FileChannel):
             return False
         return self._answered(data)
 
-    def _socket_answer(self, seq: int) -> dict[str, Any] | None:
-        with self._cv:
-            return self._answers.pop(seq, None)  # the engine connected meanwhile
-
     def send(self, kind: str, payload: Any) -> None:
         record = {"kind": kind, "payload": payload, "time": time.time()}
         self._append(record)
         self._push(record)
 
-    def _push(self, record: dict[str, Any]) -> None:
+    def _push(self, record: dict[str, Any], wait: bool = False) -> None:
+        """Send ``record`` to the engine; with ``wait``, first wait while rank 0 is still connecting (a
+        report made in the first moments is not left to the file alone)."""
         with self._cv:
+            while wait and self._conn is None and not self._gave_up:
+                self._cv.wait(1.0)
             conn = self._conn
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps(record).encode() + b"\n")
+
+    def close(self) -> None:
+        with self._cv:
+            conn, self._conn, self._gave_up = self._conn, None, True
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 def drain(sock: socket.socket) -> tuple[bytes, bool]:
@@ -420,46 +454,154 @@ def drain(sock: socket.socket) -> tuple[bytes, bool]:
         chunks.append(chunk)
 
 
-class ControlLink:
-    """The engine's end of a ``SocketChannel``: connects to what ``control.addr`` announces, sends
-    decisions, and reads the reports rank 0 pushes (``read_new``, without blocking)."""
+@dataclass
+class _Peer:
+    """One connection to a ``ControlServer``: its token once it sent one, what it sent since, unread."""
 
-    def __init__(self, announced: str, timeout_s: float = 5.0) -> None:
-        host, port, token = announced.split()
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-        self.sock.sendall(token.encode() + b"\n")
-        self.sock.setblocking(False)
-        self._buf = b""
-        self.closed = False
+    sock: socket.socket
+    opened: float
+    token: str | None = None
+    buf: bytes = b""
+    inbox: list[dict[str, Any]] = field(default_factory=list)
+    closed: bool = False
 
-    def send(self, message: dict[str, Any]) -> bool:
-        """Send one message; False when the connection is gone."""
-        try:
-            self.sock.setblocking(True)
-            self.sock.sendall(json.dumps(message).encode() + b"\n")
-            self.sock.setblocking(False)
-            return True
-        except OSError:
-            self.close()
-            return False
 
-    def read_new(self) -> list[dict[str, Any]]:
-        """The records rank 0 pushed since the last call (complete lines only)."""
-        if not self.closed:
-            data, alive = drain(self.sock)
-            self._buf += data
-            if not alive:
-                self.close()
-        *lines, self._buf = self._buf.split(b"\n")
-        out = []
-        for line in lines:
-            with contextlib.suppress(ValueError):
-                item = json.loads(line)
-                if isinstance(item, dict):
-                    out.append(item)
+class ControlServer:
+    """The engine's end of the steps-mode control connections: one listening socket for every trial.
+    Rank 0 of an attempt connects (``SocketChannel``), sends the attempt's token (``expect``) as its
+    first line, then its hello and its reports as JSON lines; the engine sends decisions and stops
+    (``send``). Nothing here blocks and no thread serves it: the engine's poll waits in ``wait`` on the
+    listener and every connection at once, so work per wake-up follows the sockets that are ready. A
+    connection that has not sent a known token within ``preauth_s`` is closed, and at most
+    ``max_pending`` wait to send one (the oldest goes first)."""
+
+    def __init__(self, host: str = "", *, preauth_s: float = 10.0, max_pending: int = 64) -> None:
+        self._server = socket.create_server((host, 0), backlog=128)
+        self._server.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._server, selectors.EVENT_READ, None)
+        self._preauth_s, self._max_pending = preauth_s, max_pending
+        self._expected: set[str] = set()
+        self._peers: dict[str, _Peer] = {}  # token -> its latest connection
+        self._pending: list[_Peer] = []
+
+    @property
+    def port(self) -> int:
+        return int(self._server.getsockname()[1])
+
+    def new_token(self) -> str:
+        """A token for one attempt of a trial: its rank 0's connection is known by it."""
+        token = secrets.token_hex(16)
+        self._expected.add(token)
+        return token
+
+    def forget(self, token: str) -> None:
+        """The attempt ended: its connection is closed and its token no longer admitted."""
+        self._expected.discard(token)
+        peer = self._peers.pop(token, None)
+        if peer is not None:
+            self._drop(peer)
+
+    def connected(self, token: str) -> bool:
+        peer = self._peers.get(token)
+        return peer is not None and not peer.closed
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for any socket to be ready, then accept and read what is."""
+        now = time.monotonic()
+        for peer in [p for p in self._pending if now - p.opened > self._preauth_s]:
+            self._drop(peer)
+        if self._pending:
+            timeout = min(timeout, max(0.0, min(p.opened for p in self._pending) + self._preauth_s - now))
+        for key, _ in self._sel.select(max(0.0, timeout)):
+            if key.data is None:
+                self._accept()
+            else:
+                self._read(key.data)
+
+    def messages(self, token: str) -> list[dict[str, Any]]:
+        """What the attempt's rank 0 sent since the last call (its hello, reports...)."""
+        peer = self._peers.get(token)
+        if peer is None or not peer.inbox:
+            return []
+        out, peer.inbox = peer.inbox, []
         return out
 
+    def send(self, token: str, message: dict[str, Any]) -> bool:
+        """Send one message to the attempt's rank 0; False when it is not connected."""
+        peer = self._peers.get(token)
+        if peer is None or peer.closed:
+            return False
+        try:
+            peer.sock.setblocking(True)
+            peer.sock.settimeout(5.0)
+            peer.sock.sendall(json.dumps(message).encode() + b"\n")
+            peer.sock.setblocking(False)
+            return True
+        except OSError:
+            self._drop(peer)
+            return False
+
     def close(self) -> None:
-        self.closed = True
+        for peer in [*self._pending, *self._peers.values()]:
+            self._drop(peer)
+        self._pending.clear()
+        self._peers.clear()
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(self._server)
         with contextlib.suppress(OSError):
-            self.sock.close()
+            self._server.close()
+        self._sel.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the connection waits in the backlog
+                log.warning("the engine's control socket cannot accept a connection now: %s", exc)
+                return
+            sock.setblocking(False)
+            peer = _Peer(sock, time.monotonic())
+            self._sel.register(sock, selectors.EVENT_READ, peer)
+            self._pending.append(peer)
+            while len(self._pending) > self._max_pending:
+                self._drop(self._pending[0])
+
+    def _read(self, peer: _Peer) -> None:
+        data, alive = drain(peer.sock)
+        peer.buf += data
+        *lines, peer.buf = peer.buf.split(b"\n")
+        if len(peer.buf) > MAX_LINE:
+            alive = False
+        for line in lines:
+            if peer.token is None:
+                token = line.strip().decode(errors="replace")
+                if token not in self._expected:
+                    alive = False
+                    break
+                self._pending.remove(peer)
+                old = self._peers.get(token)
+                if old is not None:
+                    self._drop(old)
+                peer.token = token
+                self._peers[token] = peer
+                continue
+            with contextlib.suppress(ValueError, RecursionError):
+                item = json.loads(line)
+                if isinstance(item, dict):
+                    peer.inbox.append(item)
+        if not alive:
+            self._drop(peer)
+
+    def _drop(self, peer: _Peer) -> None:
+        if peer in self._pending:
+            self._pending.remove(peer)
+        if peer.closed:
+            return
+        peer.closed = True
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(peer.sock)
+        with contextlib.suppress(OSError):
+            peer.sock.close()

@@ -49,7 +49,6 @@ from hpoflow.engines.cluster.layout import (
     node_index_from_env,
     parse_id_list,
     resolve_node_index,
-    route_address,
     split_for_ranks,
     step_rank_gpus,
 )
@@ -541,11 +540,15 @@ def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: i
                  announce or str(job.get("announce") or ""))
     timeout = float(job.get("answer_timeout_s", 600.0))
     channel: Channel = NullChannel()
-    if rank == 0 and socket_channel:  # a step: the engine connects to rank 0 (no answer files polled)
+    if rank == 0 and socket_channel and job.get("control"):  # a step: rank 0 connects to the engine
         from hpoflow.train.transport import SocketChannel
 
-        target = os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "")
-        channel = SocketChannel(files, timeout, route_address(target) if target else socket.gethostname())
+        host, port, token = str(job["control"]).split()
+        env = os.environ
+        where = {"step": env.get("SLURM_STEP_ID", ""), "nodes": env.get("SLURM_STEP_NODELIST", ""),
+                 "host": env.get("SLURMD_NODENAME") or os.uname().nodename}
+        channel = SocketChannel(files, timeout, hello=where,
+                                engine=f"{env.get('SLURM_LAUNCH_NODE_IPADDR') or host} {port} {token}")
     elif rank == 0:
         channel = FileChannel(files, timeout)
     outcome = run_rank(rj, channel)

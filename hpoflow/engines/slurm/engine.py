@@ -16,14 +16,17 @@ Modes (``engine_options.mode``; ``auto``: steps inside an allocation, else jobs)
   task does. The driver may run on a login node.
 
 Results and checkpoints are written to the run directory on the shared file system. In jobs mode,
-reports and pruning answers travel through it too, as in the compss engine; in steps mode they go
-over a TCP connection the engine opens to rank 0 (``SocketChannel`` / ``ControlLink`` in
-``hpoflow.train.transport``; the files stay the record), and a step's ranks watch no file: a cancel
-is SIGTERM to the step's ``srun`` (it ends the step), a pause SIGUSR1 (srun forwards both). Jobs mode
-cancels with a ``STOP`` file every rank watches and ``scancel``. A rank that ends without an outcome
-(its node failed: ``srun`` may exit 0 then) fails the attempt as retryable, so the driver reruns it
-from its checkpoint on the nodes that are left (``resources.max_retries``); where those can no longer
-hold a trial the driver records it interrupted and stops (``Driver._out_of_room``).
+reports and pruning answers travel through it too, as in the compss engine. In steps mode they go over
+a TCP connection rank 0 opens to the engine's one listening socket (``SocketChannel`` /
+``ControlServer`` in ``hpoflow.train.transport``; its address, port and the attempt's token are in the
+step's job file, mode 0600), and neither side polls a file while a step runs: the poll waits on the
+sockets (a report wakes it at once) and on the steps' ``srun`` processes; ``reports.jsonl`` stays the
+record, read once when the step has ended. A cancel is SIGTERM to the step's ``srun`` (it ends the
+step), a pause SIGUSR1 (srun forwards both). Jobs mode cancels with a ``STOP`` file every rank watches
+and ``scancel``. A rank that ends without an outcome (its node failed: ``srun`` may exit 0 then) fails
+the attempt as retryable, so the driver reruns it from its checkpoint on the nodes that are left
+(``resources.max_retries``); where those can no longer hold a trial the driver records it interrupted
+and stops (``Driver._out_of_room``).
 
 With node agents (``engine_options.agents``: ``on``, or ``auto`` in steps mode), no step per trial: one
 step over the whole allocation runs an agent on each node, the local engine's warm pool there, and
@@ -31,11 +34,14 @@ trials go to the agents over TCP (``hpoflow.engines.slurm.agents``, ``hpoflow.en
 
 In steps mode the engine starts a step only when the allocation has room for it (the trials it runs
 against ``Allocation.capacity``); a trial submitted without room waits here, its timeout not yet
-running, rather than in ``srun`` ("Requested nodes are busy"). After a step ends without its ranks'
-outcomes, the engine reads the job's nodes again (``scontrol show job``): with ``--no-kill`` SLURM takes
-a failed node out of the job, so the room shrinks to the nodes that are left. Waiting matters there:
-SLURM 22.05 does not wake an ``srun`` waiting for busy nodes of a job that lost a node, so such a step
-would start only when ``srun`` retries on its own, about a minute later.
+running, rather than in ``srun`` ("Requested nodes are busy"). After every retryable failure of a step
+(a rank without an outcome, or a peer's collective error: a crashed node's survivors speak first),
+the engine settles before it starts another step or passes the result on
+(``hpoflow.engines.slurm.replan``): a thread asks ``scontrol``/``squeue``, one at a time, until SLURM
+has ended the step with every node in the job, or taken a node out of the ``--no-kill`` job (then the
+room shrinks to the nodes that are left, less the CPUs SLURM 22.05 keeps for the failed step on them),
+or ``SlurmdTimeout`` and a minute have passed. No step ever runs with ``--overlap`` (nor with a site's
+``SLURM_OVERLAP``): SLURM would stop keeping the study's steps apart.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,20 +65,21 @@ from typing import TYPE_CHECKING, Any
 
 from hpoflow.engines.base import Engine, Event, TrialReport, TrialRequest, TrialResult
 from hpoflow.engines.cluster.attempt import HEARTBEAT_S, stderr_tail
+from hpoflow.engines.cluster.hostlist import HostlistError, expand
 from hpoflow.engines.cluster.layout import default_pythonpath, export_flags, processes_per_node
 from hpoflow.engines.proc import tail
 from hpoflow.engines.slurm.allocation import (
     Allocation,
     config_value,
     job_detail,
-    job_nodes,
     node_hardware,
     whole_cores,
 )
 from hpoflow.engines.slurm.options import SlurmOptions
+from hpoflow.engines.slurm.replan import Replan, Settle, run_client
 from hpoflow.errors import EngineError
 from hpoflow.fileio import read_json, write_atomic, write_json_atomic
-from hpoflow.train.transport import ControlLink, ReportReader, TrialFiles
+from hpoflow.train.transport import ControlServer, ReportReader, TrialFiles
 from hpoflow.trial import RankOutcome, result_from_ranks
 
 if TYPE_CHECKING:
@@ -104,8 +112,8 @@ class _Trial:
     signalled_at: float = 0.0
     gone_since: float | None = None
     started: bool = False  # steps: its srun runs (False: waiting for room in the allocation)
-    link: ControlLink | None = None  # steps: the connection to rank 0's control socket
-    link_failed: bool = False
+    token: str = ""  # steps: how rank 0's connection to the engine's ControlServer is known
+    step: dict[str, str] = field(default_factory=dict)  # steps: rank 0's hello (step id, nodes)
     seen: set[int] = field(default_factory=set)  # report seqs passed on (each arrives by socket and file)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -145,8 +153,11 @@ class SlurmEngine(Engine):
         self._events: list[Event] = []
         self._last_squeue = 0.0
         self._queued: dict[str, str] = {}  # job id -> state, from the last squeue
-        self._overlap = False  # steps run with --overlap (after a multi-node step lost a node: _result)
         self._closed = False
+        # steps mode: the plan across failed steps (SLURM's word on the job, read off the poll path)
+        # and the socket rank 0 of every step connects to
+        self._replan = Replan(self.allocation) if self.allocation is not None else None
+        self._control: ControlServer | None = None
         if self.allocation is not None and self.options.resolved_agents(env):
             from hpoflow.engines.slurm.agents import AgentFleet
 
@@ -197,7 +208,14 @@ class SlurmEngine(Engine):
         request = t.request
         if request.timeout:
             t.deadline = time.monotonic() + request.timeout
-        write_json_atomic(t.files.job, self._job(request, t.files))
+        job = self._job(request, t.files)
+        if self.mode == "steps":
+            if self._control is None:
+                self._control = ControlServer()
+            t.token = self._control.new_token()
+            # rank 0 connects to the driver (at SLURM_LAUNCH_NODE_IPADDR, this host's name where unset)
+            job["control"] = f"{socket.gethostname()} {self._control.port} {t.token}"
+        write_atomic(t.files.job, json.dumps(job, sort_keys=True, default=str), mode=0o600)  # holds the token
         t.started = True
         if self.mode == "steps":
             self._start_step(t)
@@ -208,6 +226,8 @@ class SlurmEngine(Engine):
         """Steps mode: whether one more trial shaped like ``request`` fits beside the running ones."""
         if self.allocation is None:
             return True
+        if self._replan is not None and self._replan.waiting:  # a step failed: whether its node is lost unknown yet
+            return False
         running = sum(1 for t in self._trials.values() if t.started)
         return running < self.allocation.capacity(request)
 
@@ -226,15 +246,20 @@ class SlurmEngine(Engine):
                 self._refresh_queue()
             for t in list(self._trials.values()):
                 self._check(t)
+            self._settle()
             self._start_waiting()
-            if self._events or not self._trials:
+            if self._events or not (self._trials or self.running()):
                 out, self._events = self._events, []
                 return out
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return []
             step = self.options.poll_interval_s
-            time.sleep(step if deadline is None else max(0.0, min(step, deadline - now)))
+            wait = step if deadline is None else max(0.0, min(step, deadline - now))
+            if self._control is not None:  # steps: woken by a report at once, else after `wait`
+                self._control.wait(wait)
+            else:
+                time.sleep(wait)
 
     def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         if self.fleet is not None:
@@ -244,8 +269,9 @@ class SlurmEngine(Engine):
         if t is None or t.pending_answer is None:
             return
         seq, t.pending_answer = t.pending_answer, None
-        if t.link is not None:  # rank 0 waits on the connection; the file is the record (and its fallback)
-            t.link.send({"seq": seq, "prune": bool(prune), "pause": bool(pause)})
+        if self._control is not None and t.token:  # steps: rank 0 waits on its connection, no file
+            self._control.send(t.token, {"seq": seq, "prune": bool(prune), "pause": bool(pause)})
+            return
         with contextlib.suppress(OSError):
             write_json_atomic(t.files.answer(seq), {"prune": bool(prune), "pause": bool(pause)})
 
@@ -261,8 +287,8 @@ class SlurmEngine(Engine):
             self._stop(t)
 
     def pause(self, number: int, reason: str) -> None:
-        """A ``PAUSE`` file every rank watches, and SIGUSR1 to the step's srun (it forwards it to every
-        rank); stopped for good if it has not paused within ``PAUSE_GRACE_S``. With agents, the agents
+        """SIGUSR1 to the step's srun (it forwards it to every rank; jobs mode: a ``PAUSE`` file every rank
+        watches); stopped for good if it has not paused within ``PAUSE_GRACE_S``. With agents, the agents
         signal their ranks."""
         if self.fleet is not None:
             self.fleet.pause(number, reason)
@@ -274,8 +300,9 @@ class SlurmEngine(Engine):
             t.cancel_reason = f"paused ({reason}) before it started"
             return
         t.paused_at = time.monotonic()
-        with contextlib.suppress(OSError):
-            t.files.pause.write_text(f"{reason}\n")
+        if self.mode == "jobs":  # a step's ranks get SIGUSR1 from srun and watch no file
+            with contextlib.suppress(OSError):
+                t.files.pause.write_text(f"{reason}\n")
         self._signal_pause(t)
 
     def _signal_pause(self, t: _Trial) -> None:
@@ -285,7 +312,10 @@ class SlurmEngine(Engine):
                 os.kill(t.proc.pid, signal.SIGUSR1)
 
     def running(self) -> list[int]:
-        return self.fleet.running() if self.fleet is not None else sorted(self._trials)
+        if self.fleet is not None:
+            return self.fleet.running()
+        waiting = self._replan.waiting if self._replan is not None else []
+        return sorted({*self._trials, *(s.number for s in waiting)})  # a result waiting for SLURM's word
 
     def close(self) -> None:
         if self._closed:
@@ -312,6 +342,10 @@ class SlurmEngine(Engine):
             elif t.job_id is not None:
                 _run_quiet(["scancel", "--signal=KILL", t.job_id])
         self._trials.clear()
+        if self._replan is not None:
+            self._replan.close()
+        if self._control is not None:
+            self._control.close()
 
     # -- starting a trial ---------------------------------------------------------------------------
     def _job(self, request: TrialRequest, files: TrialFiles) -> dict[str, Any]:
@@ -346,13 +380,13 @@ class SlurmEngine(Engine):
                 out.append("--hint=nomultithread")
             # no GPU flag would give the step every GPU of the job on its nodes (and the next step waits)
             out.append(f"--gres=gpu:{ppn * request.gpus_per_process}" if request.gpus_per_process else "--gres=none")
-            rank_mb = self.allocation.rank_memory_mb(request) if self.allocation is not None else 0
+            # memory is SLURM's to give back after a failed step (replan): planned on the job's whole nodes
+            a = self._replan.job if self._replan is not None else None
+            rank_mb = a.rank_memory_mb(request) if a is not None else 0
             if rank_mb:
                 out.append(f"--mem={ppn * rank_mb}M")
             if not any(a == "--mpi" or a.startswith("--mpi=") for a in o.srun_args):
                 out.append("--mpi=none")  # a site whose default is PMIx would set it up for every step
-            if self._overlap:
-                out.append("--overlap")
             return out
         out += ["--ntasks-per-node=1", f"--cpus-per-task={ppn * request.cpus_per_process}"]
         if o.threads_per_core == 1:
@@ -434,47 +468,48 @@ class SlurmEngine(Engine):
             return  # slurmctld did not answer: keep the last states
         self._queued = dict(line.split(None, 1) for line in r.splitlines() if len(line.split(None, 1)) == 2)
 
-    def _connect(self, t: _Trial) -> None:
-        """Steps mode: connect to rank 0's control socket once it is announced (``SocketChannel``)."""
-        if t.link is not None or t.link_failed or self.mode != "steps":
-            return
-        try:
-            announced = t.files.control.read_text()
-        except OSError:
-            return  # not yet
-        try:
-            t.link = ControlLink(announced)
-        except (OSError, ValueError) as exc:
-            t.link_failed = True
-            print(f"hpoflow: warning: cannot reach trial {t.request.number}'s rank 0 at {announced.split()[:2]} "
-                  f"({exc}): its pruning decisions go through answer files", file=sys.stderr, flush=True)
-
-    def _read_reports(self, t: _Trial) -> None:
-        self._connect(t)
-        items = t.link.read_new() if t.link is not None else []
-        items += t.reader.read_new()
-        for item in sorted(items, key=lambda i: int(i.get("seq", -1))):
+    def _read_reports(self, t: _Trial, final: bool = False) -> None:
+        """The trial's new reports: in steps mode what rank 0 sent over its connection (and, once its step
+        has ended, ``final``, what reached only ``reports.jsonl``: rank 0 could not connect, or the
+        connection broke); in jobs mode from ``reports.jsonl``."""
+        if self._control is not None and t.token:
+            items = self._control.messages(t.token)
+            for item in items:
+                hello = item.get("hello")
+                if isinstance(hello, dict):
+                    t.step = {str(k): str(v) for k, v in hello.items()}
+            if final:
+                items += t.reader.read_new()
+        else:
+            items = t.reader.read_new()
+        for item in sorted(items, key=lambda i: _seq(i.get("seq"))):
             if "step" not in item:
                 continue
-            seq = int(item.get("seq", -1))
+            seq = _seq(item.get("seq"))
             if seq in t.seen:
                 continue
             t.seen.add(seq)
+            try:
+                step = int(item["step"])
+                metrics = {str(k): float(v) for k, v in (item.get("metrics") or {}).items()}
+            except (TypeError, ValueError, AttributeError):
+                continue  # not a report rank 0 makes
             if t.first_report is None:
                 t.first_report = time.monotonic()
             if item.get("wants_answer"):
-                t.pending_answer = int(item.get("seq", 0))
-            metrics = {str(k): float(v) for k, v in (item.get("metrics") or {}).items()}
-            self._events.append(TrialReport(t.request.number, int(item["step"]), metrics,
-                                            bool(item.get("wants_answer"))))
+                t.pending_answer = seq
+            self._events.append(TrialReport(t.request.number, step, metrics, bool(item.get("wants_answer"))))
 
     def _stop(self, t: _Trial) -> None:
-        """Ask every rank to stop (STOP file), then end the step or the job."""
+        """Ask every rank to stop, then end the step or the job: steps mode tells rank 0 over its connection
+        (it stops waiting for a decision) and srun forwards SIGTERM; jobs mode writes the STOP file its
+        ranks watch, then ``scancel``."""
         t.stop_time = time.monotonic()
-        if t.link is not None:  # rank 0 may be waiting for a decision: it stops waiting at once
-            t.link.send({"stop": str(t.cancel_reason or t.failure)})
-        with contextlib.suppress(OSError):
-            t.files.stop.write_text(f"{t.cancel_reason or t.failure}\n")
+        if self._control is not None and t.token:  # rank 0 may be waiting for a decision: it stops at once
+            self._control.send(t.token, {"stop": str(t.cancel_reason or t.failure)})
+        if self.mode == "jobs":  # a step's ranks watch no file: srun forwards the SIGTERM below
+            with contextlib.suppress(OSError):
+                t.files.stop.write_text(f"{t.cancel_reason or t.failure}\n")
         if t.proc is not None and t.proc.poll() is None:
             with contextlib.suppress(OSError):
                 os.killpg(t.proc.pid, signal.SIGTERM)  # srun forwards it and ends the step
@@ -510,10 +545,17 @@ class SlurmEngine(Engine):
         done = self._step_done(t) if t.proc is not None or self.mode == "steps" else self._job_done(t, now)
         if not done:
             return
-        self._read_reports(t)  # every report before the result
-        if t.link is not None:
-            t.link.close()
-        self._events.append(self._result(t))
+        self._read_reports(t, final=True)  # every report before the result
+        result = self._result(t)
+        if result.status == "failed" and result.retryable and t.cancel_reason is None and self._replan is not None:
+            # its node may be lost, and a crashed node's survivors speak first (a collective's error) while
+            # SLURM still counts it: the result waits for SLURM's word on the step's nodes, and no step
+            # starts meanwhile, so the driver decides the rerun on the nodes that are left (replan)
+            self._begin_settle(t, result)
+        else:
+            self._events.append(result)
+        if self._control is not None and t.token:
+            self._control.forget(t.token)
         del self._trials[t.request.number]
 
     def _step_done(self, t: _Trial) -> bool:
@@ -557,13 +599,6 @@ class SlurmEngine(Engine):
                 failure = (f"rank(s) {missing} ended without a result (srun exit {code}; see "
                            f"{t.files.dir / 'srun.log'}): a node failed, or a rank was killed or ran out of memory")
                 retryable = True
-                if self._refresh_allocation() and req.nodes > 1 and not self._overlap:
-                    # SLURM 22.05 never frees the surviving nodes of a step that lost a node: a new step
-                    # there waits in srun ("Requested nodes are busy") for good. --overlap lets it start;
-                    # the engine's own count of the allocation keeps trials from sharing CPUs
-                    self._overlap = True
-                    print("hpoflow: SLURM holds the nodes left of a multi-node step that lost a node; later "
-                          "steps of this job run with --overlap", file=sys.stderr, flush=True)
 
         def stderr() -> str:
             text = stderr_tail(t.files, req.processes, 0)
@@ -574,21 +609,29 @@ class SlurmEngine(Engine):
                                  cancelled=t.cancel_reason if failure is None else None, stderr_tail=stderr,
                                  submitted_wall=t.submitted_wall)
 
-    def _refresh_allocation(self) -> bool:
-        """Steps mode, after a step lost ranks: the job's nodes as SLURM has them now (a failed node is
-        taken out of a ``--no-kill`` job), so no step waits in ``srun`` for a node that is gone; whether
-        a node left."""
-        if self.allocation is None:
-            return False
-        out = _run_quiet(["scontrol", "show", "job", "-o", self.allocation.job_id])
-        nodes = job_nodes(out) if out else None
-        if not nodes or set(nodes) >= set(self.allocation.hosts):
-            return False
-        lost = [h for h in self.allocation.hosts if h not in nodes]
-        self.allocation = self.allocation.keeping(nodes)
-        print(f"hpoflow: node(s) {','.join(lost)} left the allocation (job {self.allocation.job_id}); trials now run "
-              f"on {','.join(self.allocation.hosts) or 'no node'}", file=sys.stderr, flush=True)
-        return True
+    # -- after a step failed as retryable (hpoflow.engines.slurm.replan) ------------------------------
+    def _begin_settle(self, t: _Trial, result: TrialResult) -> None:
+        if self.allocation is None or self._replan is None:
+            return
+        req = t.request
+        outcomes = [RankOutcome.from_dict(d) for d in (read_json(t.files.outcome(r)) for r in range(req.processes))
+                    if isinstance(d, dict)]
+        try:
+            nodes = set(expand(t.step.get("nodes", ""))) if t.step.get("nodes") else set()
+        except HostlistError:
+            nodes = set()
+        nodes |= {o.host for o in outcomes if o.host}
+        step = t.step.get("step", "")
+        self._replan.begin(Settle(
+            req.number, time.monotonic(), nodes, f"{self.allocation.job_id}.{step}" if step else "", self._name(req),
+            processes_per_node(req) * self.allocation.rank_cpus(req), result))
+
+    def _settle(self) -> None:
+        """Steps mode: SLURM's newest word on the job applied to the failed steps waiting for it (``Replan``)."""
+        if self._replan is None or not self._replan.waiting:
+            return
+        self._events += self._replan.step()
+        self.allocation = self._replan.planned
 
     def _job_result(self, t: _Trial, timings: dict[str, float]) -> TrialResult:
         n = t.request.number
@@ -619,11 +662,15 @@ class SlurmEngine(Engine):
 _JOB_REQUEST_VARS = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS_PER_SOCKET",
                      "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU",
                      "SLURM_GPU_BIND", "SLURM_GPU_FREQ", "SLURM_NTASKS_PER_GPU", "SLURM_TRES_PER_TASK",
-                     "SLURM_THREADS_PER_CORE", "SLURM_HINT", "SRUN_CPUS_PER_TASK")
+                     "SLURM_THREADS_PER_CORE", "SLURM_HINT", "SRUN_CPUS_PER_TASK",
+                     # a site-wide --overlap (srun reads SLURM_OVERLAP as the flag): SLURM would stop keeping
+                     # the study's steps apart (CPUs oversubscribed, GPUs given twice)
+                     "SLURM_OVERLAP")
 
 
 def step_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment of a step's ``srun``: the driver's, less the job's own resource request."""
+    """The environment of a step's ``srun``: the driver's, less the job's own resource request and a
+    site's ``SLURM_OVERLAP``."""
     return {k: v for k, v in environ.items() if k not in _JOB_REQUEST_VARS}
 
 
@@ -699,13 +746,15 @@ def _fresh_attempt_dir(files: TrialFiles) -> None:
                 p.unlink()
 
 
-def _run_quiet(argv: list[str]) -> str | None:
-    """Run a SLURM client; its stdout, or None when it failed or did not answer in time."""
+_run_quiet = run_client
+
+
+def _seq(value: Any) -> int:
+    """A report's ``seq`` as rank 0 sends it; -1 where it is not a number."""
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout if r.returncode == 0 else None
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
 
 
 def _job_reason(job_id: str | None) -> str:
