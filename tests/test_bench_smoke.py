@@ -42,6 +42,8 @@ CASES = {
                  {"digits_wall_ratio", "digits_pss_ratio", "digits_first_vs_later_duration",
                   "short_hpoflow_overhead_ms_per_trial_slot", "short_optuna_overhead_ms_per_trial_slot"}),
     "busy.py": (["true"], {"exit", "wall_s", "busy_core_s", "idle_core_s", "mean_busy_cores"}),
+    "agent_fleet.py": (["--agents", "64", "--trials", "200", "--small", "16", "--idle-s", "2", "--procs", "2"],
+                       {"cpu_per_trial_ms", "cpu_per_heartbeat_us", "each_completed_once"}),
     "gpu_check.py": (["--dry-run"], {"environment", "trials", "epochs", "cpu", "gpu", "share"}),
     "suite_cpu.py": (["--out", "cpu", "-n", "2", "-q", "tests/test_layers.py"],
                      {"tests", "cpu_s", "wall_s", "pytest_exit"}),

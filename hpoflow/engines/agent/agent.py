@@ -14,14 +14,24 @@ Messages from the driver (JSON objects, ``kind``): ``start`` (the request, and f
 nodes this node's share: first rank, ranks, world, the file where the trial's rank 0 announces its TCP
 store), ``answer`` (prune / pause), ``cancel``, ``pause``, ``exit``. To the driver: ``hello`` (the
 node, its CPUs and GPUs), ``warm`` (the forkserver has preloaded and the workers are forked),
-``report``, ``result`` and ``heartbeat`` every ``--heartbeat-s``. The agent ends, killing its ranks,
-when the driver's connection closes; the step's end kills it and every rank (they are in its cgroup).
+``report``, ``result`` and ``heartbeat`` every ``--heartbeat-s`` (the driver scales it with the fleet).
+
+Start-up and liveness: the agent imports what it needs (the shared file system's slow part) before it
+connects, then connects with retries and back-off for ``--connect-timeout-s`` (the driver may still be
+starting, or its listener may have evicted this connection in a flood). A heartbeat says the serving
+loop turns, not only that the process lives: it stops when the loop is stuck (``SERVE_STALL_S``) other
+than waiting for the warm pool, and the driver then loses the agent. The driver pings as often; the
+agent ends, killing its ranks, when the driver's connection closes, when it says nothing for
+``--driver-timeout-s`` (its node lost the driver's), or on ``exit``; the step's end kills it and every
+rank (they are in its cgroup). An error while starting a trial (a full ``/dev/shm``, any exception)
+fails that trial and the agent serves on.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import threading
 import time
@@ -29,12 +39,16 @@ from collections.abc import Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from hpoflow.engines.agent.protocol import SECRET_ENV, AuthError, Link, connect
+from hpoflow.engines.agent.protocol import SECRET_ENV, Link, connect
 
-__all__ = ["main"]
+__all__ = ["connect_retrying", "main"]
 
 HEARTBEAT_S = 1.0
 MEMORY_WATCH_S = 0.5  # how often the agent looks at its ranks' memory
+SERVE_STALL_S = 10.0  # a serving loop that has not turned for this long (not waiting for warm) stops heartbeats
+CONNECT_TIMEOUT_S = 900.0  # how long an agent tries to reach the driver (a 1,000-node step starts in minutes)
+DRIVER_TIMEOUT_S = 30.0  # an agent that hears nothing from its driver this long ends
+_BACKOFF_S = (0.2, 5.0)  # first and longest wait between connection attempts (doubling, with jitter)
 
 
 def _log(msg: str) -> None:
@@ -57,12 +71,36 @@ def _slots() -> list[int]:
     return cores
 
 
+def connect_retrying(host: str, port: int, secret: str, timeout_s: float) -> Link:
+    """The driver's link, trying again with back-off (doubling from 0.2 s to 5 s, with jitter, so a
+    thousand agents do not come back together) until ``timeout_s``; the last error after that."""
+    end = time.monotonic() + timeout_s
+    wait_s, tries = _BACKOFF_S[0], 0
+    while True:
+        tries += 1
+        try:
+            return connect(host, port, secret)
+        except OSError as exc:  # (AuthError too: a dropped challenge looks the same as a wrong secret)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise ConnectionError(f"{exc} (after {tries} attempt(s) in {timeout_s:g} s)") from exc
+            if tries == 1:
+                _log(f"cannot join the driver at {host}:{port} yet ({exc}): trying again for {timeout_s:g} s")
+            time.sleep(min(left, wait_s * random.uniform(0.5, 1.5)))
+            wait_s = min(_BACKOFF_S[1], wait_s * 2)
+
+
 class _Agent:
-    def __init__(self, link: Link, pg_timeout_s: float, socket_ifname: str) -> None:
+    def __init__(self, pg_timeout_s: float, socket_ifname: str, heartbeat_s: float = HEARTBEAT_S,
+                 driver_timeout_s: float = DRIVER_TIMEOUT_S) -> None:
         from hpoflow.engines.cluster.node import gloo_interface
         from hpoflow.engines.local import LocalEngine
 
-        self.link = link
+        self.link: Link | None = None
+        self.heartbeat_s = heartbeat_s
+        self.driver_timeout_s = driver_timeout_s
+        self._tick = time.monotonic()  # the serving loop's last turn
+        self._starting = False  # in engine.start (which may wait for the warm pool)
         self.node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
         os.environ["HPOFLOW_AGENT_NODE"] = self.node  # its ranks' logs say where they ran (the pool inherits it)
         self.engine = LocalEngine(cores=_slots(), pg_timeout_s=pg_timeout_s)  # the warm pool starts preloading now
@@ -75,29 +113,69 @@ class _Agent:
         self._done = threading.Event()
         threading.Thread(target=self._wait_warm, name="hpoflow-agent-warm", daemon=True).start()
 
+    def serving(self) -> bool:
+        """Whether the serving loop turns: it did within ``SERVE_STALL_S``, or it waits in a trial's start
+        for the warm pool (the forkserver still imports torch)."""
+        if time.monotonic() - self._tick < SERVE_STALL_S:
+            return True
+        return self._starting and self.warm_s is None
+
     def _beat(self) -> None:
-        while not self._done.is_set() and self.link.send({"kind": "heartbeat"}):
-            self._done.wait(HEARTBEAT_S)
+        link = self.link
+        while link is not None and not self._done.is_set():
+            if self.serving() and not link.send({"kind": "heartbeat"}):
+                return
+            self._done.wait(self.heartbeat_s)
 
     def _wait_warm(self) -> None:
         if self.engine.wait_warm(None):
             self.warm_s = time.monotonic() - self._t0
 
-    def hello(self) -> None:
+    def hello(self, link: Link) -> None:
+        self.link = link
         e = self.engine
-        self.link.send({"kind": "hello", "node": self.node, "pid": os.getpid(), "cores": list(e.cores),
-                        "gpus": [str(g) for g in e.gpus], "gloo": self.gloo_env.get("GLOO_SOCKET_IFNAME", ""),
-                        "gloo_why": self.gloo_why})
+        link.send({"kind": "hello", "node": self.node, "pid": os.getpid(), "cores": list(e.cores),
+                   "gpus": [str(g) for g in e.gpus], "gloo": self.gloo_env.get("GLOO_SOCKET_IFNAME", ""),
+                   "gloo_why": self.gloo_why})
         # heartbeats (after the hello: the driver's first message from an agent must be it) from a thread
         # of their own: the serving loop may wait seconds for a warm worker (a torch trial sent while the
         # forkserver still preloads), and the agent is alive meanwhile
         threading.Thread(target=self._beat, name="hpoflow-agent-heartbeat", daemon=True).start()
 
     def handle(self, msg: dict[str, Any]) -> bool:
-        """Act on one message from the driver; False when told to exit."""
-        from hpoflow.engines.local import RankShare
+        """Act on one message from the driver; False when told to exit. An error here (a message this
+        agent cannot act on, a trial it cannot start) is that message's: a trial's start fails the trial,
+        anything else is logged; the agent serves on."""
+        try:
+            return self._handle(msg)
+        except Exception as exc:
+            number = msg.get("number")
+            if msg.get("kind") == "start":
+                self._start_failed(msg, exc)
+            else:
+                _log(f"could not act on the driver's {msg.get('kind')!r} message for trial {number}: "
+                     f"{type(exc).__name__}: {exc}")
+            return True
+
+    def _start_failed(self, msg: dict[str, Any], exc: BaseException) -> None:
         from hpoflow.errors import EngineError
         from hpoflow.trial import TrialRequest, TrialResult
+
+        try:
+            number = TrialRequest.from_json(str(msg["request"])).number
+        except Exception:
+            number = int(msg.get("number", -1)) if isinstance(msg.get("number"), int) else -1
+        why = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+        _log(f"trial {number} failed to start: {why}")
+        if self.link is not None:
+            # not an EngineError (a full /dev/shm, an OSError): a fault of this node, retried elsewhere
+            self.link.send({"kind": "result", "number": number, "result": TrialResult(
+                number, "failed", error=f"its node agent on {self.node} could not start it: {why}",
+                retryable=not isinstance(exc, EngineError)).to_dict()})
+
+    def _handle(self, msg: dict[str, Any]) -> bool:
+        from hpoflow.engines.local import RankShare
+        from hpoflow.trial import TrialRequest
 
         kind = msg.get("kind")
         number = int(msg.get("number", -1))
@@ -106,12 +184,17 @@ class _Agent:
             s = msg.get("share")
             share = None if not s else RankShare(int(s["first_rank"]), int(s["ranks"]), int(s["world"]),
                                                  str(s["announce"]), {**self.gloo_env})
+            free = (list(self.engine.free_cores), dict(self.engine.free_gpus))
+            self._starting = True
             try:
                 self.engine.start(request, share)
-                self.memory_mb[request.number] = int(msg.get("memory_mb") or 0)
-            except EngineError as exc:
-                self.link.send({"kind": "result", "number": request.number,
-                                "result": TrialResult(request.number, "failed", error=str(exc)).to_dict()})
+            except BaseException:
+                if request.number not in self.engine.running():  # give back the slots it took first
+                    self.engine.free_cores, self.engine.free_gpus = free
+                raise
+            finally:
+                self._starting = False
+            self.memory_mb[request.number] = int(msg.get("memory_mb") or 0)
         elif kind == "answer":
             self.engine.answer(number, bool(msg.get("prune")), bool(msg.get("pause")))
         elif kind == "cancel":
@@ -125,31 +208,43 @@ class _Agent:
     def serve(self) -> None:
         from hpoflow.engines.base import TrialReport
 
+        link = self.link
+        if link is None:
+            return
         warm_sent = False
+        heard = time.monotonic()
         while True:
-            for msg in self.link.read():
+            self._tick = time.monotonic()
+            msgs = link.read()
+            if msgs:
+                heard = self._tick
+            for msg in msgs:
                 if not self.handle(msg):
                     return
-            if self.link.closed:
-                _log("the driver's connection closed: stopping")
+            if link.closed:
+                _log(f"the driver's connection closed{f' ({link.error})' if link.error else ''}: stopping")
+                return
+            if self._tick - heard > self.driver_timeout_s:
+                _log(f"no word from the driver for {self._tick - heard:.0f} s (--driver-timeout-s "
+                     f"{self.driver_timeout_s:g}): it is gone; stopping")
                 return
             if not warm_sent and self.warm_s is not None:
                 warm_sent = True
-                self.link.send({"kind": "warm", "seconds": self.warm_s})
+                link.send({"kind": "warm", "seconds": self.warm_s})
             wait_s = 1.0 if warm_sent else 0.1
             if self.engine.running():
-                events = self.engine.poll(wait_s, wake=[self.link.sock])
+                events = self.engine.poll(wait_s, wake=[link.sock])
             else:
-                wait([self.link.sock], wait_s)
+                wait([link.sock], wait_s)
                 events = []
             self._watch_memory()
             for e in events:
                 if isinstance(e, TrialReport):
-                    self.link.send({"kind": "report", "number": e.number, "step": e.step, "metrics": e.metrics,
+                    link.send({"kind": "report", "number": e.number, "step": e.step, "metrics": e.metrics,
                                     "wants": e.wants_answer})
                 else:
                     self.memory_mb.pop(e.number, None)
-                    self.link.send({"kind": "result", "number": e.number, "result": e.to_dict()})
+                    link.send({"kind": "result", "number": e.number, "result": e.to_dict()})
 
     def _watch_memory(self) -> None:
         """Every ``MEMORY_WATCH_S``: a rank whose private memory is over its trial's share (what a step
@@ -173,7 +268,8 @@ class _Agent:
     def close(self) -> None:
         self._done.set()
         self.engine.close()
-        self.link.close()
+        if self.link is not None:
+            self.link.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host", default="")
     p.add_argument("--pg-timeout-s", type=float, default=120.0)
     p.add_argument("--socket-ifname", choices=["auto", "none"], default="auto")
+    p.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S)
+    p.add_argument("--connect-timeout-s", type=float, default=CONNECT_TIMEOUT_S)
+    p.add_argument("--driver-timeout-s", type=float, default=DRIVER_TIMEOUT_S)
     args = p.parse_args(argv)
     secret = os.environ.pop(SECRET_ENV, "")  # nothing this agent starts inherits it
     if not secret:
@@ -191,15 +290,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not host:
         _log("no driver address: pass --host, or run as a task of a SLURM step (SLURM_LAUNCH_NODE_IPADDR)")
         return 2
+    # the imports (and the warm pool's start) first: on a cold shared file system they are the slow part
+    agent = _Agent(args.pg_timeout_s, args.socket_ifname, args.heartbeat_s, args.driver_timeout_s)
     try:
-        link = connect(host, args.port, secret)
-    except (AuthError, OSError) as exc:
-        _log(f"cannot join the driver at {host}:{args.port}: {exc}")
-        return 1
-    del secret
-    agent = _Agent(link, args.pg_timeout_s, args.socket_ifname)
-    try:
-        agent.hello()
+        try:
+            link = connect_retrying(host, args.port, secret, args.connect_timeout_s)
+        except OSError as exc:
+            _log(f"cannot join the driver at {host}:{args.port}: {exc}")
+            return 1
+        del secret
+        agent.hello(link)
         _log(f"serving the driver at {host}:{args.port} on {agent.node} ({len(agent.engine.cores)} CPU(s), "
              f"{len(agent.engine.gpus)} GPU(s); gloo: {agent.gloo_env or 'default'}: {agent.gloo_why})")
         agent.serve()

@@ -2,15 +2,17 @@
 HMAC-SHA256 challenge on the run's secret.
 
 A frame is a 4-byte big-endian length and that many bytes; a message is one frame holding one JSON
-object. Before any message, the side that accepted the connection (the driver) sends a random nonce;
+object, at most ``MAX_FRAME`` bytes and nested no deeper than the interpreter's JSON parser takes. A
+frame that breaks either rule, is not JSON or is not an object closes the connection (``Link.error``
+says why): a peer that sends one is broken or hostile, and the reader drops that peer, nothing else.
+Before any message, the side that accepted the connection (the driver) sends a random nonce;
 the connecting side (an agent) answers ``HMAC(secret, "agent" + nonce)`` and a nonce of its own; the
 driver checks it with ``hmac.compare_digest`` (a peer without the secret is dropped there, having read
 nothing but a nonce) and proves itself the same way (``"driver" + nonce``). The secret never travels
 and never appears in argv: agents read it from ``SECRET_ENV`` (the step's environment) and drop it from
 their environment at once, so nothing a trial starts inherits it.
 
-Standard library and ``hpoflow.train.transport.drain`` (no torch, no pydantic: the agent imports it before
-its pool's forkserver starts).
+Standard library only (no torch, no pydantic: the agent imports it before its pool's forkserver starts).
 """
 
 from __future__ import annotations
@@ -20,23 +22,24 @@ import hashlib
 import hmac
 import json
 import secrets
-import select
+import selectors
 import socket
 import struct
 import threading
 import time
 from typing import Any
 
-from hpoflow.train.transport import drain
-
-__all__ = ["AUTH_TIMEOUT_S", "SECRET_ENV", "AuthError", "Link", "accept", "connect", "new_secret"]
+__all__ = ["ANSWER_BYTES", "AUTH_TIMEOUT_S", "MAX_FRAME", "SECRET_ENV", "AuthError", "Link", "accept", "challenge",
+           "connect", "decode", "frame_of", "new_secret", "proof"]
 
 SECRET_ENV = "HPOFLOW_AGENT_SECRET"
 AUTH_TIMEOUT_S = 10.0  # a peer that has not proved itself by then is dropped
 _NONCE = 32
 _DIGEST = hashlib.sha256().digest_size
-_MAX_FRAME = 64 << 20  # a message is a request or an event: far below this
+MAX_FRAME = 4 << 20  # a message is a request or an event (a stderr tail of 2 KB at most): far below this
 _HEADER = struct.Struct(">I")
+_CHUNK = 1 << 16
+_HEARTBEAT = json.dumps({"kind": "heartbeat"}).encode()
 
 
 class AuthError(ConnectionError):
@@ -77,17 +80,19 @@ class Link:
     """One authenticated connection: ``send`` a message (thread-safe), ``read`` what has arrived
     (``poll`` first, or after the socket is readable); ``closed`` once the peer is gone."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, buffered: bytes = b"") -> None:
         self.sock = sock
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._buf = b""
+        with contextlib.suppress(OSError):  # (not TCP: a socketpair in tests)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = buffered  # what arrived after the handshake, before this link existed
         self._send_lock = threading.Lock()
         self.closed = False
+        self.error = ""  # why this side closed the link: the peer broke the framing rules
         self.peer = ""
         with contextlib.suppress(OSError):
-            host, port = sock.getpeername()[:2]
-            self.peer = f"{host}:{port}"
+            name = sock.getpeername()
+            self.peer = f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -95,11 +100,15 @@ class Link:
     def send(self, message: dict[str, Any]) -> bool:
         """Send one message; False when the connection is gone."""
         data = json.dumps(message).encode()
+        return self.send_frame(_HEADER.pack(len(data)) + data)
+
+    def send_frame(self, frame: bytes) -> bool:
+        """Send a frame made once for many links (``frame_of``); False when the connection is gone."""
         with self._send_lock:
             if self.closed:
                 return False
             try:
-                _send_frame(self.sock, data)
+                self.sock.sendall(frame)
                 return True
             except OSError:
                 self.close()
@@ -114,8 +123,12 @@ class Link:
             if msgs:
                 return msgs[0]
             left = end - time.monotonic()
-            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+            if left <= 0:
                 return None
+            with selectors.DefaultSelector() as sel:  # (select.select fails for a descriptor >= 1024)
+                sel.register(self.sock, selectors.EVENT_READ)
+                if not sel.select(left):
+                    return None
             self._fill()
         return None
 
@@ -125,27 +138,47 @@ class Link:
         return self._frames()
 
     def _fill(self) -> None:
-        if not self.closed:
-            data, alive = drain(self.sock)
-            self._buf += data
-            if not alive:
+        """Read what the socket holds, without blocking (a short read means it held no more: a selector
+        says when more comes); ``closed`` at the peer's end."""
+        while not self.closed:
+            try:
+                chunk = self.sock.recv(_CHUNK, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
                 self.close()
+                return
+            if not chunk:
+                self.close()
+                return
+            self._buf += chunk
+            if len(chunk) < _CHUNK or len(self._buf) > MAX_FRAME + _HEADER.size:
+                return
 
     def _frames(self, limit: int = -1) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        while len(self._buf) >= _HEADER.size and len(out) != limit:
+        while len(self._buf) >= _HEADER.size and len(out) != limit and not self.closed:
             (n,) = _HEADER.unpack_from(self._buf)
-            if n > _MAX_FRAME:
-                self.close()
+            if n > MAX_FRAME:
+                self._broken(f"a frame of {n} bytes, more than {MAX_FRAME}")
                 break
             if len(self._buf) < _HEADER.size + n:
                 break
             frame, self._buf = self._buf[_HEADER.size:_HEADER.size + n], self._buf[_HEADER.size + n:]
-            with contextlib.suppress(ValueError):
-                item = json.loads(frame)
-                if isinstance(item, dict):
-                    out.append(item)
+            if frame == _HEARTBEAT:  # (most of what a fleet's driver reads: no parser for it)
+                out.append({"kind": "heartbeat"})
+                continue
+            item = decode(frame)
+            if isinstance(item, str):
+                self._broken(item)
+                break
+            out.append(item)
         return out
+
+    def _broken(self, why: str) -> None:
+        self.error = why
+        self._buf = b""
+        self.close()
 
     def close(self) -> None:
         self.closed = True
@@ -153,6 +186,46 @@ class Link:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def frame_of(message: dict[str, Any]) -> bytes:
+    """``message`` framed, for ``Link.send_frame`` (one encoding for many links)."""
+    data = json.dumps(message).encode()
+    return _HEADER.pack(len(data)) + data
+
+
+def challenge() -> tuple[bytes, bytes]:
+    """The driver's first step without blocking: a fresh nonce and the frame that carries it."""
+    nonce = secrets.token_bytes(_NONCE)
+    return nonce, _HEADER.pack(len(nonce)) + nonce
+
+
+ANSWER_BYTES = _HEADER.size + _DIGEST + _NONCE  # the agent's answer to a challenge, framed
+
+
+def proof(secret: str, nonce: bytes, answer: bytes) -> bytes:
+    """The driver's second step: ``answer`` (``ANSWER_BYTES``, framed) checked against ``nonce``; the
+    frame proving the driver holds the secret, or ``AuthError``."""
+    (n,) = _HEADER.unpack_from(answer)
+    body = answer[_HEADER.size:]
+    if n != _DIGEST + _NONCE or len(body) != n or not hmac.compare_digest(body[:_DIGEST],
+                                                                          _mac(secret, b"agent", nonce)):
+        raise AuthError("the peer does not hold the run's secret")
+    mac = _mac(secret, b"driver", body[_DIGEST:])
+    return _HEADER.pack(len(mac)) + mac
+
+
+def decode(frame: bytes) -> dict[str, Any] | str:
+    """One frame's message, or why it is not one (not JSON, nested too deep, not an object)."""
+    try:
+        item = json.loads(frame)
+    except RecursionError:
+        return f"a frame of {len(frame)} bytes nested deeper than the JSON parser takes"
+    except ValueError as exc:  # (UnicodeDecodeError too)
+        return f"a frame that is not JSON ({exc})"
+    if not isinstance(item, dict):
+        return f"a frame holding a JSON {type(item).__name__}, not an object"
+    return item
 
 
 def accept(sock: socket.socket, secret: str, timeout_s: float = AUTH_TIMEOUT_S) -> Link:

@@ -13,36 +13,63 @@ the attempt directory, ``rendezvous.addr``). Reports, pruning answers, pauses, c
 travel over the connections; the durable record stays on the shared file system (rank logs, results
 the driver stores, checkpoints).
 
+At scale: the listener admits agents on a thread of its own, in a stage of bounded size
+(``hpoflow.engines.agent.listener``), bound to the address the agents are told. The driver's loop is a
+selector (epoll) over the agents' connections: a wake-up reads the ready ones only, timeouts and the
+step's state are checked ``TICK_S`` apart, waiting trials are placed from a heap of agents by load, and
+the agents' heartbeat interval grows with the fleet (``heartbeat_interval``), so the driver reads about
+``HEARTBEATS_PER_S`` heartbeats a second however many nodes there are. A thread pings the agents as
+often; an agent that hears nothing from the driver for ``agent_timeout_s`` ends. The open-files limit is
+raised to the hard limit at the start (``EngineError`` where even that cannot hold the fleet). An agent
+that breaks the protocol (an oversized or too deeply nested frame, a metric that is no number) is
+dropped like one that died.
+
 Faults: an agent whose connection closes (it died, or was killed) or that sends nothing for
 ``agent_timeout_s`` (its node is gone) is dead: its node leaves the engine's allocation, the trials it
 ran fail as retryable (their other nodes' ranks are cancelled), and the driver reruns them from their
-checkpoints on the agents that are left, within ``resources.max_retries``. A pause (the walltime
-warning's ``USR1``) reaches the ranks as SIGUSR1 from their agent. ``close`` tells the agents to exit,
-then ends the step, which kills every rank.
+checkpoints on the agents that are left, within ``resources.max_retries``. While the agents' step runs,
+the driver starts a new agent step on a lost node (``--overlap``, that step only; ``RELAUNCHES`` times)
+and re-admits the node when its agent says hello. Trials of several nodes go to warm agents only (their
+ranks must meet within the process-group timeout). A fleet that never comes up (the step ends with no
+agent, or none connects within ``agent_start_timeout_s``), or that is all lost with its step ended,
+stops the study: ``FleetError``, before a trial is spent (the first ``capacity`` waits for an agent). A
+pause (the walltime warning's ``USR1``) reaches the ranks as SIGUSR1 from their agent. ``close`` tells
+the agents to exit, then ends the steps, which kills every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
-import queue
+import selectors
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from fractions import Fraction
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from hpoflow.engines.agent.protocol import SECRET_ENV, AuthError, Link, accept, new_secret
-from hpoflow.engines.base import Event, TrialReport, TrialRequest, TrialResult
+from hpoflow.engines.agent import messages
+from hpoflow.engines.agent.listener import MAX_PENDING, Listener
+from hpoflow.engines.agent.protocol import SECRET_ENV, frame_of, new_secret
+from hpoflow.engines.base import Event, TrialRequest, TrialResult
 from hpoflow.engines.cluster.layout import default_pythonpath, export_flags, processes_per_node
 from hpoflow.engines.proc import tail
+from hpoflow.engines.slurm._fleet import (
+    HEARTBEATS_PER_S,
+    Agent,
+    FleetError,
+    Trial,
+    heartbeat_interval,
+    listen_host,
+    merged_result,
+    raise_open_files,
+)
 from hpoflow.engines.slurm.allocation import Allocation
 from hpoflow.engines.slurm.options import SlurmOptions
 from hpoflow.fileio import write_json_atomic
@@ -50,75 +77,19 @@ from hpoflow.spec import shares_per_gpu
 from hpoflow.train.transport import TrialFiles
 from hpoflow.trial import RANK_DIED
 
-__all__ = ["AgentFleet"]
+__all__ = ["AgentFleet", "FleetError", "heartbeat_interval", "raise_open_files"]
 
-_HELLO_S = 10.0  # an admitted agent says which node it is within this
-_START_TIMEOUT_S = 600.0  # an agent not connected by then (its node never started it) counts as lost
+_Trial, _merged_result = Trial, merged_result  # (their names before they moved to _fleet: tests/engines/slurm)
+
+TICK_S = 0.5  # agents' timeouts, the step's state and relaunches are checked this often, whatever the fleet
+READ_GAP_S = 0.02  # in a fleet over HEARTBEATS_PER_S nodes, the driver's wake-ups are at least this far apart
+RELAUNCHES = 2  # new agent steps started on a lost node, each RELAUNCH_AFTER_S after the loss
+RELAUNCH_AFTER_S = 5.0
+_FILES_SPARE = 64  # descriptors the driver needs beside one per agent and the listener's stage
 # after a node's ranks of a trial fail without a death of their own (a broken collective: maybe the echo
 # of a rank's death on another node), the other nodes' shares are cancelled this much later, unless one of
 # them names a death first; as the local engine waits for a peer's end that may be a failure's cause
 PEER_WAIT_S = 1.0
-
-
-@dataclass
-class _Agent:
-    node: str
-    link: Link
-    cpus: int  # what the driver plans with: the allocation's CPUs on the node (at most the agent's slots)
-    gpus: int
-    last_seen: float
-    trials: set[int] = field(default_factory=set)
-    used_cpus: int = 0
-    used_gpus: Fraction = Fraction(0)  # GPUs, or shares of GPUs (resources.gpus_per_process: 1/k)
-    warm_s: float | None = None
-
-
-@dataclass
-class _Trial:
-    request: TrialRequest
-    files: TrialFiles
-    submitted: float
-    submitted_wall: float
-    nodes: list[str] = field(default_factory=list)  # its agents, rank 0's first; empty while waiting
-    cpus: int = 0  # taken on each of its nodes
-    gpus: Fraction = Fraction(0)
-    ended: dict[str, TrialResult | None] = field(default_factory=dict)  # node -> its share's result (None: lost)
-    lost: str | None = None
-    failed_first: str | None = None  # the node whose ranks failed first
-    cancel_reason: str | None = None
-    pending_answer: bool = False
-
-    @property
-    def started(self) -> bool:
-        return bool(self.nodes)
-
-
-def _merged_result(t: _Trial) -> TrialResult:
-    """The result of a trial from its nodes' shares: lost (a node or agent gone) and retryable, a failure
-    (named with its node), else rank 0's node's."""
-    n = t.request.number
-    duration = time.monotonic() - t.submitted
-    chief = t.ended.get(t.nodes[0])
-    if t.lost is not None and t.cancel_reason is None and (chief is None or chief.status != "complete"):
-        return TrialResult(n, "failed", error=t.lost, retryable=True, timings={"duration_s": duration})
-    # Which node's ranks failed: one where a rank died (``rank_died``: a signal, an exit), whose peers on
-    # the other nodes then failed in a collective (whichever agent's word came first); else the first.
-    fails = [(node, r) for node, r in t.ended.items() if r is not None and r.status == "failed"]
-    died = [(node, r) for node, r in fails if RANK_DIED in (r.error or "")]
-    first = died or [(node, r) for node, r in fails if node == t.failed_first]
-    failed = None
-    if first:
-        node, failed = first[0]
-        if len(t.nodes) > 1:
-            failed = replace(failed, error=f"{failed.error} (on {node})")
-    result = failed or chief
-    if result is None:  # lost, but cancelled meanwhile
-        return TrialResult(n, "cancelled", error=t.cancel_reason, timings={"duration_s": duration})
-    timings = {**result.timings, "engine_duration_s": duration}
-    if "started_at" in timings:  # from the driver's submit (the agent's own count starts when it got it)
-        timings["launch_s"] = timings["started_at"] - t.submitted_wall
-    return TrialResult(n, result.status, result.value, result.metrics, result.error, result.stderr_tail,
-                       timings, result.retryable, result.system)
 
 
 class AgentFleet:
@@ -127,66 +98,108 @@ class AgentFleet:
     def __init__(self, allocation: Allocation, options: SlurmOptions, run_dir: Path, python: str,
                  environ: dict[str, str], name: str) -> None:
         self.allocation = allocation
+        self._job = allocation  # every node of the job: a lost node comes back into ``allocation`` from it
+        self._index = {h: i for i, h in enumerate(allocation.hosts)}
         self.options = options
         self.dir = run_dir / "agents"
         self.dir.mkdir(parents=True, exist_ok=True)
+        n = len(allocation.hosts)
+        self.open_files = raise_open_files(n + MAX_PENDING + _FILES_SPARE, n)
+        self.heartbeat_s = heartbeat_interval(n, options.agent_timeout_s)
+        # the agents end after agent_timeout_s without a word from the driver: 3 pings in that time at least
+        self.ping_s = max(self.heartbeat_s, options.agent_timeout_s / 3)
+        self._read_gap_s = READ_GAP_S if n > HEARTBEATS_PER_S else 0.0
+        self._last_read = 0.0
         self._secret = new_secret()
-        self._server = socket.create_server(("", 0))
-        self._admitted: queue.SimpleQueue[tuple[Link, dict[str, Any] | None]] = queue.SimpleQueue()
-        self.refused = 0  # connections dropped for not holding the secret
-        self.agents: dict[str, _Agent] = {}
+        host = listen_host(allocation.hosts)
+        try:
+            self._listener = Listener(host, self._secret)
+        except OSError as exc:  # (the routed address is not this process's to bind: every address, then)
+            print(f"hpoflow: cannot listen for node agents on {host} ({exc}): listening on every address",
+                  file=sys.stderr, flush=True)
+            host = ""
+            self._listener = Listener(host, self._secret)
+        self.host = host  # what the agents are told ("": SLURM_LAUNCH_NODE_IPADDR, the node srun ran on)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener.fileno(), selectors.EVENT_READ, None)
+        self.agents: dict[str, Agent] = {}
         self._lost: dict[str, str] = {}
-        self._trials: dict[int, _Trial] = {}
+        self._lost_at: dict[str, float] = {}
+        self._relaunched: dict[str, list[subprocess.Popen[bytes]]] = {}
+        self._trials: dict[int, Trial] = {}
+        self._waiting: dict[int, Trial] = {}  # submitted, not placed yet, in order
+        self._heap: list[tuple[int, int, int, str]] = []  # (used CPUs, node index, version, node)
+        self._dirty = False  # something changed that may let a waiting trial start
         self._cancel_at: dict[int, float] = {}  # trial -> when its other nodes' shares are cancelled (PEER_WAIT_S)
         self._events: list[Event] = []
         self._closed = False
-        threading.Thread(target=self._accept, name="hpoflow-agents-accept", daemon=True).start()
+        self._next_tick = 0.0
+        self._empty_since: float | None = None  # when the fleet last became empty (after it had agents)
+        self._warm = 0
+        self._waited = False
+        self.heartbeats = 0  # heartbeats read (the bench's count)
         a = allocation
         env = dict(options.env)
         env.setdefault("PYTHONPATH", default_pythonpath())
-        argv = ["srun", f"--job-name={name}", f"--nodes={len(a.hosts)}", f"--ntasks={len(a.hosts)}",
-                "--ntasks-per-node=1", f"--cpus-per-task={min(a.cpus)}",
-                f"--gres=gpu:{a.gpus_per_node}" if a.gpus_per_node else "--gres=none", "--mem=0",
-                "--kill-on-bad-exit=0", "--no-kill", "--input=none", f"--output={self.dir / 'agent-%n.out'}"]
-        if not any(x == "--mpi" or x.startswith("--mpi=") for x in options.srun_args):
-            argv.append("--mpi=none")
-        argv += [*export_flags(options.srun_args, ("PYTHONPATH", SECRET_ENV)), python, "-m", "hpoflow.engines.agent",
-                 "--port", str(self.port), "--pg-timeout-s", str(options.pg_timeout_s),
-                 "--socket-ifname", options.socket_ifname]
+        self._env = {**environ, **env, SECRET_ENV: self._secret}
+        self._python, self._name = python, name
         self.started_at = time.monotonic()
         self.warm_at: float | None = None  # when every agent said its warm pool is up
         self._record: dict[str, float] = {"step_started": time.time()}  # agents.json: the agents' start
+        self.proc = self._srun(list(a.hosts), min(a.cpus), False)
+        self._stop_pings = threading.Event()
+        threading.Thread(target=self._ping, name="hpoflow-agents-ping", daemon=True).start()
+
+    def _srun(self, hosts: list[str], cpus: int, overlap: bool) -> subprocess.Popen[bytes]:
+        """Start an agent step on ``hosts`` (the whole job; or one lost node, ``overlap``: the dead agent's
+        step still holds that node's resources)."""
+        a, options = self.allocation, self.options
+        argv = ["srun", f"--job-name={self._name}", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}",
+                "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
+                f"--gres=gpu:{a.gpus_per_node}" if a.gpus_per_node else "--gres=none", "--mem=0",
+                "--kill-on-bad-exit=0", "--no-kill", "--input=none", f"--output={self.dir / 'agent-%n.out'}"]
+        if overlap:
+            argv += [f"--nodelist={hosts[0]}", "--overlap"]
+        if not any(x == "--mpi" or x.startswith("--mpi=") for x in options.srun_args):
+            argv.append("--mpi=none")
+        argv += [*export_flags(options.srun_args, ("PYTHONPATH", SECRET_ENV)), self._python, "-m",
+                 "hpoflow.engines.agent", "--port", str(self.port),
+                 "--pg-timeout-s", str(options.pg_timeout_s), "--socket-ifname", options.socket_ifname,
+                 "--heartbeat-s", f"{self.heartbeat_s:g}", "--connect-timeout-s", f"{options.agent_start_timeout_s:g}",
+                 "--driver-timeout-s", f"{options.agent_timeout_s:g}"]
+        if self.host:
+            argv += ["--host", self.host]
         with open(self.dir / "srun.log", "ab") as log:
             log.write((shlex.join(argv) + "\n").encode())
             log.flush()
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                         env={**environ, **env, SECRET_ENV: self._secret})
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                    env=self._env)
 
     @property
     def port(self) -> int:
-        return int(self._server.getsockname()[1])
+        return self._listener.port
 
-    def _accept(self) -> None:
-        """Admit connections that prove the secret (a thread: a peer that stalls the challenge stalls
-        nothing else)."""
-        while True:
-            try:
-                sock, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+    @property
+    def refused(self) -> int:
+        """Connections dropped for not holding the secret (or not saying hello in time)."""
+        return self._listener.refused
 
-    def _admit(self, sock: socket.socket) -> None:
-        try:
-            link = accept(sock, self._secret)
-            self._admitted.put((link, link.recv_one(_HELLO_S)))
-        except AuthError as exc:
-            self.refused += 1
-            print(f"hpoflow: dropped a connection to the agents' port that did not prove the run's secret ({exc})",
-                  file=sys.stderr, flush=True)
+    def _ping(self) -> None:
+        """Ping every agent each ``ping_s``, from a thread: an agent hears from its driver while
+        the driver's loop is busy elsewhere (the study's storage), and ends when it hears nothing."""
+        ping = frame_of({"kind": "ping"})
+        while not self._stop_pings.wait(self.ping_s):
+            for agent in list(self.agents.values()):
+                agent.link.send_frame(ping)
 
     # -- the engine contract, for the slurm engine ----------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
+        """The allocation's capacity; the first call waits for the first agent, so a fleet that never
+        comes up stops the study (``FleetError``) before it asks for a trial."""
+        if not self._waited:
+            self._waited = True
+            while not self.agents:
+                self._turn(TICK_S)
         return self.allocation.capacity(request)
 
     def submit(self, request: TrialRequest) -> None:
@@ -194,29 +207,57 @@ class AgentFleet:
         files.dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             (files.dir / "rendezvous.addr").unlink()  # a rerun's rank 0 announces anew
-        self._trials[request.number] = _Trial(request, files, time.monotonic(), time.time())
+        t = Trial(request, files, time.monotonic(), time.time())
+        self._trials[request.number] = self._waiting[request.number] = t
         self._dispatch()
 
     def poll(self, timeout: float | None) -> list[Event]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._turn(0.0)  # what arrived while the driver was away, before any timeout is judged
         while True:
-            self._admit_new()
-            for agent in list(self.agents.values()):
-                self._read(agent)
-            self._check_lost()
-            self._cancel_due()
-            self._dispatch()
+            if self._dirty:
+                self._dispatch()
             if self._events or not self._trials:
                 out, self._events = self._events, []
                 return out
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return []
-            step = 1.0 if len(self.agents) == len(self.allocation.hosts) else 0.05  # (agents still to come)
+            step = max(0.0, self._next_tick - now)
             if self._cancel_at:
                 step = min(step, 0.05)
-            links = [a.link.sock for a in self.agents.values() if not a.link.closed]
-            wait(links, step if deadline is None else max(0.0, min(step, deadline - now)))
+            self._turn(step if deadline is None else min(step, deadline - now))
+
+    def serve(self, seconds: float) -> None:
+        """Keep the agents (admit, read, check) for ``seconds`` without a trial to wait for."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self._turn(min(left, max(0.0, self._next_tick - time.monotonic())))
+            if self._dirty:
+                self._dispatch()
+
+    def _turn(self, wait_s: float) -> None:
+        """One wake-up: read the ready connections (and new agents), then the fixed-rate checks if due. In a
+        fleet over ``HEARTBEATS_PER_S`` nodes wake-ups are at least ``READ_GAP_S`` apart, so each reads
+        several connections (a wake-up costs more than a message)."""
+        if self._read_gap_s and wait_s > 0:
+            gap = min(wait_s, self._last_read + self._read_gap_s - time.monotonic())
+            if gap > 0:
+                time.sleep(gap)
+                wait_s -= gap
+        ready = self._sel.select(max(0.0, wait_s))
+        self._last_read = time.monotonic()
+        for key, _ in ready:
+            if key.data is None:
+                self._admit_new()
+            else:
+                self._read(key.data)
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + TICK_S
+            self._check_lost(now)
+        if self._cancel_at:
+            self._cancel_due(now)
 
     def answer(self, number: int, prune: bool, pause: bool = False) -> None:
         t = self._trials.get(number)
@@ -234,6 +275,8 @@ class AgentFleet:
             self._events.append(TrialResult(number, "cancelled", error=reason,
                                             timings={"duration_s": time.monotonic() - t.submitted}))
             del self._trials[number]
+            self._waiting.pop(number, None)
+            self._dirty = True
             return
         self._to_shares(t, {"kind": "cancel", "number": number, "reason": reason})
 
@@ -250,109 +293,181 @@ class AgentFleet:
         return sorted(self._trials)
 
     def close(self, grace_s: float) -> None:
-        """Tell the agents to exit (each kills its ranks), then end the step, which kills what is left."""
+        """Tell the agents to exit (each kills its ranks), then end the steps, which kills what is left."""
         if self._closed:
             return
         self._closed = True
-        for agent in self.agents.values():
+        self._stop_pings.set()
+        for agent in list(self.agents.values()):
             agent.link.send({"kind": "exit"})
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(grace_s)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is not None:
-                break
-            with contextlib.suppress(OSError):
-                os.killpg(self.proc.pid, sig)
+        procs = [self.proc, *(p for ps in self._relaunched.values() for p in ps)]
+        for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(grace_s)
+                proc.wait(grace_s)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if all(proc.poll() is not None for proc in procs):
+                break
+            for proc in procs:
+                if proc.poll() is None:
+                    with contextlib.suppress(OSError):
+                        os.killpg(proc.pid, sig)
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(grace_s)
         for agent in self.agents.values():
             agent.link.close()
-        with contextlib.suppress(OSError):
-            self._server.close()
+        self._listener.close()
+        self._sel.close()
         self._trials.clear()
+        self._waiting.clear()
 
     # -- agents -----------------------------------------------------------------------------------------
     def _admit_new(self) -> None:
-        while True:
-            try:
-                link, hello = self._admitted.get_nowait()
-            except queue.Empty:
-                return
-            if hello is None or hello.get("kind") != "hello":
-                hello = {}
+        for link, hello in self._listener.take():
             node = str(hello.get("node", ""))
-            if node not in self.allocation.hosts or node in self.agents:
-                print(f"hpoflow: an agent from {link.peer} named node {node!r}, which is not a node of job "
-                      f"{self.allocation.job_id} without an agent: closed", file=sys.stderr, flush=True)
+            why = ""
+            if node not in self._index:
+                why = f"which is not a node of job {self.allocation.job_id}"
+            elif node in self.agents:
+                why = "which has an agent already"
+            cores, gpus = hello.get("cores"), hello.get("gpus")
+            if not isinstance(cores, list) or not isinstance(gpus, list):
+                why = why or "with a hello that lists no cores and GPUs"
+                cores = gpus = []
+            if why:
+                print(f"hpoflow: an agent from {link.peer} named node {node[:80]!r}, {why}: closed", file=sys.stderr,
+                      flush=True)
                 link.close()
                 continue
-            i = self.allocation.hosts.index(node)
-            cores, gpus = list(hello.get("cores") or []), list(hello.get("gpus") or [])
-            self.agents[node] = _Agent(node, link, min(self.allocation.cpus[i], len(cores)),
-                                       min(self.allocation.gpus_per_node, len(gpus)), time.monotonic())
-            if len(self.agents) == len(self.allocation.hosts):
+            back = self._lost.pop(node, None)
+            self._lost_at.pop(node, None)
+            if back is not None:
+                self.allocation = self._job.keeping({*self.allocation.hosts, node})
+                print(f"hpoflow: node agent on {node} is back (it was lost: {back}); trials run on it again",
+                      file=sys.stderr, flush=True)
+            i = self._index[node]
+            agent = Agent(node, link, min(self._job.cpus[i], len(cores)), min(self._job.gpus_per_node, len(gpus)),
+                           time.monotonic(), i)
+            self.agents[node] = agent
+            self._empty_since = None
+            self._sel.register(link.sock, selectors.EVENT_READ, agent)
+            self._placeable(agent)
+            if len(self.agents) == len(self.allocation.hosts) and back is None:
                 self._note("connected")
                 print(f"hpoflow: {len(self.agents)} node agent(s) up {time.monotonic() - self.started_at:.1f} s after "
                       "their step started", file=sys.stderr, flush=True)
+            self._read(agent)  # what came with its hello (the listener read it first)
 
-    def _read(self, agent: _Agent) -> None:
+    def _read(self, agent: Agent) -> None:
+        if self.agents.get(agent.node) is not agent:
+            return
         msgs = agent.link.read()
         if msgs:
             agent.last_seen = time.monotonic()
         for msg in msgs:
-            kind = msg.get("kind")
-            if kind == "warm":
-                agent.warm_s = float(msg.get("seconds") or 0.0)
-                if self.warm_at is None and all(a.warm_s is not None for a in self.agents.values()) \
-                        and len(self.agents) == len(self.allocation.hosts):
-                    self.warm_at = time.monotonic()
-                    self._note("warm")
-                    print(f"hpoflow: node agents warm (torch preloaded, workers forked) "
-                          f"{self.warm_at - self.started_at:.1f} s after their step started", file=sys.stderr,
-                          flush=True)
-            elif kind == "report":
-                t = self._trials.get(int(msg.get("number", -1)))
-                if t is None or not t.nodes or t.nodes[0] != agent.node:
-                    continue
-                wants = bool(msg.get("wants"))
-                t.pending_answer = t.pending_answer or wants
-                metrics = {str(k): float(v) for k, v in (msg.get("metrics") or {}).items()}
-                self._events.append(TrialReport(t.request.number, int(msg.get("step", 0)), metrics, wants))
-            elif kind == "result":
-                number = int(msg.get("number", -1))
-                self._share_ended(agent, number, TrialResult.from_dict({**msg.get("result", {}), "number": number}))
+            try:
+                self._on_message(agent, msg)
+            except (messages.BadMessage, ValueError, TypeError) as exc:
+                self._agent_lost(agent.node, f"it sent a malformed {str(msg.get('kind'))[:40]!r} message ({exc}): "
+                                 "dropped")
+                return
         if agent.link.closed:
-            self._agent_lost(agent.node, "its connection closed: the agent died or was killed")
+            self._agent_lost(agent.node, f"it broke the protocol ({agent.link.error}): dropped" if agent.link.error
+                             else "its connection closed: the agent died or was killed")
 
-    def _check_lost(self) -> None:
-        now = time.monotonic()
+    def _on_message(self, agent: Agent, msg: dict[str, Any]) -> None:
+        kind = msg.get("kind")
+        if kind == "heartbeat":
+            self.heartbeats += 1
+        elif kind == "warm":
+            if agent.warm_s is None:
+                self._warm += 1
+                self._dirty = True  # a trial of several nodes may wait for warm agents
+            agent.warm_s = messages.number(msg.get("seconds") or 0.0, "seconds")
+            if self.warm_at is None and self._warm >= len(self.allocation.hosts):
+                self.warm_at = time.monotonic()
+                self._note("warm")
+                print(f"hpoflow: node agents warm (torch preloaded, workers forked) "
+                      f"{self.warm_at - self.started_at:.1f} s after their step started", file=sys.stderr,
+                      flush=True)
+        elif kind == "report":
+            report = messages.report(msg)
+            t = self._trials.get(report.number)
+            if t is None or not t.nodes or t.nodes[0] != agent.node:
+                return
+            t.pending_answer = t.pending_answer or report.wants_answer
+            self._events.append(report)
+        elif kind == "result":
+            result = messages.result(msg)
+            self._share_ended(agent, result.number, result)
+
+    def _check_lost(self, now: float) -> None:
+        """The fixed-rate checks: silent agents, the step's end, agents that never came, relaunches."""
         limit = self.options.agent_timeout_s
-        for agent in list(self.agents.values()):
-            if now - agent.last_seen > limit:
-                self._agent_lost(agent.node, f"no word from it for {now - agent.last_seen:.0f} s (agent_timeout_s)")
+        for agent in [a for a in self.agents.values() if now - a.last_seen > limit]:
+            self._agent_lost(agent.node, f"no word from it for {now - agent.last_seen:.0f} s (agent_timeout_s)")
         ended = self.proc.poll() is not None
-        for node in self.allocation.hosts:
-            if node not in self.agents and (ended or now - self.started_at > _START_TIMEOUT_S):
-                self._agent_lost(node, f"the agents' step ended (srun exit {self.proc.returncode})" if ended
-                                 else f"its agent did not connect within {_START_TIMEOUT_S:g} s")
-        if ended and not self.agents:  # no agent will run what waits: fail it, with the step's log
-            why = tail(self.dir / "srun.log", 1500)
-            for number in list(self._trials):
-                self._events.append(TrialResult(number, "failed", error="the node agents' step ended (srun exit "
-                                                f"{self.proc.returncode}; see {self.dir})", stderr_tail=why))
-                del self._trials[number]
+        start_limit = self.options.agent_start_timeout_s
+        if ended and not self.agents and not self._relaunched:  # it never came up: one line says so
+            self._fleet_failed(f"the node agents' step ended (srun exit {self.proc.returncode}) with no agent up")
+        if ended or now - self.started_at > start_limit:
+            for node in self.allocation.hosts:
+                if node not in self.agents and node not in self._relaunched:
+                    self._agent_lost(node, f"the agents' step ended (srun exit {self.proc.returncode})" if ended
+                                     else f"its agent did not connect within {start_limit:g} s "
+                                          "(agent_start_timeout_s)")
+        self._relaunch(now, ended)
+        if self.agents:
+            return
+        if self._empty_since is None:
+            self._empty_since = now
+        relaunching = any(p.poll() is None for ps in self._relaunched.values() for p in ps)
+        if ended and not relaunching:
+            self._fleet_failed(f"the node agents' step ended (srun exit {self.proc.returncode}) and no agent is up")
+        if now - max(self._empty_since, self.started_at) > start_limit:
+            self._fleet_failed(f"no node agent has been up for {start_limit:g} s (agent_start_timeout_s)")
+
+    def _fleet_failed(self, why: str) -> None:
+        log = tail(self.dir / "srun.log", 600).strip().replace("\n", " | ")
+        outs = sorted(self.dir.glob("agent-*.out"))
+        agent_log = tail(outs[0], 300).strip().replace("\n", " | ") if outs else ""
+        raise FleetError(f"{why}: no trial can run, so the study stops before it spends one. The step's log "
+                         f"({self.dir / 'srun.log'}) ends: {log or '(empty)'}"
+                         + (f"; {outs[0].name} ends: {agent_log}" if agent_log else "")
+                         + ". Fix: run `python -m hpoflow.engines.agent --help` with engine_options.python on a node")
+
+    def _relaunch(self, now: float, ended: bool) -> None:
+        """A new agent step on each node lost a while ago, while the agents' step runs (the node may be
+        up and only its agent gone), at most ``RELAUNCHES`` times per node."""
+        if ended or self._closed:
+            return
+        for node, at in list(self._lost_at.items()):
+            runs = self._relaunched.setdefault(node, [])
+            if any(p.poll() is None for p in runs) or len(runs) >= RELAUNCHES or now - at < RELAUNCH_AFTER_S:
+                continue
+            self._lost_at[node] = now
+            print(f"hpoflow: starting a new node agent on {node} ({len(runs) + 1} of {RELAUNCHES})", file=sys.stderr,
+                  flush=True)
+            runs.append(self._srun([node], self._job.cpus[self._index[node]], True))
 
     def _agent_lost(self, node: str, why: str) -> None:
         agent = self.agents.pop(node, None)
+        if agent is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(agent.link.sock)
+            agent.link.close()
+            agent.version += 1
+            if agent.warm_s is not None:
+                self._warm -= 1
         if node in self._lost:
             return
         self._lost[node] = why
+        self._lost_at[node] = time.monotonic()
         self.allocation = self.allocation.keeping(h for h in self.allocation.hosts if h != node)
         print(f"hpoflow: node agent on {node} lost ({why}); trials now run on "
-              f"{','.join(self.allocation.hosts) or 'no node'}", file=sys.stderr, flush=True)
+              f"{len(self.allocation.hosts)} node(s)", file=sys.stderr, flush=True)
         if agent is None:
             return
-        agent.link.close()
         for number in sorted(agent.trials):
             t = self._trials.get(number)
             if t is None:
@@ -371,18 +486,17 @@ class AgentFleet:
         if agent is not None and not agent.link.send(msg):
             self._agent_lost(node, "its connection closed: the agent died or was killed")
 
-    def _to_shares(self, t: _Trial, msg: dict[str, Any]) -> None:
+    def _to_shares(self, t: Trial, msg: dict[str, Any]) -> None:
         for node in t.nodes:
             if node not in t.ended:
                 self._send(node, msg)
 
-    def _cancel_shares(self, t: _Trial, node: str) -> None:
+    def _cancel_shares(self, t: Trial, node: str) -> None:
         self._cancel_at.pop(t.request.number, None)
         self._to_shares(t, {"kind": "cancel", "number": t.request.number,
                             "reason": f"the trial's ranks on {node} ended ({t.lost or 'failed'})"})
 
-    def _cancel_due(self) -> None:
-        now = time.monotonic()
+    def _cancel_due(self, now: float) -> None:
         for number, at in list(self._cancel_at.items()):
             t = self._trials.get(number)
             if t is None:  # every node's share ended meanwhile
@@ -391,33 +505,70 @@ class AgentFleet:
                 self._cancel_shares(t, t.failed_first or t.nodes[0])
 
     # -- trials -----------------------------------------------------------------------------------------
+    def _placeable(self, agent: Agent) -> None:
+        """(Re)enter ``agent`` in the placement heap at its load."""
+        agent.version += 1
+        heapq.heappush(self._heap, (agent.used_cpus, agent.index, agent.version, agent.node))
+        self._dirty = True
+        if len(self._heap) > 4 * len(self.agents) + 64:  # drop the stale entries
+            self._heap = [(a.used_cpus, a.index, a.version, a.node) for a in self.agents.values()]
+            heapq.heapify(self._heap)
+
+    def _pick(self, n: int, fits: Callable[[Agent], bool]) -> list[Agent] | None:
+        """The ``n`` least loaded agents (in node order among equals) that ``fits``, or None."""
+        seen: list[tuple[int, int, int, str]] = []
+        chosen: list[Agent] = []
+        while self._heap and len(chosen) < n:
+            entry = heapq.heappop(self._heap)
+            agent = self.agents.get(entry[3])
+            if agent is None or agent.version != entry[2]:
+                continue  # stale
+            if fits(agent):
+                chosen.append(agent)
+            else:
+                seen.append(entry)
+        if len(chosen) < n:
+            seen += [(a.used_cpus, a.index, a.version, a.node) for a in chosen]
+            chosen = []
+        for entry in seen:
+            heapq.heappush(self._heap, entry)
+        return chosen or None
+
     def _dispatch(self) -> None:
-        """Start waiting trials, in order, on agents with room (one per node of the trial)."""
-        for t in [t for t in self._trials.values() if not t.started and t.cancel_reason is None]:
+        """Start waiting trials, in order, on agents with room (one per node of the trial; a trial of
+        several nodes on warm agents only)."""
+        self._dirty = False
+        for t in list(self._waiting.values()):
             req = t.request
             ppn = processes_per_node(req)
             k = shares_per_gpu(req.gpus_per_process)
             cpus, gpus = ppn * self.allocation.rank_cpus(req), ppn * (Fraction(1, k) if k else
                                                                        Fraction(int(req.gpus_per_process)))
-            room = sorted((a for a in self.agents.values()
-                           if a.cpus - a.used_cpus >= cpus and a.gpus - a.used_gpus >= gpus
-                           and (not k or ppn <= a.gpus)),
-                          key=lambda a: (a.used_cpus, self.allocation.hosts.index(a.node)))
-            if len(room) < req.nodes:
+            gang = req.nodes > 1
+
+            def fits(a: Agent, cpus: int = cpus, gpus: Fraction = gpus, k: int = k, ppn: int = ppn,
+                     gang: bool = gang) -> bool:
+                return (a.cpus - a.used_cpus >= cpus and a.gpus - a.used_gpus >= gpus and (not k or ppn <= a.gpus)
+                        and (not gang or a.warm_s is not None))
+
+            chosen = self._pick(req.nodes, fits)
+            if chosen is None:
                 return
-            chosen = room[:req.nodes]
+            del self._waiting[req.number]
             t.nodes, t.cpus, t.gpus = [a.node for a in chosen], cpus, gpus
             for i, agent in enumerate(chosen):
                 agent.used_cpus += cpus
                 agent.used_gpus += gpus
                 agent.trials.add(req.number)
+                self._placeable(agent)
                 share = None if req.nodes == 1 else {
                     "first_rank": i * ppn, "ranks": ppn, "world": req.processes,
                     "announce": str(t.files.dir / "rendezvous.addr")}
                 self._send(agent.node, {"kind": "start", "request": req.to_json(), "share": share,
                                         "memory_mb": self.allocation.rank_memory_mb(req)})
+            self._dirty = False
 
-    def _share_ended(self, agent: _Agent, number: int, result: TrialResult | None) -> None:
+    def _share_ended(self, agent: Agent, number: int, result: TrialResult | None) -> None:
         t = self._trials.get(number)
         if t is None or agent.node not in t.nodes or agent.node in t.ended:
             return
@@ -425,6 +576,8 @@ class AgentFleet:
         agent.trials.discard(number)
         agent.used_cpus -= t.cpus
         agent.used_gpus -= t.gpus
+        if agent.node in self.agents:
+            self._placeable(agent)
         failed = result is None or result.status == "failed"
         if failed and t.failed_first is None and result is not None:
             t.failed_first = agent.node
@@ -434,9 +587,8 @@ class AgentFleet:
                 # a failure that may be the echo of a peer's death on another node (its collective broke):
                 # that node's word, which names the death, gets PEER_WAIT_S to come first
                 self._cancel_at.setdefault(number, time.monotonic() + PEER_WAIT_S)
-            elif not echo:
+            else:
                 self._cancel_shares(t, agent.node)
         if len(t.ended) == len(t.nodes):
             del self._trials[number]
-            self._events.append(_merged_result(t))
-
+            self._events.append(merged_result(t))

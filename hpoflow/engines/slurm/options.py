@@ -65,7 +65,10 @@ class SlurmOptions(Options):
     allocation, each node's agent a warm pool like the local engine's; ``hpoflow.engines.slurm.agents``)
     instead of one step per trial; ``auto`` does so inside an allocation (steps mode); ``off`` keeps
     one step per trial. ``agent_timeout_s``: an agent silent that long (it sends a heartbeat every
-    second) is lost, and its trials rerun elsewhere."""
+    second, less often in fleets over 250 nodes) is lost, and its trials rerun elsewhere; an agent that
+    hears nothing from the driver that long ends. ``agent_start_timeout_s``: how long the driver waits for
+    its agents to connect (a thousand nodes importing from a cold shared file system take minutes; agents
+    retry for as long); a fleet with no agent up by then stops the study."""
 
     mode: Literal["auto", "steps", "jobs"] = "auto"
     partition: str | None = None
@@ -88,6 +91,7 @@ class SlurmOptions(Options):
     answer_timeout_s: float = Field(default=600.0, gt=0)
     agents: Literal["auto", "on", "off"] = "auto"
     agent_timeout_s: float = Field(default=30.0, gt=0)
+    agent_start_timeout_s: float = Field(default=900.0, gt=0)
 
     @field_validator("partition", "account", "qos", "constraint")
     @classmethod

@@ -54,6 +54,9 @@ def test_agents_run_2_node_ddp_trials_in_one_step_per_node_whose_ranks_meet_acro
     driver_node = slurm_cluster.job_info(job)["BatchHost"]
     with pytest.raises(AuthError):
         connect(slurm_cluster.node_addresses[driver_node], port, new_secret())
+    # the listener is bound to the address the agents are told (the driver's node's), not to every address
+    argv = (run_dir / "agents" / "srun.log").read_text().split()
+    assert argv[argv.index("--host") + 1] == slurm_cluster.node_addresses[driver_node], argv
     info = wait_job(slurm_cluster, job)
     out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED", out
@@ -78,7 +81,7 @@ def test_agents_run_2_node_ddp_trials_in_one_step_per_node_whose_ranks_meet_acro
     assert "Traceback" not in out
 
 
-def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
+def test_an_agent_killed_mid_trial_reruns_its_trial_from_its_checkpoint_and_its_node_gets_a_new_agent(
         slurm_cluster: SlurmCluster) -> None:
     shared = slurm_cluster.shared_dir / "agents-kill"
     spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=12, engine_options=AGENTS, processes=2,
@@ -109,9 +112,12 @@ def test_an_agent_killed_mid_trial_reruns_its_trial_on_the_other_node_from_its_c
     t = study.trials[victim]  # type: ignore[index]
     assert t.user_attrs.get("attempts") == 2, t.user_attrs  # retried once, as the same trial
     assert t.user_attrs["metrics"]["resumed_from_epoch"] >= 2  # from its checkpoint, not from scratch
-    assert {h for h, _ in _rank_hosts(run_dir / "trials" / str(victim)).values()} == {"n1"}  # on the node left
     assert "node agent on n2 lost" in out, out
-    assert _steps_launched(slurm_cluster, job) == {"0": ["n1", "n2"]}, out  # the rerun needed no new step
+    # the node was up, only its agent gone: the driver started a new agent step there (n1 was busy with the
+    # other trial, so the rerun went to n2's new agent)
+    assert "node agent on n2 is back" in out, out
+    assert {h for h, _ in _rank_hosts(run_dir / "trials" / str(victim)).values()} <= {"n1", "n2"}
+    assert _steps_launched(slurm_cluster, job) == {"0": ["n1", "n2"], "1": ["n2"]}, out
 
 
 def _one_failed_trial(cluster: SlurmCluster, spec: Path, run_dir: Path) -> tuple[optuna.trial.FrozenTrial, str, str]:
@@ -152,3 +158,23 @@ def test_a_rank_over_its_memory_share_fails_its_trial_and_its_agent_goes_on(slur
     assert re.search(r"rank 0 on n\d held \d+ MB of memory, more than the 256 MB", error), (error, out)
     assert trial.user_attrs["timings"]["duration_s"] < 20, trial.user_attrs  # stopped, not left to finish
     assert "node agent on" not in out, out
+
+
+def test_an_agent_step_that_cannot_start_stops_the_study_with_one_line_and_no_trial_spent(
+        slurm_cluster: SlurmCluster) -> None:
+    """The agents' interpreter cannot run (``engine_options.python: /bin/false``): the agents' step ends at
+    once. Before, every trial failed at once, not as retryable, and the study exited 3 having spent 4
+    trials, with no line saying that the fleet never came up. Now the driver waits for its first agent
+    before it asks the study for a trial, and stops with exit 1 and one line."""
+    shared = slurm_cluster.shared_dir / "agents-false"
+    spec = _spec(shared / "false.yaml", engine_options={**AGENTS, "python": "/bin/false"},
+                 search={"n_trials": 4, "max_concurrent": 2})
+    run_dir = shared / "run"
+    job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
+    info = wait_job(slurm_cluster, job)
+    out = (run_dir / "launch" / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("1:"), (info, out)
+    errors = [line for line in out.splitlines() if line.startswith("hpoflow: error:")]
+    assert len(errors) == 1 and "node agents' step ended (srun exit" in errors[0], out
+    assert "Traceback" not in out, out
+    assert _study(run_dir).trials == [], out  # no trial asked, none spent
