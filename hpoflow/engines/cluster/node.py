@@ -547,8 +547,9 @@ def _run(job: dict[str, Any], files: TrialFiles, rank: int, world: int, local: i
         env = os.environ
         where = {"step": env.get("SLURM_STEP_ID", ""), "nodes": env.get("SLURM_STEP_NODELIST", ""),
                  "host": env.get("SLURMD_NODENAME") or os.uname().nodename}
-        channel = SocketChannel(files, timeout, hello=where,
-                                engine=f"{env.get('SLURM_LAUNCH_NODE_IPADDR') or host} {port} {token}")
+        if host == "*":  # the driver listens on every address of its host: the one SLURM launched the step from
+            host = env.get("SLURM_LAUNCH_NODE_IPADDR") or socket.gethostname()
+        channel = SocketChannel(files, timeout, hello=where, engine=f"{host} {port} {token}")
     elif rank == 0:
         channel = FileChannel(files, timeout)
     outcome = run_rank(rj, channel)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import json
 import os
 import selectors
 import shlex
@@ -56,7 +57,7 @@ from typing import Any
 
 from hpoflow.engines.agent import messages
 from hpoflow.engines.agent.listener import MAX_PENDING, Listener
-from hpoflow.engines.agent.protocol import SECRET_ENV, frame_of, new_secret
+from hpoflow.engines.agent.protocol import MAX_FRAME, SECRET_ENV, frame_of, new_secret
 from hpoflow.engines.base import Event, TrialRequest, TrialResult
 from hpoflow.engines.cluster.layout import default_pythonpath, export_flags, processes_per_node
 from hpoflow.engines.proc import tail
@@ -81,6 +82,7 @@ __all__ = ["AgentFleet", "FleetError", "heartbeat_interval", "raise_open_files"]
 
 _Trial, _merged_result = Trial, merged_result  # (their names before they moved to _fleet: tests/engines/slurm)
 
+_START_ROOM = 64 << 10  # what a start message holds beside the request (its share, its memory)
 TICK_S = 0.5  # agents' timeouts, the step's state and relaunches are checked this often, whatever the fleet
 READ_GAP_S = 0.02  # in a fleet over HEARTBEATS_PER_S nodes, the driver's wake-ups are at least this far apart
 RELAUNCHES = 2  # new agent steps started on a lost node, each RELAUNCH_AFTER_S after the loss
@@ -112,6 +114,10 @@ class AgentFleet:
         self._last_read = 0.0
         self._secret = new_secret()
         host = listen_host(allocation.hosts)
+        if not host:
+            print("hpoflow: no route from this node to the job's other nodes is known: listening for node agents "
+                  "on every address (they connect to SLURM_LAUNCH_NODE_IPADDR and must prove the run's secret)",
+                  file=sys.stderr, flush=True)
         try:
             self._listener = Listener(host, self._secret)
         except OSError as exc:  # (the routed address is not this process's to bind: every address, then)
@@ -137,6 +143,7 @@ class AgentFleet:
         self._empty_since: float | None = None  # when the fleet last became empty (after it had agents)
         self._warm = 0
         self._waited = False
+        self._interrupted = False  # a stop began (``interrupt``, maybe from a signal handler): wait for no agent
         self.heartbeats = 0  # heartbeats read (the bench's count)
         a = allocation
         env = dict(options.env)
@@ -195,14 +202,27 @@ class AgentFleet:
     # -- the engine contract, for the slurm engine ----------------------------------------------------
     def capacity(self, request: TrialRequest) -> int:
         """The allocation's capacity; the first call waits for the first agent, so a fleet that never
-        comes up stops the study (``FleetError``) before it asks for a trial."""
+        comes up stops the study (``FleetError``) before it asks for a trial; a stop (``interrupt``) ends the
+        wait, and the driver, stopping, starts nothing."""
         if not self._waited:
             self._waited = True
-            while not self.agents:
+            while not self.agents and not self._interrupted:
                 self._turn(TICK_S)
         return self.allocation.capacity(request)
 
+    def interrupt(self) -> None:
+        """A stop has begun (the driver's, from a signal handler too): no more waiting for the agents."""
+        self._interrupted = True
+
     def submit(self, request: TrialRequest) -> None:
+        size = len(json.dumps(request.to_json()))
+        if size > MAX_FRAME - _START_ROOM:  # an agent would drop the link at it (and the retry, on the next)
+            self._events.append(TrialResult(
+                request.number, "failed",
+                error=f"trial {request.number}'s request is {size} bytes of JSON, more than a message to a node agent "
+                      f"holds ({MAX_FRAME - _START_ROOM}): its parameters or training options are too large to send. "
+                      "Fix: pass large data by path (a file the ranks read), not in training.options"))
+            return
         files = TrialFiles(Path(request.trial_dir), request.attempt)
         files.dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):

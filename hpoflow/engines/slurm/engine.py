@@ -53,7 +53,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,7 @@ from hpoflow.engines.cluster.attempt import HEARTBEAT_S, stderr_tail
 from hpoflow.engines.cluster.hostlist import HostlistError, expand
 from hpoflow.engines.cluster.layout import default_pythonpath, export_flags, processes_per_node
 from hpoflow.engines.proc import tail
+from hpoflow.engines.slurm._fleet import listen_host
 from hpoflow.engines.slurm.allocation import (
     Allocation,
     config_value,
@@ -158,6 +158,7 @@ class SlurmEngine(Engine):
         # and the socket rank 0 of every step connects to
         self._replan = Replan(self.allocation) if self.allocation is not None else None
         self._control: ControlServer | None = None
+        self._control_host = ""  # the address it listens on ("": every address of this host)
         if self.allocation is not None and self.options.resolved_agents(env):
             from hpoflow.engines.slurm.agents import AgentFleet
 
@@ -211,10 +212,11 @@ class SlurmEngine(Engine):
         job = self._job(request, t.files)
         if self.mode == "steps":
             if self._control is None:
-                self._control = ControlServer()
+                self._control, self._control_host = _control_server(self.allocation)
             t.token = self._control.new_token()
-            # rank 0 connects to the driver (at SLURM_LAUNCH_NODE_IPADDR, this host's name where unset)
-            job["control"] = f"{socket.gethostname()} {self._control.port} {t.token}"
+            # rank 0 connects to the address the driver listens on ("*": every address of this host, reached
+            # at SLURM_LAUNCH_NODE_IPADDR, this host's name where unset)
+            job["control"] = f"{self._control_host or '*'} {self._control.port} {t.token}"
         write_atomic(t.files.job, json.dumps(job, sort_keys=True, default=str), mode=0o600)  # holds the token
         t.started = True
         if self.mode == "steps":
@@ -310,6 +312,11 @@ class SlurmEngine(Engine):
         if t.proc is not None and t.proc.poll() is None:
             with contextlib.suppress(OSError):
                 os.kill(t.proc.pid, signal.SIGUSR1)
+
+    def interrupt(self) -> None:
+        """A stop has begun: the node agents' fleet waits for no agent any more (``AgentFleet.interrupt``)."""
+        if self.fleet is not None:
+            self.fleet.interrupt()
 
     def running(self) -> list[int]:
         if self.fleet is not None:
@@ -666,6 +673,19 @@ _JOB_REQUEST_VARS = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK",
                      # a site-wide --overlap (srun reads SLURM_OVERLAP as the flag): SLURM would stop keeping
                      # the study's steps apart (CPUs oversubscribed, GPUs given twice)
                      "SLURM_OVERLAP")
+
+
+def _control_server(allocation: Allocation | None) -> tuple[ControlServer, str]:
+    """The steps' control listener, bound to the address the job's nodes reach this host at (as the agents'
+    listener: ``listen_host``), and that address; every address ("") where none is known or it cannot be
+    bound. Only a connection that sends a token of a running attempt is kept either way."""
+    host = listen_host(allocation.hosts) if allocation is not None else ""
+    if host:
+        try:
+            return ControlServer(host), host
+        except OSError:
+            pass
+    return ControlServer(""), ""
 
 
 def step_environ(environ: Mapping[str, str]) -> dict[str, str]:

@@ -84,6 +84,20 @@ def test_a_fleet_with_no_agent_within_agent_start_timeout_s_stops_the_study(
         f.capacity(request(0, tmp_path))
 
 
+def test_a_stop_while_the_fleet_is_awaited_ends_the_wait(tmp_path: Path, closing: list[AgentFleet]) -> None:
+    """SIGTERM or the walltime warning while no agent is up yet (a cold start of many nodes): the driver's
+    stop (``interrupt``, called from its signal handler) ends the wait at once, not after
+    ``agent_start_timeout_s``, and the stopping driver starts nothing."""
+    import threading
+
+    f = fleet(2, tmp_path, idle=True, agent_start_timeout_s=3 * LIMIT_S)  # (before: FleetError after it)
+    closing.append(f)
+    threading.Timer(0.5, f.interrupt).start()
+    started = time.monotonic()
+    assert f.capacity(request(0, tmp_path)) >= 1
+    assert time.monotonic() - started < LIMIT_S and not f.agents
+
+
 def test_an_agent_that_sends_a_hostile_frame_is_dropped_and_the_others_serve_on(
         tmp_path: Path, closing: list[AgentFleet]) -> None:
     """After the handshake, a frame nested 100,000 deep (``RecursionError`` in the driver's poll before) and
@@ -122,6 +136,28 @@ def test_an_agent_that_sends_a_hostile_frame_is_dropped_and_the_others_serve_on(
                                                             and e.status == "complete" for e in events)))
     for link in (a, b, c):
         link.close()
+
+
+def test_a_request_too_large_for_an_agent_fails_its_trial_and_keeps_the_agent(
+        tmp_path: Path, closing: list[AgentFleet]) -> None:
+    """A trial whose request (its parameters, ``training.options``) is larger than a message to an agent may
+    hold fails at once with one line that says so; before, the agent dropped the link at the frame, the node
+    was lost, and the retry took down the next agent."""
+    import dataclasses
+
+    f = fleet(1, tmp_path, idle=True)
+    closing.append(f)
+    a = _join(f, "s0000")
+    f.capacity(request(0, tmp_path))
+    options = {"blob": "x" * (5 << 20)}  # 5 MiB
+    big = dataclasses.replace(request(0, tmp_path), train={"function": "swarm:none", "options": options})
+    f.submit(big)
+    events: list[Any] = []
+    _until(f, "the trial's result", lambda: bool(events.extend(f.poll(0.05)) or events))
+    (res,) = events
+    assert res.status == "failed" and not res.retryable and "too large to send" in str(res.error), res
+    assert list(f.agents) == ["s0000"]
+    a.close()
 
 
 def test_a_lost_node_gets_a_new_agent_step_and_is_admitted_again(tmp_path: Path, closing: list[AgentFleet],

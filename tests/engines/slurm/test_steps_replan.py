@@ -280,3 +280,28 @@ def test_the_steps_driver_reads_reports_and_answers_by_socket_and_touches_no_fil
     touched = [line for line in touched if f'"{run_dir}"' not in line]
     assert not touched, touched[:20]
     assert not list((run_dir / "trials" / "0" / "attempt-0").glob("answer-*.json"))  # decisions by socket only
+
+
+def test_the_steps_control_listener_is_bound_to_the_address_the_nodes_reach_and_ranks_are_told_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the agents' listener: a job of this node alone listens on loopback only, and a job whose nodes
+    have no known route listens on every address (``*``: rank 0 then uses ``SLURM_LAUNCH_NODE_IPADDR``);
+    either way only a running attempt's token is kept."""
+    import socket
+
+    from hpoflow.engines.slurm.allocation import Allocation
+    from hpoflow.engines.slurm.engine import _control_server
+
+    here = socket.gethostname().split(".")[0]
+    server, host = _control_server(Allocation("1", (here,), (4,), 0))
+    try:
+        assert host == "127.0.0.1" and server._server.getsockname()[0] == "127.0.0.1"
+    finally:
+        server.close()
+    monkeypatch.setattr("hpoflow.engines.slurm._fleet.route_address", lambda target: target)  # no route: a name
+    monkeypatch.setattr("hpoflow.engines.slurm._fleet._node_address", lambda host: host)
+    server, host = _control_server(Allocation("1", ("n-nowhere",), (4,), 0))
+    try:
+        assert host == "" and server._server.getsockname()[0] in ("0.0.0.0", "::")
+    finally:
+        server.close()
