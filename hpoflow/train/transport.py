@@ -50,7 +50,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -300,19 +300,24 @@ class LineServer:
             if self._on_open is not None:
                 self._on_open(conn)
             try:
-                for line in reader:
-                    try:
-                        msg = json.loads(line)
-                    except ValueError:
-                        continue
-                    if not isinstance(msg, dict):
-                        continue
+                for msg in _json_objects(reader):
                     reply = self._on_message(conn, msg)
                     if reply is not None:
                         conn.sendall(json.dumps(reply).encode() + b"\n")
             finally:
                 if self._on_close is not None:
                     self._on_close(conn)
+
+
+def _json_objects(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a stream of lines, in order; a line that is not one is skipped."""
+    for line in lines:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict):
+            yield msg
 
 
 CONNECT_S = 30.0  # SocketChannel: rank 0 tries to reach the engine this long (with back-off), then trains on
@@ -372,13 +377,7 @@ class SocketChannel(FileChannel):
 
     def _read(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError), conn.makefile("rb") as reader:
-            for line in reader:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(msg, dict):
-                    continue
+            for msg in _json_objects(reader):
                 with self._cv:
                     if "seq" in msg:
                         self._answers[int(msg["seq"])] = msg

@@ -82,11 +82,13 @@ def _nodes_of(trial_dir: Path) -> dict[int, str]:
 
 
 def _down_a_node_of_the_trial_after_epoch_2(cluster: SlurmCluster, run_dir: Path,
-                                            proc: subprocess.Popen[str]) -> str:
+                                            proc: subprocess.Popen[str], crash: bool = False) -> str:
     """Once trial 0 (8 epochs) has a checkpoint of epoch 2 or later on disk for both ranks and 3 epochs
-    or more still to train, take one of its nodes down; its name. (With ``keep: 2`` epoch 2's file is
-    gone by epoch 4, and the paced epochs do not slow down with the machine's load: a poller slowed by
-    load looks for any epoch from 2 to 5.)"""
+    or more still to train, take its rank 1's node down (``crash``: SIGKILL its slurmd, slurmstepd, the
+    ranks, everything in the node's namespace, a power cut as SLURM sees it: the node stops answering and
+    is marked down ``SlurmdTimeout`` s later); its name. (With ``keep: 2`` epoch 2's file is gone by epoch
+    4, and the paced epochs do not slow down with the machine's load: a poller slowed by load looks for
+    any epoch from 2 to 5.)"""
     trial_dir = run_dir / "trials" / "0"
 
     def saved() -> bool:
@@ -97,7 +99,10 @@ def _down_a_node_of_the_trial_after_epoch_2(cluster: SlurmCluster, run_dir: Path
 
     _wait_for("trial 0's checkpoint of epoch 2 to 5", saved, STUDY_WAIT_S, every=0.3)
     victim = _nodes_of(trial_dir)[1]
-    cluster.down_node(victim)
+    if crash:
+        cluster.kill_node(victim)
+    else:
+        cluster.down_node(victim)
     return victim
 
 

@@ -6,36 +6,20 @@ cores, shared). The same without a cluster: tests/engines/slurm/test_steps_repla
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import optuna
 import pytest
 
-from tests.engines.slurm.test_cluster import _checkpointed_epochs, _paced_spec, _wait_for
-from tests.engines.slurm.test_site import STUDY_WAIT_S, _nodes_of, _study, start_in_salloc
+from tests.engines.slurm.test_cluster import _paced_spec
+from tests.engines.slurm.test_site import (
+    STUDY_WAIT_S,
+    _down_a_node_of_the_trial_after_epoch_2,
+    _nodes_of,
+    _study,
+    start_in_salloc,
+)
 from tests.infra.slurm import SlurmCluster
 
 pytestmark = pytest.mark.slow
-
-
-def _crash_a_node_of_the_trial_after_epoch_2(cluster: SlurmCluster, run_dir: Path,
-                                             proc: subprocess.Popen[str]) -> str:
-    """Once trial 0 has a checkpoint of epoch 2 to 5 on both ranks, SIGKILL its rank 1's node: slurmd,
-    slurmstepd, the ranks, everything in the node's namespace (a power cut, as SLURM sees it: the node
-    stops answering and is marked down ``SlurmdTimeout`` s later). Its name."""
-    trial_dir = run_dir / "trials" / "0"
-
-    def saved() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"the study ended before its node could be crashed (exit {proc.returncode})")
-        newest = _checkpointed_epochs(trial_dir)
-        return 2 <= min(newest.get(0, 0), newest.get(1, 0)) <= 5
-
-    _wait_for("trial 0's checkpoint of epoch 2 to 5", saved, STUDY_WAIT_S, every=0.3)
-    victim = _nodes_of(trial_dir)[1]
-    cluster.kill_node(victim)
-    return victim
 
 
 @pytest.mark.parametrize("agents", ["off", "on"])
@@ -53,7 +37,7 @@ def test_a_2_node_trial_whose_node_crashes_resumes_from_its_checkpoint_on_the_no
     log = shared / "out.txt"
     proc = start_in_salloc(cluster, ["-N3", "-c4", "--mem=2000", "--no-kill"], spec, run_dir, log)
     try:
-        victim = _crash_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc)
+        victim = _down_a_node_of_the_trial_after_epoch_2(cluster, run_dir, proc, crash=True)
         proc.wait(STUDY_WAIT_S)
     finally:
         if proc.poll() is None:
