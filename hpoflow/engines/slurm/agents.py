@@ -35,12 +35,17 @@ agent, or none connects within ``agent_start_timeout_s``), or that is all lost w
 stops the study: ``FleetError``, before a trial is spent (the first ``capacity`` waits for an agent). A
 pause (the walltime warning's ``USR1``) reaches the ranks as SIGUSR1 from their agent. ``close`` tells
 the agents to exit, then ends the steps, which kills every rank.
+
+This module holds ``AgentFleet``'s start, its engine contract, its loop and a trial's shares (sending to
+them, cancelling them, merging their results); its other parts are base classes of it: ``_links.Links``
+(admitting agents, reading their messages), ``_losses.Losses`` (lost agents, relaunches, a fleet that is
+gone) and ``_placement.Placement`` (the placement heap, dispatch), on ``_fleet_state.FleetState``; the
+plain records and functions are in ``_fleet``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import json
 import os
 import selectors
@@ -50,17 +55,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from hpoflow.engines.agent import messages
 from hpoflow.engines.agent.listener import MAX_PENDING, Listener
 from hpoflow.engines.agent.protocol import MAX_FRAME, SECRET_ENV, frame_of, new_secret
 from hpoflow.engines.base import Event, TrialRequest, TrialResult
-from hpoflow.engines.cluster.layout import default_pythonpath, export_flags, processes_per_node
-from hpoflow.engines.proc import tail
+from hpoflow.engines.cluster.layout import default_pythonpath, export_flags
 from hpoflow.engines.slurm._fleet import (
     HEARTBEATS_PER_S,
     Agent,
@@ -71,22 +72,26 @@ from hpoflow.engines.slurm._fleet import (
     merged_result,
     raise_open_files,
 )
+from hpoflow.engines.slurm._links import Links
+from hpoflow.engines.slurm._losses import RELAUNCH_AFTER_S as RELAUNCH_AFTER_S
+from hpoflow.engines.slurm._losses import RELAUNCHES as RELAUNCHES
+from hpoflow.engines.slurm._losses import Losses
+from hpoflow.engines.slurm._placement import Placement
 from hpoflow.engines.slurm.allocation import Allocation
 from hpoflow.engines.slurm.options import SlurmOptions
 from hpoflow.fileio import write_json_atomic
-from hpoflow.spec import shares_per_gpu
 from hpoflow.train.transport import TrialFiles
 from hpoflow.trial import RANK_DIED
 
 __all__ = ["AgentFleet", "FleetError", "heartbeat_interval", "raise_open_files"]
 
 _Trial, _merged_result = Trial, merged_result  # (their names before they moved to _fleet: tests/engines/slurm)
+# RELAUNCHES and RELAUNCH_AFTER_S (imported above) still import from here; Losses reads them in _losses, so a
+# test patches them there
 
 _START_ROOM = 64 << 10  # what a start message holds beside the request (its share, its memory)
 TICK_S = 0.5  # agents' timeouts, the step's state and relaunches are checked this often, whatever the fleet
 READ_GAP_S = 0.02  # in a fleet over HEARTBEATS_PER_S nodes, the driver's wake-ups are at least this far apart
-RELAUNCHES = 2  # new agent steps started on a lost node, each RELAUNCH_AFTER_S after the loss
-RELAUNCH_AFTER_S = 5.0
 _FILES_SPARE = 64  # descriptors the driver needs beside one per agent and the listener's stage
 # after a node's ranks of a trial fail without a death of their own (a broken collective: maybe the echo
 # of a rank's death on another node), the other nodes' shares are cancelled this much later, unless one of
@@ -94,7 +99,7 @@ _FILES_SPARE = 64  # descriptors the driver needs beside one per agent and the l
 PEER_WAIT_S = 1.0
 
 
-class AgentFleet:
+class AgentFleet(Links, Losses, Placement):
     """The agents of one driver; the slurm engine hands it every trial when agents are on."""
 
     def __init__(self, allocation: Allocation, options: SlurmOptions, run_dir: Path, python: str,
@@ -341,160 +346,7 @@ class AgentFleet:
         self._trials.clear()
         self._waiting.clear()
 
-    # -- agents -----------------------------------------------------------------------------------------
-    def _admit_new(self) -> None:
-        for link, hello in self._listener.take():
-            node = str(hello.get("node", ""))
-            why = ""
-            if node not in self._index:
-                why = f"which is not a node of job {self.allocation.job_id}"
-            elif node in self.agents:
-                why = "which has an agent already"
-            cores, gpus = hello.get("cores"), hello.get("gpus")
-            if not isinstance(cores, list) or not isinstance(gpus, list):
-                why = why or "with a hello that lists no cores and GPUs"
-                cores = gpus = []
-            if why:
-                print(f"hpoflow: an agent from {link.peer} named node {node[:80]!r}, {why}: closed", file=sys.stderr,
-                      flush=True)
-                link.close()
-                continue
-            back = self._lost.pop(node, None)
-            self._lost_at.pop(node, None)
-            if back is not None:
-                self.allocation = self._job.keeping({*self.allocation.hosts, node})
-                print(f"hpoflow: node agent on {node} is back (it was lost: {back}); trials run on it again",
-                      file=sys.stderr, flush=True)
-            i = self._index[node]
-            agent = Agent(node, link, min(self._job.cpus[i], len(cores)), min(self._job.gpus_per_node, len(gpus)),
-                           time.monotonic(), i)
-            self.agents[node] = agent
-            self._empty_since = None
-            self._sel.register(link.sock, selectors.EVENT_READ, agent)
-            self._placeable(agent)
-            if len(self.agents) == len(self.allocation.hosts) and back is None:
-                self._note("connected")
-                print(f"hpoflow: {len(self.agents)} node agent(s) up {time.monotonic() - self.started_at:.1f} s after "
-                      "their step started", file=sys.stderr, flush=True)
-            self._read(agent)  # what came with its hello (the listener read it first)
-
-    def _read(self, agent: Agent) -> None:
-        if self.agents.get(agent.node) is not agent:
-            return
-        msgs = agent.link.read()
-        if msgs:
-            agent.last_seen = time.monotonic()
-        for msg in msgs:
-            try:
-                self._on_message(agent, msg)
-            except (messages.BadMessage, ValueError, TypeError) as exc:
-                self._agent_lost(agent.node, f"it sent a malformed {str(msg.get('kind'))[:40]!r} message ({exc}): "
-                                 "dropped")
-                return
-        if agent.link.closed:
-            self._agent_lost(agent.node, f"it broke the protocol ({agent.link.error}): dropped" if agent.link.error
-                             else "its connection closed: the agent died or was killed")
-
-    def _on_message(self, agent: Agent, msg: dict[str, Any]) -> None:
-        kind = msg.get("kind")
-        if kind == "heartbeat":
-            self.heartbeats += 1
-        elif kind == "warm":
-            if agent.warm_s is None:
-                self._warm += 1
-                self._dirty = True  # a trial of several nodes may wait for warm agents
-            agent.warm_s = messages.number(msg.get("seconds") or 0.0, "seconds")
-            if self.warm_at is None and self._warm >= len(self.allocation.hosts):
-                self.warm_at = time.monotonic()
-                self._note("warm")
-                print(f"hpoflow: node agents warm (torch preloaded, workers forked) "
-                      f"{self.warm_at - self.started_at:.1f} s after their step started", file=sys.stderr,
-                      flush=True)
-        elif kind == "report":
-            report = messages.report(msg)
-            t = self._trials.get(report.number)
-            if t is None or not t.nodes or t.nodes[0] != agent.node:
-                return
-            t.pending_answer = t.pending_answer or report.wants_answer
-            self._events.append(report)
-        elif kind == "result":
-            result = messages.result(msg)
-            self._share_ended(agent, result.number, result)
-
-    def _check_lost(self, now: float) -> None:
-        """The fixed-rate checks: silent agents, the step's end, agents that never came, relaunches."""
-        limit = self.options.agent_timeout_s
-        for agent in [a for a in self.agents.values() if now - a.last_seen > limit]:
-            self._agent_lost(agent.node, f"no word from it for {now - agent.last_seen:.0f} s (agent_timeout_s)")
-        ended = self.proc.poll() is not None
-        start_limit = self.options.agent_start_timeout_s
-        if ended and not self.agents and not self._relaunched:  # it never came up: one line says so
-            self._fleet_failed(f"the node agents' step ended (srun exit {self.proc.returncode}) with no agent up")
-        if ended or now - self.started_at > start_limit:
-            for node in self.allocation.hosts:
-                if node not in self.agents and node not in self._relaunched:
-                    self._agent_lost(node, f"the agents' step ended (srun exit {self.proc.returncode})" if ended
-                                     else f"its agent did not connect within {start_limit:g} s "
-                                          "(agent_start_timeout_s)")
-        self._relaunch(now, ended)
-        if self.agents:
-            return
-        if self._empty_since is None:
-            self._empty_since = now
-        relaunching = any(p.poll() is None for ps in self._relaunched.values() for p in ps)
-        if ended and not relaunching:
-            self._fleet_failed(f"the node agents' step ended (srun exit {self.proc.returncode}) and no agent is up")
-        if now - max(self._empty_since, self.started_at) > start_limit:
-            self._fleet_failed(f"no node agent has been up for {start_limit:g} s (agent_start_timeout_s)")
-
-    def _fleet_failed(self, why: str) -> None:
-        log = tail(self.dir / "srun.log", 600).strip().replace("\n", " | ")
-        outs = sorted(self.dir.glob("agent-*.out"))
-        agent_log = tail(outs[0], 300).strip().replace("\n", " | ") if outs else ""
-        raise FleetError(f"{why}: no trial can run, so the study stops before it spends one. The step's log "
-                         f"({self.dir / 'srun.log'}) ends: {log or '(empty)'}"
-                         + (f"; {outs[0].name} ends: {agent_log}" if agent_log else "")
-                         + ". Fix: run `python -m hpoflow.engines.agent --help` with engine_options.python on a node")
-
-    def _relaunch(self, now: float, ended: bool) -> None:
-        """A new agent step on each node lost a while ago, while the agents' step runs (the node may be
-        up and only its agent gone), at most ``RELAUNCHES`` times per node."""
-        if ended or self._closed:
-            return
-        for node, at in list(self._lost_at.items()):
-            runs = self._relaunched.setdefault(node, [])
-            if any(p.poll() is None for p in runs) or len(runs) >= RELAUNCHES or now - at < RELAUNCH_AFTER_S:
-                continue
-            self._lost_at[node] = now
-            print(f"hpoflow: starting a new node agent on {node} ({len(runs) + 1} of {RELAUNCHES})", file=sys.stderr,
-                  flush=True)
-            runs.append(self._srun([node], self._job.cpus[self._index[node]], True))
-
-    def _agent_lost(self, node: str, why: str) -> None:
-        agent = self.agents.pop(node, None)
-        if agent is not None:
-            with contextlib.suppress(KeyError, ValueError):
-                self._sel.unregister(agent.link.sock)
-            agent.link.close()
-            agent.version += 1
-            if agent.warm_s is not None:
-                self._warm -= 1
-        if node in self._lost:
-            return
-        self._lost[node] = why
-        self._lost_at[node] = time.monotonic()
-        self.allocation = self.allocation.keeping(h for h in self.allocation.hosts if h != node)
-        print(f"hpoflow: node agent on {node} lost ({why}); trials now run on "
-              f"{len(self.allocation.hosts)} node(s)", file=sys.stderr, flush=True)
-        if agent is None:
-            return
-        for number in sorted(agent.trials):
-            t = self._trials.get(number)
-            if t is None:
-                continue
-            t.lost = t.lost or f"its node agent on {node} was lost ({why})"
-            self._share_ended(agent, number, None)
-
+    # -- sending to the agents, a trial's shares --------------------------------------------------------
     def _note(self, what: str) -> None:
         """Record when the agents reached a stage of their start (``agents/agents.json``, wall clock)."""
         self._record[what] = time.time()
@@ -523,70 +375,6 @@ class AgentFleet:
                 del self._cancel_at[number]
             elif now >= at:
                 self._cancel_shares(t, t.failed_first or t.nodes[0])
-
-    # -- trials -----------------------------------------------------------------------------------------
-    def _placeable(self, agent: Agent) -> None:
-        """(Re)enter ``agent`` in the placement heap at its load."""
-        agent.version += 1
-        heapq.heappush(self._heap, (agent.used_cpus, agent.index, agent.version, agent.node))
-        self._dirty = True
-        if len(self._heap) > 4 * len(self.agents) + 64:  # drop the stale entries
-            self._heap = [(a.used_cpus, a.index, a.version, a.node) for a in self.agents.values()]
-            heapq.heapify(self._heap)
-
-    def _pick(self, n: int, fits: Callable[[Agent], bool]) -> list[Agent] | None:
-        """The ``n`` least loaded agents (in node order among equals) that ``fits``, or None."""
-        seen: list[tuple[int, int, int, str]] = []
-        chosen: list[Agent] = []
-        while self._heap and len(chosen) < n:
-            entry = heapq.heappop(self._heap)
-            agent = self.agents.get(entry[3])
-            if agent is None or agent.version != entry[2]:
-                continue  # stale
-            if fits(agent):
-                chosen.append(agent)
-            else:
-                seen.append(entry)
-        if len(chosen) < n:
-            seen += [(a.used_cpus, a.index, a.version, a.node) for a in chosen]
-            chosen = []
-        for entry in seen:
-            heapq.heappush(self._heap, entry)
-        return chosen or None
-
-    def _dispatch(self) -> None:
-        """Start waiting trials, in order, on agents with room (one per node of the trial; a trial of
-        several nodes on warm agents only)."""
-        self._dirty = False
-        for t in list(self._waiting.values()):
-            req = t.request
-            ppn = processes_per_node(req)
-            k = shares_per_gpu(req.gpus_per_process)
-            cpus, gpus = ppn * self.allocation.rank_cpus(req), ppn * (Fraction(1, k) if k else
-                                                                       Fraction(int(req.gpus_per_process)))
-            gang = req.nodes > 1
-
-            def fits(a: Agent, cpus: int = cpus, gpus: Fraction = gpus, k: int = k, ppn: int = ppn,
-                     gang: bool = gang) -> bool:
-                return (a.cpus - a.used_cpus >= cpus and a.gpus - a.used_gpus >= gpus and (not k or ppn <= a.gpus)
-                        and (not gang or a.warm_s is not None))
-
-            chosen = self._pick(req.nodes, fits)
-            if chosen is None:
-                return
-            del self._waiting[req.number]
-            t.nodes, t.cpus, t.gpus = [a.node for a in chosen], cpus, gpus
-            for i, agent in enumerate(chosen):
-                agent.used_cpus += cpus
-                agent.used_gpus += gpus
-                agent.trials.add(req.number)
-                self._placeable(agent)
-                share = None if req.nodes == 1 else {
-                    "first_rank": i * ppn, "ranks": ppn, "world": req.processes,
-                    "announce": str(t.files.dir / "rendezvous.addr")}
-                self._send(agent.node, {"kind": "start", "request": req.to_json(), "share": share,
-                                        "memory_mb": self.allocation.rank_memory_mb(req)})
-            self._dirty = False
 
     def _share_ended(self, agent: Agent, number: int, result: TrialResult | None) -> None:
         t = self._trials.get(number)

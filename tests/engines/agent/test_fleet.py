@@ -153,7 +153,12 @@ def test_a_request_too_large_for_an_agent_fails_its_trial_and_keeps_the_agent(
     big = dataclasses.replace(request(0, tmp_path), train={"function": "swarm:none", "options": options})
     f.submit(big)
     events: list[Any] = []
-    _until(f, "the trial's result", lambda: bool(events.extend(f.poll(0.05)) or events))
+
+    def polled() -> bool:
+        events.extend(f.poll(0.05))
+        return bool(events)
+
+    _until(f, "the trial's result", polled)
     (res,) = events
     assert res.status == "failed" and not res.retryable and "too large to send" in str(res.error), res
     assert list(f.agents) == ["s0000"]
@@ -165,7 +170,7 @@ def test_a_lost_node_gets_a_new_agent_step_and_is_admitted_again(tmp_path: Path,
     """An agent whose connection closes is lost (its node leaves the plan); while the agents' step runs the
     driver starts a new agent step on that node (``--nodelist=NODE --overlap``), whose agent is admitted
     and runs trials again. Before, the node never came back: a returning agent was refused."""
-    monkeypatch.setattr("hpoflow.engines.slurm.agents.RELAUNCH_AFTER_S", 0.2)
+    monkeypatch.setattr("hpoflow.engines.slurm._losses.RELAUNCH_AFTER_S", 0.2)
     f = fleet(2, tmp_path, idle=True)
     closing.append(f)
     a = _join(f, "s0000")
