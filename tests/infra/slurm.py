@@ -20,6 +20,12 @@ No accounting storage is configured, so ``sacct`` answers "Slurm accounting stor
 ``scontrol show job ID`` (``cluster.job_info``) describes a job for ``MinJobAge`` s after it ends, and
 the job completion log ``cluster.jobcomp_path`` (``jobcomp/filetxt``) keeps one line per finished job.
 
+``private_shm(NAME)`` (a context manager) restarts node NAME's slurmd in a mount namespace of its own
+(``unshare --mount --propagation private``) whose ``/dev/shm`` is a small tmpfs, so every step, agent and
+rank on that node sees it, and the host's ``/dev/shm`` stays as it was; ``fill_shm(NAME)`` fills it from
+inside that namespace. On leaving, the node's jobs are cancelled, what is left in the namespace is killed
+(the tmpfs goes with it) and its slurmd runs as before.
+
 ``stop()`` cancels every job, kills the daemons it started by pid and every process left in the
 namespaces (slurmstepd, job tasks), deletes the namespaces and the bridge and removes ROOT; it is
 idempotent and undoes a ``start()`` that failed half way. ``start()`` undoes itself when it fails, and
@@ -39,7 +45,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,34 @@ SITE_MEMORY_MB = 3000
 # node's address use it), rate-limited, and "fabric" (fab0), which nothing names unless the job's
 # environment does (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, as a site's module sets them)
 SITE_MANAGEMENT_RATE = "200mbit"
+# A node's own /dev/shm (``private_shm``): ``unshare --mount --propagation private -- sh -c SHM_WRAPPER
+# hpoflow-private-shm OPTIONS HOST_MNT_NS ARGV...`` mounts a tmpfs named SHM_SOURCE on /dev/shm, then execs
+# ARGV (slurmd, so its pid stays the daemon's). It refuses to mount where its mount namespace is the host's
+# (HOST_MNT_NS, the test process's), so a failed unshare can never cover or fill the host's /dev/shm.
+SHM_SOURCE = "hpoflow-node-shm"
+SHM_WRAPPER = f"""\
+options=$1 host=$2
+shift 2
+if [ "$(readlink /proc/self/ns/mnt)" = "$host" ]; then
+    echo "hpoflow-private-shm: not in a mount namespace of its own: /dev/shm left alone" >&2
+    exit 97
+fi
+mount -t tmpfs -o "$options" {SHM_SOURCE} /dev/shm || exit 98
+exec "$@"
+"""
+# Fills a node's own /dev/shm from inside its mount namespace: every inode, then every block; refuses unless
+# the /dev/shm it sees (the last mount there) is that tmpfs. Prints ``df`` and ``df -i`` of it.
+SHM_FILL = f"""\
+awk '$5 == "/dev/shm" {{ src = $(NF - 1) }} END {{ exit src != "{SHM_SOURCE}" }}' /proc/self/mountinfo || {{
+    echo "this /dev/shm is not the node's own tmpfs: left alone" >&2
+    exit 97
+}}
+i=0
+while touch /dev/shm/hpoflow-fill-$i 2>/dev/null; do i=$((i + 1)); done
+dd if=/dev/zero of=/dev/shm/hpoflow-fill-0 bs=4k 2>/dev/null
+df -k /dev/shm
+df -i /dev/shm
+"""
 
 
 class SlurmError(RuntimeError):
@@ -185,6 +219,21 @@ def terminate(proc: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None
         proc.wait(10)
 
 
+def mount_namespace(pid: int | str = "self") -> str:
+    """The mount namespace of process ``pid`` (``mnt:[4026531841]``), or "" when it is gone."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return ""
+
+
+def private_shm_argv(argv: Sequence[str], options: str) -> list[str]:
+    """``argv`` run in a mount namespace of its own whose /dev/shm is a tmpfs mounted with ``options``
+    (``size=1m,nr_inodes=64,mode=1777``); exec'd, so its pid is ``argv``'s (see ``SHM_WRAPPER``)."""
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", SHM_WRAPPER, "hpoflow-private-shm",
+            options, mount_namespace(), *argv]
+
+
 def tail(path: Path, lines: int = 25) -> str:
     """The last ``lines`` lines of a text file, or a note that it cannot be read."""
     try:
@@ -225,6 +274,9 @@ class SlurmCluster:
         self.munged: subprocess.Popen[bytes] | None = None
         self.slurmctld: subprocess.Popen[bytes] | None = None
         self.slurmd: dict[str, subprocess.Popen[bytes]] = {}
+        self.shm_options: dict[str, str] = {}  # node -> the tmpfs options of its own /dev/shm (private_shm)
+        self.shm_namespaces: dict[str, str] = {}  # node -> the mount namespace its slurmd made for that /dev/shm
+        self._slurmd_started: dict[str, float] = {}  # node -> when its slurmd was last started (time.time())
         self.env: dict[str, str] = clean_environ()
         self.cluster_name = ""  # hpo<pid>x<k>, from the namespaces' tag, at start()
         self.ctld_port = 0
@@ -443,8 +495,91 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
         old = self.slurmd.get(name)
         if old is not None and old.poll() is None:
             raise SlurmError(f"slurmd of {name} is running already (pid {old.pid})")
-        argv = self.net.nsenter(self.namespace(name), ["slurmd", "-D", "-N", name, "-f", str(self.conf_path)])
-        self.slurmd[name] = spawn(argv, self.log_dir / f"slurmd-{name}.out", self.env)
+        argv = ["slurmd", "-D", "-N", name, "-f", str(self.conf_path)]
+        if name in self.shm_options:
+            argv = private_shm_argv(argv, self.shm_options[name])
+        self._slurmd_started[name] = time.time()
+        self.slurmd[name] = spawn(self.net.nsenter(self.namespace(name), argv), self.log_dir / f"slurmd-{name}.out",
+                                  self.env)
+
+    @contextlib.contextmanager
+    def private_shm(self, name: str, size: str = "1m", nr_inodes: int = 64, timeout: float = 180.0) -> Iterator[str]:
+        """Node ``name``'s slurmd, and so every step, agent and rank it starts, in a mount namespace of its own
+        whose /dev/shm is a tmpfs of ``size`` and ``nr_inodes`` (``SHM_WRAPPER``); yields that namespace. On
+        leaving, also after a failure: the node's jobs cancelled, its slurmd stopped, every process left in
+        the namespace killed (the tmpfs goes with the last one), and its slurmd started as before. The node is
+        idle, with its new slurmd registered, on entering and on leaving."""
+        if name in self.shm_options:
+            raise SlurmError(f"node {name} has a /dev/shm of its own already")
+        try:
+            self._restart_slurmd(name, f"size={size},nr_inodes={nr_inodes},mode=1777", timeout)
+            yield self.shm_namespaces[name]
+        finally:
+            self._restart_slurmd(name, None, timeout)
+
+    def fill_shm(self, name: str) -> str:
+        """Fill node ``name``'s own /dev/shm (``private_shm``; every inode and every block) from inside its mount
+        namespace; ``df`` and ``df -i`` of it. ``SlurmError`` where the node has none: the host's is never
+        filled."""
+        proc = self.slurmd.get(name)
+        if (proc is None or proc.poll() is not None or self.net is None or not self.shm_namespaces.get(name)
+                or mount_namespace(proc.pid) != self.shm_namespaces[name]):
+            raise SlurmError(f"node {name} has no /dev/shm of its own (SlurmCluster.private_shm) with its slurmd "
+                             "running: refusing to fill one")
+        argv = ["nsenter", f"--net={self.net.node(self.namespace(name)).path}", f"--mount=/proc/{proc.pid}/ns/mnt",
+                "--", "sh", "-c", SHM_FILL]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        if r.returncode != 0:
+            raise SlurmError(f"filling the /dev/shm of {name} failed (exit {r.returncode}): {r.stderr.strip()}")
+        return r.stdout
+
+    def _restart_slurmd(self, name: str, shm_options: str | None, timeout: float) -> None:
+        """Cancel node ``name``'s jobs, stop its slurmd, kill what is left in its own mount namespace, and start
+        it again with a /dev/shm of its own (``shm_options``) or the host's (None); wait until slurmctld has
+        its registration (its ``SlurmdStartTime`` changed) and the node is idle."""
+        if self.net is None:
+            raise SlurmError("the cluster is not started")
+        ids = self.run(["squeue", "-h", "-w", name, "-o", "%i"], check=False, timeout=30).stdout.split()
+        if ids:
+            self.run(["scancel", *ids], check=False, timeout=30)
+            self._wait(lambda: not self.run(["squeue", "-h", "-w", name, "-o", "%i"], check=False,
+                                            timeout=30).stdout.strip(), timeout, f"the jobs on {name} to end")
+        old = self.slurmd.pop(name, None)
+        # the namespace made on entering, and the one of a slurmd ensure_healthy() started again since
+        namespaces = {self.shm_namespaces.pop(name, ""),
+                      mount_namespace(old.pid) if old is not None and old.poll() is None and name in self.shm_options
+                      else ""} - {"", mount_namespace()}
+        terminate(old)
+        for namespace in namespaces:
+            kill_mount_namespace(namespace)
+        before = self._slurmd_start_time(name)
+        # SlurmdStartTime counts seconds: a new slurmd must not start in the second the last one did
+        time.sleep(max(0.0, self._slurmd_started.get(name, 0.0) + 1.1 - time.time()))
+        if shm_options is None:
+            self.shm_options.pop(name, None)
+        else:
+            self.shm_options[name] = shm_options
+        self.start_slurmd(name)
+        try:
+            self._wait(lambda: self._slurmd_start_time(name) not in ("", before), timeout,
+                       f"the new slurmd of {name} to register", self.slurmd[name])
+        except SlurmError as exc:  # what the wrapper said is in the daemon's stderr, which logs() leaves out
+            raise SlurmError(f"{exc}\n--- slurmd-{name}.out\n{tail(self.log_dir / f'slurmd-{name}.out')}") from exc
+        if shm_options is not None:
+            pid = self.slurmd[name].pid
+            namespace = mount_namespace(pid)
+            if not namespace or namespace == mount_namespace():
+                raise SlurmError(f"slurmd of {name} (pid {pid}) is not in a mount namespace of its own "
+                                 f"({namespace or 'gone'})")
+            self.shm_namespaces[name] = namespace
+        self.wait_states({name: ("idle",)}, timeout)
+
+    def _slurmd_start_time(self, name: str) -> str:
+        """``SlurmdStartTime`` of node ``name`` as slurmctld has it (when its slurmd that registered last
+        started), or ""."""
+        out = self.run(["scontrol", "show", "node", "-o", name], check=False, timeout=30).stdout
+        found = re.search(r"\bSlurmdStartTime=(\S+)", out)
+        return found.group(1) if found and found.group(1) != "None" else ""
 
     def kill_slurmd(self, name: str) -> None:
         """SIGKILL the slurmd of node ``name`` (its job steps go on, as on a node whose daemon crashed)."""
@@ -610,6 +745,25 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
                 continue  # the daemon's stderr, which repeats its log file once that is open
             parts.append(f"--- {path.name}\n{tail(path, lines)}")
         return "\n".join(parts)
+
+
+def kill_mount_namespace(namespace: str, timeout: float = 30.0) -> None:
+    """SIGKILL every process in mount namespace ``namespace`` (``mnt:[N]``, never this process's) and wait
+    until none is left: the namespace, and what is mounted only there, then go."""
+    if namespace == mount_namespace():
+        raise SlurmError(f"refusing to kill the processes of this process's own mount namespace {namespace}")
+    end = time.monotonic() + timeout
+    while True:
+        pids = [int(p.name) for p in Path("/proc").iterdir()
+                if p.name.isdigit() and mount_namespace(p.name) == namespace]
+        if not pids:
+            return
+        if time.monotonic() > end:
+            raise SlurmError(f"processes {pids} of mount namespace {namespace} outlived SIGKILL by {timeout:.0f} s")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
 
 
 def write_script(path: Path, body: str) -> Path:

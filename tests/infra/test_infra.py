@@ -26,7 +26,7 @@ from tests.infra.netns import (
     unavailable_reason,
 )
 from tests.infra.postgres import PostgresServer
-from tests.infra.slurm import SlurmCluster, write_script
+from tests.infra.slurm import SlurmCluster, mount_namespace, write_script
 
 
 def _wait_for(ok: Callable[[], bool], timeout: float, what: str) -> None:
@@ -195,6 +195,34 @@ def test_a_killed_slurmd_is_noticed_and_a_restarted_one_rejoins(slurm_cluster: S
         c.start_slurmd("n1")
     c.wait_idle()  # ReturnToService=1: a node DOWN for not responding is back once its slurmd registers
     assert c.run(["srun", "-N2", "-n2", "true"]).returncode == 0
+
+
+@pytest.mark.slow  # n2's slurmd restarted twice, a step on each node: ~10 s
+def test_a_node_on_a_dev_shm_of_its_own_leaves_the_hosts_alone(slurm_cluster: SlurmCluster) -> None:
+    """``private_shm``: n2's steps see a 1 MiB tmpfs on /dev/shm, filled from inside its namespace, while
+    n1's and the host's stay the host's; afterwards n2's steps see the host's again, and nothing is left in
+    the namespace."""
+    c = slurm_cluster
+    marker = f"hpoflow-marker-{os.getpid()}"
+
+    def shm_of(node: str) -> tuple[str, bool]:
+        """/dev/shm as a step on ``node`` sees it: its size in KiB, and whether the marker is there."""
+        out = c.run(["srun", "-w", node, "sh", "-c", f"df -k /dev/shm | tail -1; ls /dev/shm | grep -c {marker}"],
+                    check=False).stdout.split()
+        return out[1], out[-1] != "0"
+
+    host = os.statvfs("/dev/shm")
+    with c.private_shm("n2", size="1m") as namespace:
+        assert namespace != mount_namespace()
+        assert c.fill_shm("n2").count("100%") == 2
+        c.run(["srun", "-w", "n2", "sh", "-c", f"mv /dev/shm/hpoflow-fill-1 /dev/shm/{marker}"])
+        assert shm_of("n2") == ("1024", True)
+        assert shm_of("n1")[1] is False and not Path("/dev/shm", marker).exists()
+    assert shm_of("n2")[1] is False
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and mount_namespace(p.name) == namespace]
+    after = os.statvfs("/dev/shm")
+    assert (after.f_blocks, after.f_files) == (host.f_blocks, host.f_files)  # the same file system, not resized
+    assert c.node_states()["n2"] == "idle" and "n2" not in c.shm_options
 
 
 @pytest.mark.slow  # a second whole cluster: a few seconds
