@@ -171,7 +171,8 @@ class _Agent:
             # not an EngineError (a full /dev/shm, an OSError): a fault of this node, retried elsewhere
             self.link.send({"kind": "result", "number": number, "result": TrialResult(
                 number, "failed", error=f"its node agent on {self.node} could not start it: {why}",
-                retryable=not isinstance(exc, EngineError)).to_dict()})
+                retryable=not isinstance(exc, EngineError)).to_dict(),
+                "node_fault": not isinstance(exc, EngineError)})
 
     def _handle(self, msg: dict[str, Any]) -> bool:
         from hpoflow.engines.local import RankShare

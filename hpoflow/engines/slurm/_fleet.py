@@ -38,6 +38,8 @@ class Agent:
     used_cpus: int = 0
     used_gpus: Fraction = Fraction(0)  # GPUs, or shares of GPUs (resources.gpus_per_process: 1/k)
     warm_s: float | None = None
+    held_until: float = 0.0  # no trial is placed here before (monotonic): its node failed a start (``hold``)
+    start_faults: int = 0  # its node's start failures in a row (the hold doubles with each)
     version: int = 0  # bumped at every change of its load: the placement heap's entries of older ones are stale
 
 
@@ -98,6 +100,18 @@ def raise_open_files(need: int, nodes: int) -> int:
             return int(soft)
         return int(want)
     return int(soft)
+
+
+HOLD_S = (2.0, 60.0)  # an agent's hold after its node's first start failure in a row, and the longest
+
+
+def hold(agent: Agent, now: float) -> None:
+    """Keep ``agent`` out of placement after its node failed to start a trial (a fault of the node, such
+    as a full ``/dev/shm``): otherwise, its slots free again at once, it is the least loaded agent and
+    takes the retry and every waiting trial, each failing in milliseconds. 2 s, doubling with each failure
+    in a row, 60 s at most; a trial that completes there ends the row."""
+    agent.start_faults += 1
+    agent.held_until = now + min(HOLD_S[1], HOLD_S[0] * 2 ** (agent.start_faults - 1))
 
 
 def listen_host(hosts: tuple[str, ...]) -> str:

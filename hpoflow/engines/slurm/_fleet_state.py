@@ -38,6 +38,7 @@ class FleetState:
     _waiting: dict[int, Trial]  # submitted, not placed yet, in order
     _heap: list[tuple[int, int, int, str]]  # (used CPUs, node index, version, node)
     _dirty: bool  # something changed that may let a waiting trial start
+    _held: set[str]  # nodes whose agent is held out of placement (``_fleet.hold``)
     _events: list[Event]
     _closed: bool
     _empty_since: float | None

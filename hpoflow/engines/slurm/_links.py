@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from hpoflow.engines.agent import messages
-from hpoflow.engines.slurm._fleet import Agent
+from hpoflow.engines.slurm._fleet import Agent, hold
 from hpoflow.engines.slurm._fleet_state import FleetState
 
 __all__ = ["Links"]
@@ -97,5 +97,10 @@ class Links(FleetState):
             self._events.append(report)
         elif kind == "result":
             result = messages.result(msg)
+            if msg.get("node_fault") is True:  # the node could not start it (a full /dev/shm): not the next trial
+                hold(agent, time.monotonic())  # there at once, nor this one's retry
+                self._held.add(agent.node)
+            elif result.status in ("complete", "pruned"):
+                agent.start_faults = 0
             self._share_ended(agent, result.number, result)
 

@@ -6,6 +6,7 @@ its share of the ranks, a trial of several nodes on warm agents only."""
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -53,6 +54,7 @@ class Placement(FleetState):
         """Start waiting trials, in order, on agents with room (one per node of the trial; a trial of
         several nodes on warm agents only)."""
         self._dirty = False
+        now = time.monotonic()
         for t in list(self._waiting.values()):
             req = t.request
             ppn = processes_per_node(req)
@@ -61,10 +63,10 @@ class Placement(FleetState):
                                                                        Fraction(int(req.gpus_per_process)))
             gang = req.nodes > 1
 
-            def fits(a: Agent, cpus: int = cpus, gpus: Fraction = gpus, k: int = k, ppn: int = ppn,
+            def fits(a: Agent, cpus: int = cpus, gpus: Fraction = gpus, k: int = k, ppn: int = ppn, now: float = now,
                      gang: bool = gang) -> bool:
                 return (a.cpus - a.used_cpus >= cpus and a.gpus - a.used_gpus >= gpus and (not k or ppn <= a.gpus)
-                        and (not gang or a.warm_s is not None))
+                        and (not gang or a.warm_s is not None) and a.held_until <= now)
 
             chosen = self._pick(req.nodes, fits)
             if chosen is None:

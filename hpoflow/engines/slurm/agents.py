@@ -141,6 +141,7 @@ class AgentFleet(Links, Losses, Placement):
         self._waiting: dict[int, Trial] = {}  # submitted, not placed yet, in order
         self._heap: list[tuple[int, int, int, str]] = []  # (used CPUs, node index, version, node)
         self._dirty = False  # something changed that may let a waiting trial start
+        self._held: set[str] = set()  # nodes whose agent is held out of placement after a start failure
         self._cancel_at: dict[int, float] = {}  # trial -> when its other nodes' shares are cancelled (PEER_WAIT_S)
         self._events: list[Event] = []
         self._closed = False
@@ -169,7 +170,8 @@ class AgentFleet(Links, Losses, Placement):
         argv = ["srun", f"--job-name={self._name}", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}",
                 "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
                 f"--gres=gpu:{a.gpus_per_node}" if a.gpus_per_node else "--gres=none", "--mem=0",
-                "--kill-on-bad-exit=0", "--no-kill", "--input=none", f"--output={self.dir / 'agent-%n.out'}"]
+                "--kill-on-bad-exit=0", "--no-kill", "--input=none",
+                f"--output={self.dir / 'agent-%N.out'}", "--open-mode=append"]  # by node name: a relaunch appends
         if overlap:
             argv += [f"--nodelist={hosts[0]}", "--overlap"]
         if not any(x == "--mpi" or x.startswith("--mpi=") for x in options.srun_args):
@@ -281,6 +283,9 @@ class AgentFleet(Links, Losses, Placement):
         if now >= self._next_tick:
             self._next_tick = now + TICK_S
             self._check_lost(now)
+            for node in [n for n in self._held if n not in self.agents or self.agents[n].held_until <= now]:
+                self._held.discard(node)  # its hold is over: waiting trials may go there again
+                self._dirty = True
         if self._cancel_at:
             self._cancel_due(now)
 

@@ -165,6 +165,43 @@ def test_a_request_too_large_for_an_agent_fails_its_trial_and_keeps_the_agent(
     a.close()
 
 
+def test_a_node_that_failed_a_start_is_held_out_of_placement_for_a_while(
+        tmp_path: Path, closing: list[AgentFleet]) -> None:
+    """An agent whose node could not start a trial (a full ``/dev/shm``: ``node_fault``) frees its slots at
+    once and would be the least loaded: without a hold it took the retry and every waiting trial, each
+    failing in milliseconds. It gets none for ``_fleet.HOLD_S[0]`` s; then trials go there again."""
+    from hpoflow.engines.slurm._fleet import HOLD_S
+
+    f = fleet(2, tmp_path, idle=True)
+    closing.append(f)
+    a, b = _join(f, "s0000"), _join(f, "s0001")
+    f.capacity(request(0, tmp_path))
+    _until(f, "two warm agents", lambda: len(f.agents) == 2 and all(x.warm_s is not None for x in f.agents.values()))
+    f.submit(request(0, tmp_path))
+    assert TrialRequest.from_json(_next(a, "start")["request"]).number == 0  # the first of two idle agents
+    a.send({"kind": "result", "number": 0, "node_fault": True, "result": {
+        "number": 0, "status": "failed", "retryable": True, "error": "its node agent on s0000 could not start it: "
+        "OSError: [Errno 28] No space left on device"}})
+    held_at = time.monotonic()
+    _until(f, "the start failure", lambda: bool(f.poll(0.05)))
+    f.submit(request(1, tmp_path))  # a is idle and first in node order, but held: b takes it
+    assert TrialRequest.from_json(_next(b, "start")["request"]).number == 1
+    f.submit(request(2, tmp_path))  # b is full (one CPU an agent here) and a held: it waits out the hold
+    early: list[str] = []
+    while time.monotonic() - held_at < HOLD_S[0] - 0.5:  # (before: a took it at once)
+        f.serve(0.05)
+        msg = a.recv_one(0.05)
+        if msg is not None:
+            early.append(str(msg.get("kind")))
+    assert "start" not in early, early
+    _until(f, "the hold's end", lambda: time.monotonic() - held_at > HOLD_S[0] + 1.0)
+    start = _next(a, "start")
+    assert TrialRequest.from_json(start["request"]).number == 2
+    assert f.agents["s0000"].held_until <= time.monotonic()
+    a.close()
+    b.close()
+
+
 def test_a_lost_node_gets_a_new_agent_step_and_is_admitted_again(tmp_path: Path, closing: list[AgentFleet],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """An agent whose connection closes is lost (its node leaves the plan); while the agents' step runs the

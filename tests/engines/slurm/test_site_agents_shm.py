@@ -44,7 +44,7 @@ def hold(ctx):
 
 # engine_options.python: the full node's first agent starts once the other node's agent serves the driver,
 # so the study's first trial goes to the other node (agents that start together connect in either order).
-# The agents' logs are agents/agent-<k>.out, k the node's number in its step.
+# The agents' logs are agents/agent-<node>.out.
 GATE = """\
 if [ "$SLURMD_NODENAME" = {full} ] && [ ! -e {opened} ]; then
     i=0
