@@ -329,12 +329,16 @@ COST_MODELS.register("oracle", "hpoflow.oracle.simcost:oracle_cost", "hpoflow.or
 for _name in ("longest_remaining", "most_promising", "fifo"):
     ELASTIC.register(_name, f"hpoflow.engines.elastic:{_name}")
 
-for _name, _cls, _opts in [("grid", "RandomSampler", "Grid"), ("random", "RandomSampler", "Random"),
-                           ("tpe", "TPESampler", "TPE"), ("gp", "GPSampler", "GP"), ("cmaes", "CmaEsSampler", "CmaEs"),
-                           ("nsga2", "NSGAIISampler", "NSGAII"), ("nsga3", "NSGAIIISampler", "NSGAIII")]:
-    # grid: the driver enqueues the grid points itself; a seeded RandomSampler stands behind them
-    SAMPLERS.register(_name, f"optuna.samplers:{_cls}", f"hpoflow.search.options:{_opts}Options")
-SAMPLERS.register("bohb", "hpoflow.search.bohb:BOHBSampler", "hpoflow.search.options:BOHBOptions",
+# grid: the driver enqueues the grid points itself, a seeded RandomSampler stands behind them; the model-based
+# ones read a bounded history (hpoflow.search.models)
+for _name, _impl, _opts in [("grid", "optuna.samplers:RandomSampler", "Grid"),
+                            ("random", "optuna.samplers:RandomSampler", "Random"),
+                            ("tpe", "hpoflow.search.models:tpe", "TPE"), ("gp", "hpoflow.search.models:gp", "GP"),
+                            ("cmaes", "optuna.samplers:CmaEsSampler", "CmaEs"),
+                            ("nsga2", "optuna.samplers:NSGAIISampler", "NSGAII"),
+                            ("nsga3", "optuna.samplers:NSGAIIISampler", "NSGAIII")]:
+    SAMPLERS.register(_name, _impl, f"hpoflow.search.options:{_opts}Options")
+SAMPLERS.register("bohb", "hpoflow.search.models:bohb", "hpoflow.search.options:BOHBOptions",
                   summary="BOHB's model on Optuna's TPE, fitted at the largest budget with enough reports "
                           "(with a Hyperband pruner or scheduler)")
 for _name, _cls, _opts in [("none", "NopPruner", "Nop"), ("median", "MedianPruner", "Median"),

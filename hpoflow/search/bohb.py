@@ -11,8 +11,14 @@ model at budget ``b`` holds only evaluations at ``b``); running trials stay visi
 still spreads concurrent proposals.
 
 A budget is a report step (``trial.report(value, step)``); a trial that finished without reports counts
-at the largest budget. Which budget holds enough points is kept as counts updated from the trials that
-changed since the last proposal, so a proposal costs one pass over the trial list, not over every report.
+at the largest budget. Which budget holds enough points is kept as counts updated from the trials that are
+new or unfinished since the last proposal, and the view at a budget is a ``History``
+(``hpoflow.search.history``): each finished trial's form computed once, at most ``max_history`` of them
+(the best 25, TPE's good set, and a uniform sample of the others), so a proposal costs what changed, not a
+pass over every trial.
+
+``search.algorithm: tpe`` with a pruner or a promotion scheduler is this sampler without the random third
+(``hpoflow.search.models.tpe``).
 
 Why not a library: DEHB (``dehb``) pins numpy<2 and its ask/tell runs its own brackets; SMAC3's
 multi-fidelity facade needs ``pyrfr`` built with SWIG and drives its own intensifier; Syne Tune's MOBSTER
@@ -35,6 +41,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.run.ledger import ATTR_PAUSED
+from hpoflow.search.history import History
 from hpoflow.search.samplers import StudyView
 
 __all__ = ["BOHBSampler"]
@@ -48,6 +55,8 @@ class _Budgets:
     def __init__(self) -> None:
         self.count: Counter[float] = Counter()
         self._seen: dict[int, tuple[set[int], bool]] = {}  # number -> (steps counted, counted as final)
+        self._scanned = 0
+        self._open: set[int] = set()
 
     def update(self, trials: Sequence[FrozenTrial]) -> None:
         for t in trials:
@@ -60,6 +69,17 @@ class _Budgets:
             if final and not was_final:
                 self.count[_FINAL] += 1
                 self._seen[t.number] = (steps, True)
+
+    def changed(self, every: list[FrozenTrial]) -> list[FrozenTrial]:
+        """Of the study's trials (by number), those new or unfinished since the last call: the only ones
+        whose reports can have changed."""
+        if len(every) < self._scanned:
+            self._scanned, self._open = 0, set()
+        self._open.update(range(self._scanned, len(every)))
+        self._scanned = len(every)
+        out = [every[n] for n in sorted(self._open)]
+        self._open = {t.number for t in out if not t.state.is_finished()}
+        return out
 
     def largest(self, at_least: int) -> float | None:
         """The largest budget with ``at_least`` trials reported at it, or None."""
@@ -96,22 +116,28 @@ def _value_at(t: FrozenTrial, budget: float) -> float | None:
 class BOHBSampler(optuna.samplers.BaseSampler):
     """BOHB's model (module docstring). ``min_points_in_model``: evaluations a budget needs before the
     model is fitted there (default: the number of parameters + 1, as BOHB); until some budget has them
-    (+ 2), configurations are random. ``random_fraction``: configurations drawn at random (BOHB: 1/3).
-    The good evaluations are TPE's top 10 % (at most 25; BOHB's are the top 15 %: Optuna 4.9 deprecated
-    setting TPE's split)."""
+    (+ 2; or exactly ``min_evaluations``, where given), configurations are random. ``random_fraction``:
+    configurations drawn at random (BOHB: 1/3). The good evaluations are TPE's top 10 % (at most 25;
+    BOHB's are the top 15 %: Optuna 4.9 deprecated setting TPE's split). ``max_history``: the most
+    evaluations the model reads at a budget (``hpoflow.search.history``; None: all)."""
 
     def __init__(self, *, seed: int | None = None, min_points_in_model: int | None = None,
                  random_fraction: float = 1 / 3, n_ei_candidates: int = 64,
-                 constant_liar: bool = False) -> None:
+                 constant_liar: bool = False, min_evaluations: int | None = None, multivariate: bool = True,
+                 group: bool = False, max_history: int | None = None) -> None:
         self._seed = seed
         self._min_points = min_points_in_model
+        self._min_evaluations = min_evaluations
         self._random_fraction = random_fraction
         self._tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=0, n_ei_candidates=n_ei_candidates,
-                                               multivariate=True,
+                                               multivariate=multivariate, group=group,
                                                constant_liar=constant_liar)
         self._random = optuna.samplers.RandomSampler(seed=seed)
         self._budgets = _Budgets()
         self._budget: dict[int, float | None] = {}  # trial number -> the budget its model used (None: random)
+        self._max_history = max_history
+        self._histories: dict[float, History] = {}  # budget -> the model's view there
+        self._view: tuple[int, optuna.Study] | None = None  # (trial number, the view its model reads)
 
     def reseed_rng(self) -> None:
         self._tpe.reseed_rng()
@@ -121,7 +147,7 @@ class BOHBSampler(optuna.samplers.BaseSampler):
         budget = self._budget_for(study, trial)
         if budget is None:
             return {}
-        return self._tpe.infer_relative_search_space(_view(study, budget), trial)
+        return self._tpe.infer_relative_search_space(self._view_for(study, trial, budget), trial)
 
     def _budget_for(self, study: optuna.Study, trial: FrozenTrial) -> float | None:
         """The budget whose evaluations the model of ``trial`` reads; None: ``trial`` is drawn at random."""
@@ -131,26 +157,41 @@ class BOHBSampler(optuna.samplers.BaseSampler):
         draw = random.Random(f"{self._seed}:{trial.number}").random()
         if draw >= self._random_fraction:
             trials = study._get_trials(deepcopy=False, states=None, use_cache=False)
-            self._budgets.update(trials)
-            n_params = max((len(t.distributions) for t in trials[-8:]), default=0)
-            need = (self._min_points if self._min_points is not None else n_params + 1) + 2
+            self._budgets.update(self._budgets.changed(trials))
+            if self._min_evaluations is not None:
+                need = self._min_evaluations
+            else:
+                n_params = max((len(t.distributions) for t in trials[-8:]), default=0)
+                need = (self._min_points if self._min_points is not None else n_params + 1) + 2
             budget = self._budgets.largest(need)
         self._budget = {trial.number: budget}  # only the trial being sampled needs it
+        self._view = None
         return budget
+
+    def _view_for(self, study: optuna.Study, trial: FrozenTrial, budget: float) -> optuna.Study:
+        """The study as the model of ``trial`` reads it at ``budget`` (read once per trial)."""
+        if self._view is None or self._view[0] != trial.number:
+            history = self._histories.get(budget)
+            if history is None:
+                history = self._histories[budget] = History(_BudgetView(study, budget).shown, cap=self._max_history,
+                                                            keep_top=25, seed=self._seed)
+            self._view = (trial.number, history.view(study))
+        return self._view[1]
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
                         search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
         budget = self._budget.get(trial.number)
         if not search_space or budget is None:
             return {}
-        return self._tpe.sample_relative(_view(study, budget), trial, search_space)
+        return self._tpe.sample_relative(self._view_for(study, trial, budget), trial, search_space)
 
     def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
         budget = self._budget.get(trial.number)
         if budget is None:
             return self._random.sample_independent(study, trial, param_name, param_distribution)
-        return self._tpe.sample_independent(_view(study, budget), trial, param_name, param_distribution)
+        return self._tpe.sample_independent(self._view_for(study, trial, budget), trial, param_name,
+                                            param_distribution)
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._tpe.before_trial(study, trial)
@@ -158,7 +199,3 @@ class BOHBSampler(optuna.samplers.BaseSampler):
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
                     values: Sequence[float] | None) -> None:
         self._tpe.after_trial(study, trial, state, values)
-
-
-def _view(study: optuna.Study, budget: float | None) -> optuna.Study:
-    return _BudgetView(study, budget).as_study()

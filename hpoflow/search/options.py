@@ -38,8 +38,9 @@ __all__ = [
 class SamplerOptions(Options):
     """Base of a sampler's options: ``sampler_kwargs`` may depend on how many trials run at once."""
 
-    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
-        """The sampler's keyword arguments (besides ``seed``) for a study of ``max_concurrent`` slots."""
+    def sampler_kwargs(self, max_concurrent: int, stops_early: bool = False) -> dict[str, Any]:
+        """The sampler's keyword arguments (besides ``seed``) for a study of ``max_concurrent`` slots;
+        ``stops_early``: the study has a pruner, or a scheduler that pauses trials at rungs."""
         return self.kwargs()
 
 
@@ -56,21 +57,33 @@ class _LiarOptions(SamplerOptions):
     flight, TPE must know about running trials or it proposes near-duplicates)."""
 
     constant_liar: bool | None = None
+    max_history: int | None = Field(default=500, ge=1, description=(
+        "the most finished trials the model is fitted on (null: all); beyond it, the best ones and a uniform "
+        "sample of the others (hpoflow.search.history), so an ask costs the same at 100,000 trials as at 500"))
 
-    def sampler_kwargs(self, max_concurrent: int) -> dict[str, Any]:
+    def sampler_kwargs(self, max_concurrent: int, stops_early: bool = False) -> dict[str, Any]:
         liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar
         return {**self.kwargs(), "constant_liar": liar}
 
 
 class TPEOptions(_LiarOptions):
-    """``optuna.samplers.TPESampler``. ``constant_liar`` defaults to on when trials run concurrently.
-    (The options Optuna deprecated in 4.9 — prior_weight, consider_magic_clip, consider_endpoints,
+    """``optuna.samplers.TPESampler`` (``hpoflow.search.models.tpe``); with a pruner or a promotion scheduler,
+    by default fitted per budget (``per_budget``). ``constant_liar`` defaults to on when trials run
+    concurrently. (The options Optuna deprecated in 4.9 — prior_weight, consider_magic_clip, consider_endpoints,
     warn_independent_sampling — are not offered.)"""
 
     n_startup_trials: int = Field(default=10, ge=0)
     n_ei_candidates: int = Field(default=24, ge=1)
     multivariate: bool = True
     group: bool = False
+    per_budget: bool | None = Field(default=None, description=(
+        "fit the model on the trials' reports at one budget, as BOHB does (hpoflow.search.bohb), instead of "
+        "Optuna's ranking of stopped trials by the step they reached; null: on when the study has a pruner or "
+        "a promotion scheduler"))
+
+    def sampler_kwargs(self, max_concurrent: int, stops_early: bool = False) -> dict[str, Any]:
+        kwargs = super().sampler_kwargs(max_concurrent, stops_early)
+        return {**kwargs, "per_budget": stops_early if self.per_budget is None else self.per_budget}
 
 
 class BOHBOptions(_LiarOptions):
@@ -88,6 +101,9 @@ class GPOptions(Options):
     n_startup_trials: int = Field(default=10, ge=0)
     deterministic_objective: bool = False
     warn_independent_sampling: bool = True
+    max_history: int | None = Field(default=500, ge=1, description=(
+        "the most finished trials the GP is fitted on (null: all); beyond it, the best quarter and a uniform "
+        "sample of the others (hpoflow.search.history), as Syne Tune's max_size_data_for_model"))
 
 
 class NSGAIIOptions(Options):

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.registry import PRUNERS, SAMPLERS, resolve
 from hpoflow.run.ledger import ATTR_PAUSED
+from hpoflow.search.history import History, ViewedSampler
 from hpoflow.search.options import PrunerOptions, SamplerOptions
 from hpoflow.search.schedulers import first_rung
 from hpoflow.spec import PrunerSpec, SearchSpec
@@ -41,15 +41,24 @@ def make_sampler(search: SearchSpec, resumed_trials: int = 0) -> optuna.samplers
     ``resumed_trials``: trials the study already holds. A resumed study must not replay the random
     stream from the start (it would propose the same configurations again), so its seed becomes
     ``seed + resumed_trials``: still reproducible, never a repeat of the first run's stream.
+
+    A builder that takes ``paused`` (the model-based ones, ``hpoflow.search.models``) is told whether a
+    scheduler pauses trials and reads them as pruned itself; any other sampler is wrapped in
+    ``PausedAsPruned`` then.
     """
     seed = None if search.seed is None else search.seed + resumed_trials
     if search.algorithm not in SAMPLERS:  # a sampler class by import path (checked by the spec)
         made: optuna.samplers.BaseSampler = _build(_class(search.algorithm), dict(search.sampler_options), seed)
         return made
     options = SAMPLERS.options(search.algorithm, search.sampler_options)
-    kwargs = options.sampler_kwargs(search.max_concurrent) if isinstance(options, SamplerOptions) \
+    stops_early = search.pruner.type != "none" or search.scheduler.type in ("asha", "hyperband")
+    kwargs = options.sampler_kwargs(search.max_concurrent, stops_early) if isinstance(options, SamplerOptions) \
         else options.kwargs()
-    sampler: optuna.samplers.BaseSampler = _build(SAMPLERS.get(search.algorithm), kwargs, seed)
+    cls = SAMPLERS.get(search.algorithm)
+    if "paused" in inspect.signature(cls).parameters:
+        built: optuna.samplers.BaseSampler = _build(cls, {**kwargs, "paused": search.scheduler.enabled}, seed)
+        return built
+    sampler: optuna.samplers.BaseSampler = _build(cls, kwargs, seed)
     return PausedAsPruned(sampler) if search.scheduler.enabled else sampler
 
 
@@ -83,46 +92,28 @@ class StudyView:
         return view
 
 
+def paused_as_pruned(t: FrozenTrial) -> FrozenTrial:
+    """``t``, shown PRUNED (its intermediate values kept) where a scheduler paused it."""
+    if t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_PAUSED) is not None:
+        t = copy.copy(t)
+        t.state = TrialState.PRUNED
+    return t
+
+
 class _PausedView(StudyView):
     """Every paused trial shown PRUNED (its intermediate values kept)."""
 
     def shown(self, t: FrozenTrial) -> FrozenTrial | None:
-        if t.state == TrialState.RUNNING and t.user_attrs.get(ATTR_PAUSED) is not None:
-            t = copy.copy(t)
-            t.state = TrialState.PRUNED
-        return t
+        return paused_as_pruned(t)
 
 
-class PausedAsPruned(optuna.samplers.BaseSampler):
-    """Wraps a sampler so that it reads trials paused by a scheduler as PRUNED (module docstring)."""
+class PausedAsPruned(ViewedSampler):
+    """Wraps a sampler so that it reads trials paused by a scheduler as PRUNED (module docstring), through a
+    ``History`` (``hpoflow.search.history``) of at most ``cap`` finished trials (None: all)."""
 
-    def __init__(self, inner: optuna.samplers.BaseSampler) -> None:
-        self.inner = inner
-
-    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        return self.inner.infer_relative_search_space(_view(study), trial)
-
-    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
-        return self.inner.sample_relative(_view(study), trial, search_space)
-
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
-        return self.inner.sample_independent(_view(study), trial, param_name, param_distribution)
-
-    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self.inner.before_trial(_view(study), trial)
-
-    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
-                    values: Sequence[float] | None) -> None:
-        self.inner.after_trial(study, trial, state, values)
-
-    def reseed_rng(self) -> None:
-        self.inner.reseed_rng()
-
-
-def _view(study: optuna.Study) -> optuna.Study:
-    return _PausedView(study).as_study()
+    def __init__(self, inner: optuna.samplers.BaseSampler, *, cap: int | None = None, keep_top: int = 25,
+                 seed: int | None = None) -> None:
+        super().__init__(inner, History(paused_as_pruned, cap=cap, keep_top=keep_top, seed=seed))
 
 
 def make_pruner(p: PrunerSpec, epochs: Any = None) -> optuna.pruners.BasePruner:
