@@ -7,7 +7,7 @@ reports 51 of them, then completes), or with ``--cost lognormal`` synthetic ones
 60 s). The clock is virtual, so a trial costs only what the process spends on it.
 
 Arms (``--arms``): ``ALG`` or ``ALG+X``; ALG is ``random``, ``tpe``, ``tpe_nl`` (TPE with
-``constant_liar: false``) or ``gp``; X is a stopping pruner (``median``: startup 5, ``asha``,
+``constant_liar: false``), ``gp`` or ``bohb``; X is a stopping pruner (``median``: startup 5, ``asha``,
 ``hyperband``) or a scheduler that pauses and resumes trials (``promo``: promotion ASHA, eta 3; ``hb``:
 promotion Hyperband; ``pbt``: population ``--population`` (default: the workers, at least 8), interval
 4). The random arm at the same concurrency is the baseline of every ratio; it is run first when
@@ -16,8 +16,8 @@ promotion Hyperband; ``pbt``: population ``--population`` (default: the workers,
 Per arm and concurrency, per trial, CPU in ms: ``cpu`` (the process, from the driver's start to its
 end; ``kernel``: its system calls), ``engine`` (the simulated engine's calls, its cost model included:
 not the driver's), ``cost`` (the cost model alone), ``driver`` = cpu - engine, of which ``optuna`` is
-Optuna's sampler and pruner (TPE's ask, GP's fit, the median pruner's percentile: intrinsic to the
-algorithm) and ``own`` the rest (hpoflow's bookkeeping and the storage's writes); ``late`` is
+the sampler and pruner (TPE's ask and the history it reads, GP's fit, the median pruner's percentile:
+intrinsic to the algorithm) and ``own`` the rest (hpoflow's bookkeeping and the storage's writes); ``late`` is
 ``driver`` per new trial between the starts of the trials 60 % and 90 % into the study (what a study
 that grows pays late); ``wall`` and ``overhead`` (``DriverSummary.driver_overhead_s``) per trial;
 ``ratio`` = driver / the random arm's driver. The outputs written after the last trial (trials.csv,
@@ -47,7 +47,7 @@ PRUNERS: dict[str, dict[str, Any]] = {"median": {"type": "median", "startup_tria
            "hyperband": {"type": "hyperband"}}
 SCHEDULERS: dict[str, dict[str, Any]] = {"promo": {"type": "asha", "reduction_factor": 3}, "hb": {"type": "hyperband"},
               "pbt": {"type": "pbt", "interval": 4}}
-ALGORITHMS = ("random", "tpe", "tpe_nl", "gp")
+ALGORITHMS = ("random", "tpe", "tpe_nl", "gp", "bohb")
 DEFAULT_ARMS = ("random,tpe,tpe_nl,tpe+median,random+asha,random+hyperband,random+promo,random+hb,"
                 "random+pbt")
 
@@ -95,8 +95,13 @@ class _Clock:
 
 @contextlib.contextmanager
 def optuna_clock() -> Iterator[_Clock]:
-    """Count the CPU of Optuna's samplers and pruners (their classes patched for the block)."""
+    """Count the CPU of Optuna's samplers and pruners (their classes patched for the block), hpoflow's
+    subclasses of Optuna's pruners included (``hpoflow.search.pruners``: same decisions, from an index)."""
     import optuna
+
+    from hpoflow.search import pruners
+    from hpoflow.search.bohb import BOHBSampler
+    from hpoflow.search.history import ViewedSampler
 
     clock = _Clock()
     patched: list[tuple[type, str, Any]] = []
@@ -106,8 +111,15 @@ def optuna_clock() -> Iterator[_Clock]:
                                             "before_trial", "after_trial"),
                optuna.samplers.GPSampler: ("infer_relative_search_space", "sample_relative", "sample_independent",
                                            "before_trial", "after_trial"),
+               ViewedSampler: ("infer_relative_search_space", "sample_relative", "sample_independent",
+                               "before_trial", "after_trial"),
+               BOHBSampler: ("infer_relative_search_space", "sample_relative", "sample_independent",
+                             "before_trial", "after_trial"),
                optuna.pruners.MedianPruner: ("prune",), optuna.pruners.PercentilePruner: ("prune",),
-               optuna.pruners.SuccessiveHalvingPruner: ("prune",), optuna.pruners.HyperbandPruner: ("prune",)}
+               optuna.pruners.SuccessiveHalvingPruner: ("prune",), optuna.pruners.HyperbandPruner: ("prune",),
+               pruners.IndexedPercentilePruner: ("prune", "observe"),
+               pruners.IndexedSuccessiveHalvingPruner: ("prune", "observe"),
+               pruners.IndexedHyperbandPruner: ("prune", "observe")}
     for cls, names in methods.items():
         for name in names:
             if name in cls.__dict__:

@@ -341,10 +341,13 @@ for _name, _impl, _opts in [("grid", "optuna.samplers:RandomSampler", "Grid"),
 SAMPLERS.register("bohb", "hpoflow.search.models:bohb", "hpoflow.search.options:BOHBOptions",
                   summary="BOHB's model on Optuna's TPE, fitted at the largest budget with enough reports "
                           "(with a Hyperband pruner or scheduler)")
-for _name, _cls, _opts in [("none", "NopPruner", "Nop"), ("median", "MedianPruner", "Median"),
-                           ("percentile", "PercentilePruner", "Percentile"),
-                           ("asha", "SuccessiveHalvingPruner", "Asha"), ("hyperband", "HyperbandPruner", "Hyperband")]:
-    PRUNERS.register(_name, f"optuna.pruners:{_cls}", f"hpoflow.search.options:{_opts}PrunerOptions")
+PRUNERS.register("none", "optuna.pruners:NopPruner", "hpoflow.search.options:NopPrunerOptions")
+# Optuna's stopping pruners, answering from an index the driver keeps current (same arguments, same decisions)
+for _name, _cls, _opts in [("median", "IndexedMedianPruner", "Median"),
+                           ("percentile", "IndexedPercentilePruner", "Percentile"),
+                           ("asha", "IndexedSuccessiveHalvingPruner", "Asha"),
+                           ("hyperband", "IndexedHyperbandPruner", "Hyperband")]:
+    PRUNERS.register(_name, f"hpoflow.search.pruners:{_cls}", f"hpoflow.search.options:{_opts}PrunerOptions")
 SCHEDULERS.register("none", "hpoflow.search.schedulers:asha", "hpoflow.search.options:NoSchedulerOptions",
                     summary="no scheduler: trials run to their end")
 SCHEDULERS.register("asha", "hpoflow.search.schedulers:asha", "hpoflow.search.options:AshaSchedulerOptions",

@@ -47,6 +47,7 @@ from hpoflow.run.retry import StorageUnavailable, is_disk_error
 from hpoflow.run.rundir import disk_why
 from hpoflow.run.shared import SharedStudy
 from hpoflow.search.pbt import PbtScheduling, refuse_pbt_study
+from hpoflow.search.pruners import TrialObserver
 from hpoflow.search.scheduling import Scheduling, carried
 from hpoflow.search.space import Grid, suggest
 from hpoflow.search.summary import (
@@ -123,6 +124,12 @@ class Driver:
         self.shared = SharedStudy(study, run_dir, spec.search.lease_s, on_finished=self._on_finished, pbt=pbt)
         self.tally = self.shared.tally  # the whole study, every driver's trials, as of the last read
         self.tally.watch(self._energy_seen)  # every trial read anew: paused and interrupted ones spent energy too
+        # A pruner that indexes the study (hpoflow.search.pruners) is fed every trial each read of the storage finds
+        # changed (other drivers' too; the first read, in ``run``, finds them all), and each trial this driver tells,
+        # at once (``_tell``): its ``prune`` then reads no trials, and counts this driver's results before the next read
+        self._observer = study.pruner if isinstance(study.pruner, TrialObserver) else None
+        if self._observer is not None:
+            self.tally.watch(self._observer.observe)
         self._best: float | None = None
         self.summary = DriverSummary(self.n_trials)
         # Ask-ahead (search.ask_ahead): a trial asked while every slot was busy, submitted when one frees
@@ -179,6 +186,8 @@ class Driver:
         try:
             self._own()
             self._reconcile()
+            if self._observer is not None:  # the first read fed it the whole study (if any): it answers from now on
+                self._observer.observe([], set())
             enqueue_known(self.study, self.spec.search.enqueue)
             if self.listener:
                 self.listener.on_start(self.n_trials, self.tally.finished)
@@ -625,6 +634,8 @@ class Driver:
             summary.n_failed += 1
             summary.note_error(res.error)
             self._check_fail_fast()
+        if self._observer is not None:  # the record as told (one trial: O(1) from the journal and Optuna's storages)
+            self._observer.observe([self.study._storage.get_trial(trial._trial_id)], set())
         summary.results.append(res)
         if self.listener:
             self.listener.on_trial_end(res, fl.params, self._best)
