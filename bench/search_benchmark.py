@@ -31,6 +31,7 @@ recomputed from the surrogate (``--recompute``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -58,11 +59,13 @@ ARMS: dict[str, dict[str, Any]] = {
     "random": {"algorithm": "random"},
     "tpe": {"algorithm": "tpe"},
     "gp": {"algorithm": "gp"},
+    # with a pruner or a scheduler, TPE is fitted per budget (its per_budget option, on by default there)
     "tpe+median": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5}, "pruner": _MEDIAN},
     # the paper's Optuna arm as YAHPO Gym's own code runs it: Optuna's TPESampler(n_startup_trials=5) (then
     # univariate) and MedianPruner(n_startup_trials=5, n_warmup_steps=0), evaluated at Hyperband's budgets
     # 2, 6, 17, 52, each evaluation a run from scratch (its epochs charged again)
-    "optuna-paper": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5, "multivariate": False},
+    "optuna-paper": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5, "multivariate": False,
+                                                             "per_budget": False},
                      "pruner": {**_MEDIAN, "warmup_steps": 0}, "fidelities": [2, 6, 17, 52]},
     "tpe+asha": {"algorithm": "tpe", "pruner": {"type": "asha"}},
     "tpe+hyperband": {"algorithm": "tpe", "pruner": {"type": "hyperband"}},
@@ -76,11 +79,19 @@ ARMS: dict[str, dict[str, Any]] = {
     "bohb+hb": {"algorithm": "bohb", "scheduler": {"type": "hyperband"}},
     "bohb+promo": {"algorithm": "bohb", "scheduler": {"type": "asha"}},
     "bohb+asha": {"algorithm": "bohb", "pruner": {"type": "asha"}},
+    # TPE as Optuna reads a stopped trial (ranked by the last step it reached, among the bad trials), as
+    # search.algorithm: tpe did before its per_budget option: the rows the tpe+ arms above replace
+    **{f"tpe-step+{x}": {"algorithm": "tpe", "sampler_options": {"per_budget": False}, **extra}
+       for x, extra in (("asha", {"pruner": {"type": "asha"}}), ("hyperband", {"pruner": {"type": "hyperband"}}),
+                        ("promo", {"scheduler": {"type": "asha"}}), ("hb", {"scheduler": {"type": "hyperband"}}))},
+    "tpe-step+median": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5, "per_budget": False},
+                        "pruner": _MEDIAN},
     # hpoflow before this benchmark: judged from the first epoch (median warmup 0, ASHA's first rung 1,
     # the promotion rungs 1, 3, 9, 27); LCBench's first epoch says nothing of the last (docs/search.md)
-    "tpe+median@1": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5},
+    "tpe+median@1": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5, "per_budget": False},
                      "pruner": {**_MEDIAN, "warmup_steps": 0}},
-    "tpe+asha@1": {"algorithm": "tpe", "pruner": {"type": "asha", "min_resource": 1}},
+    "tpe+asha@1": {"algorithm": "tpe", "sampler_options": {"per_budget": False},
+                   "pruner": {"type": "asha", "min_resource": 1}},
     "random+promo@1": {"algorithm": "random", "scheduler": {"type": "asha", "anchor": "min"}},
 }
 DEFAULT_ARMS = ("random", "tpe", "tpe+median", "tpe+asha", "tpe+hyperband", "random+promo", "random+hb", "tpe+hb")
@@ -201,8 +212,10 @@ def time_to(evals: list[tuple[int, float, float]], target: float) -> float | Non
     return None
 
 
-def reference(instance: str, data: str | None, n: int = 20_000, seed: int = 0) -> tuple[float, float]:
-    """(best, worst) of ``n`` random configurations at 52 epochs (the space of ``yahpo_spec``, seeded)."""
+@functools.lru_cache(maxsize=4)
+def _sample_curves(instance: str, data: str | None, n: int, seed: int) -> tuple[Any, Any]:
+    """``n`` random configurations (the space of ``yahpo_spec``, seeded): their validation accuracy and
+    cumulative training time after each of the 52 epochs, as two (n, 52) arrays."""
     import numpy as np
 
     from hpoflow.engines.simulated.yahpo import surrogate, yahpo_spec
@@ -217,8 +230,32 @@ def reference(instance: str, data: str | None, n: int = 20_000, seed: int = 0) -
     configs = [{k: (int(v[i]) if space[k]["type"] == "int" else float(v[i])) for k, v in cols.items()}
                for i in range(n)]
     sur = surrogate("lcbench", data)
-    finals = [c[-1]["val_accuracy"] for c in sur.curves(instance, configs, 52)]  # one batch per call is fine
-    return max(finals), min(finals)
+    acc = np.empty((n, 52), dtype=np.float64)
+    spent = np.empty((n, 52), dtype=np.float64)
+    for lo in range(0, n, 2_000):  # one batch per 2,000 configurations
+        for i, c in enumerate(sur.curves(instance, configs[lo:lo + 2_000], 52), start=lo):
+            acc[i] = [row["val_accuracy"] for row in c]
+            spent[i] = [row["time"] for row in c]
+    return acc, spent
+
+
+def reference(instance: str, data: str | None, n: int = 20_000, seed: int = 0) -> tuple[float, float]:
+    """(best, worst) of ``n`` random configurations at 52 epochs (the space of ``yahpo_spec``, seeded)."""
+    acc, _ = _sample_curves(instance, data, n, seed)
+    return float(acc[:, -1].max()), float(acc[:, -1].min())
+
+
+def earliest(instance: str, data: str | None, target: float, n: int = 20_000, seed: int = 0) -> float | None:
+    """The earliest virtual time at which any of ``n`` random configurations, trained from the start, reaches
+    ``target`` (its own training time: no searcher with any number of workers gets there sooner with one of
+    them); None: none does."""
+    import numpy as np
+
+    acc, spent = _sample_curves(instance, data, n, seed)
+    hit = acc >= target
+    first = np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
+    times = spent[np.arange(len(first)), first][first >= 0]
+    return float(times.min()) if times.size else None
 
 
 def summarize(runs: list[dict[str, Any]], instance: str, data: str | None, budget: int,
@@ -253,6 +290,8 @@ def summarize(runs: list[dict[str, Any]], instance: str, data: str | None, budge
             reached = [t for t in times if t is not None]
             out["arms"][arm]["time_to_random_final_s"] = statistics.median(reached) if reached else None
             out["arms"][arm]["reached_random_final"] = f"{len(reached)}/{len(times)}"
+        # a bound on any searcher: the soonest one of the reference's configurations gets there on its own
+        out["earliest_random_final_s"] = earliest(instance, data, target, sample)
     return out
 
 
@@ -265,6 +304,14 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"{arm:16} {p['final']:7.3f} {f['final']:7.3f} {p['at10']:7.3f} {f['at10']:7.3f} "
                      f"{p['at25']:7.3f} {f['at25']:7.3f} {row['trials']:7.0f} {row['driver_cpu_ms_per_run']:10.2f}")
     lines.append("paper (read from its plot): " + ", ".join(f"{k} {v}" for k, v in PAPER.get(inst, {}).items()))
+    if summary.get("earliest_random_final_s") is not None or "random" in summary["arms"]:
+        reach = ", ".join(f"{arm} {row['reached_random_final']} at {row['time_to_random_final_s']:.0f} s"
+                          if row.get("time_to_random_final_s") is not None else f"{arm} never"
+                          for arm, row in summary["arms"].items() if "reached_random_final" in row)
+        soonest = summary.get("earliest_random_final_s")
+        lines.append(f"reached Random's final regret (reps, median virtual time): {reach}; the soonest any of "
+                     f"{summary['reference_sample']:,} random configurations gets there, trained alone: "
+                     + (f"{soonest:.0f} s" if soonest is not None else "never"))
     return "\n".join(lines)
 
 
@@ -330,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-epochs", type=int, default=BUDGET)
     ap.add_argument("--data", default=None, help="folder holding yahpo-lcbench/ (default: $HPOFLOW_BENCHMARKS or "
                                                    "../shared/benchmarks)")
-    ap.add_argument("--reference", type=int, default=20_000, help="random configurations of the fixed "
-                                                                  "normalization (best and worst at 52 epochs)")
+    ap.add_argument("--reference", type=int, default=None, help="random configurations of the fixed "
+                                                               "normalization (best and worst at 52 epochs) and of "
+                                                               "the soonest time to Random's final regret (default "
+                                                               "20,000; with --recompute, the file's)")
     ap.add_argument("--out", default=None, help="write every run and the summary as JSON")
     ap.add_argument("--recompute", default=None, help="--out file(s), comma-separated: recompute their summaries "
                                                       "from their runs")
@@ -369,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             for inst, block in read["instances"].items():
                 budget = int(block["summary"]["budget_epochs"])
                 into = merged.setdefault(inst, {"runs": [], "budget": budget, "arms": set(),
-                                                "reference": int(block["summary"].get("reference_sample", 20_000))})
+                                                "reference": a.reference or int(block["summary"].get(
+                                                    "reference_sample", 20_000))})
                 if into["budget"] != budget:
                     print(f"--recompute: {name} has instance {inst} at {budget} epochs, an earlier file at "
                           f"{into['budget']}: give files of one budget", file=sys.stderr)
@@ -407,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(a.reps):
                 runs.append(run_arm(inst, arm, rep, a.workers, a.budget_epochs, data))
             print(f"  {inst} {arm}: {a.reps} reps done", file=sys.stderr, flush=True)
-        s = summarize(runs, inst, data, a.budget_epochs, a.reference)
+        s = summarize(runs, inst, data, a.budget_epochs, a.reference or 20_000)
         print(table(s), flush=True)
         doc["instances"][inst] = {"summary": s, "runs": runs}
         for arm, row in s["arms"].items():

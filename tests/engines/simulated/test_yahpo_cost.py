@@ -121,6 +121,11 @@ def test_the_benchmark_accounts_for_every_epoch_once_and_its_json_recomputes(tmp
         assert [v for *_, v in some] == [c[int(e) - 1]["val_accuracy"] for (_, e, _, _), c in zip(some, curves,
                                                                                                      strict=True)]
     assert paused_then_resumed > 0  # promotion ASHA resumed paused trials
+    # the bound on any searcher: when the soonest of the 2,000 reference configurations, trained alone, reaches
+    # Random's final regret
+    soonest = summary["earliest_random_final_s"]
+    assert soonest is None or soonest > 0
+    assert "the soonest any of 2,000 random configurations gets there" in run.stdout
     for arm, row in summary["arms"].items():
         assert 0.0 <= row["paper"]["final"] <= row["paper"]["at25"] <= row["paper"]["at10"] <= 1.0, arm
     halves = []
