@@ -31,12 +31,14 @@ __all__ = ["DEFAULT_JOURNAL", "check_storage_path", "open_storage", "storage_lab
 
 DEFAULT_JOURNAL = "study.journal"
 
-try:  # the record of an intermediate value, as Optuna's journal writes it (private: None where it moved)
+try:  # the records of an intermediate value and of a state, as Optuna's journal writes them (private: None
+    # where they moved)
     from optuna.storages.journal._storage import JournalOperation
 
     _INTERMEDIATE: int | None = int(JournalOperation.SET_TRIAL_INTERMEDIATE_VALUE)
+    _STATE: int | None = int(JournalOperation.SET_TRIAL_STATE_VALUES)
 except (ImportError, AttributeError):
-    _INTERMEDIATE = None
+    _INTERMEDIATE = _STATE = None
 
 
 class _Journal(JournalStorage):
@@ -44,10 +46,11 @@ class _Journal(JournalStorage):
     whose intermediate values cost the same however many the trial has.
 
     ``study.ask()`` asks that on every call; Optuna answers by walking all trials, so a 10,000-trial
-    study paid ~5 ms per ask at the end. Only an unfinished trial can be WAITING (created so by
-    ``enqueue_trial``, or put back by a driver that asked it but did not run it), so per study we keep
-    the ids of the trials that were unfinished at the last query, and look at those and at trials
-    added since.
+    study paid ~5 ms per ask at the end. A trial is WAITING only if it was created so (``enqueue_trial``)
+    or put back so (a driver that asked it but did not run it): the replay of the records notes those
+    trials (``_maybe_waiting``), and the query looks at them alone, however many trials run or are
+    paused. (Where the replay is Optuna's own, the fallback keeps per study the trials that were
+    unfinished at the last query and looks at those and at the trials added since.)
 
     Optuna's replay applies each intermediate value by copying the trial's earlier ones (a trial handed
     out must not change under its holder), so a trial's n-th report cost O(n): 100,000 reports of one
@@ -65,6 +68,11 @@ class _Journal(JournalStorage):
         # (Set before the first replay.)
         self._handouts = 0
         self._made: dict[int, int] = {}
+        self._maybe_waiting: set[int] | None = set()  # trials created or set WAITING (None: not tracked)
+        # per study, the list of its trials' records as the last read handed it out, and the trials whose
+        # record the replay has replaced since (None: not kept, Optuna's walk instead)
+        self._lists: dict[int, list[FrozenTrial]] | None = {}
+        self._replaced: dict[int, set[int]] = {}
         super().__init__(backend)
         self._waiting: dict[int, tuple[int, set[int]]] = {}  # study -> (trials seen, unfinished ones)
 
@@ -72,6 +80,8 @@ class _Journal(JournalStorage):
         """A pickled copy (Optuna's: the backend, then a new replay and lock; the backend's
         ``JournalFile.__setstate__`` opens the file anew) starts its WAITING index anew with its replay, and
         has lent no trial of it."""
+        self._maybe_waiting = None  # (the parent's replay has run: nothing was noted)
+        self._lists, self._replaced = None, {}
         super().__setstate__(state)
         self._waiting = {}
         self._handouts, self._made = 0, {}
@@ -84,6 +94,8 @@ class _Journal(JournalStorage):
         updatable = getattr(replay, "_trial_exists_and_updatable", None)
         made = getattr(self, "_made", None)
         if not isinstance(trials, dict) or updatable is None or not isinstance(made, dict) or _INTERMEDIATE is None:
+            self._maybe_waiting = None
+            self._lists = None
             super()._sync_with_backend()
             return
         run: list[dict[str, Any]] = []  # records for Optuna's replay, in order
@@ -92,18 +104,59 @@ class _Journal(JournalStorage):
                 run.append(log)
                 continue
             if run:
-                replay.apply_logs(run)
+                self._apply(run)
                 run = []
             trial_id = log["trial_id"]
             if made.get(trial_id, -1) < self._handouts:
-                replay.apply_logs([log])  # a copy: a FrozenTrial handed out keeps what it held
+                self._apply([log])  # a copy: a FrozenTrial handed out keeps what it held
                 made[trial_id] = self._handouts
                 continue
             replay.log_number_read += 1  # (counted first, as Optuna does: a record that raises is read)
             if updatable(trial_id, log):
                 trials[trial_id].intermediate_values[log["step"]] = log["intermediate_value"]
         if run:
-            replay.apply_logs(run)
+            self._apply(run)
+
+    def _apply(self, logs: list[dict[str, Any]]) -> None:
+        """Optuna's replay of ``logs``, noting the trials whose record it replaces, and those it creates
+        WAITING or sets WAITING."""
+        replay = self._replay_result
+        trials = replay._trials
+        first = len(trials)  # (a created trial's id is the number of trials before it)
+        replay.apply_logs(logs)
+        owner = getattr(replay, "_trial_id_to_study_id", None)
+        if self._lists is not None and isinstance(owner, dict):
+            for log in logs:
+                trial_id = log.get("trial_id")
+                if trial_id is not None and owner.get(trial_id) in self._lists:
+                    self._replaced.setdefault(owner[trial_id], set()).add(trial_id)
+        elif self._lists is not None:
+            self._lists = None
+        maybe = self._maybe_waiting
+        if maybe is None:
+            return
+        maybe.update(t for t in range(first, len(trials)) if trials[t].state == TrialState.WAITING)
+        for log in logs:
+            if log.get("op_code") == _STATE and log.get("state") == TrialState.WAITING.value:
+                maybe.add(int(log["trial_id"]))
+
+    def _listed(self, study_id: int, ids: list[int], trials: dict[int, FrozenTrial]) -> list[FrozenTrial]:
+        """The study's records in trial order, kept from the last read: the records replaced since swapped in,
+        the trials created since added (a read costs what changed, not a walk over every trial)."""
+        lists = self._lists
+        if lists is None:
+            return [trials[t] for t in ids]
+        listed = lists.get(study_id)
+        if listed is None:
+            listed = lists[study_id] = [trials[t] for t in ids]
+            self._replaced.pop(study_id, None)
+            return listed
+        if len(listed) < len(ids):
+            listed.extend(trials[t] for t in ids[len(listed):])
+        for t in self._replaced.pop(study_id, ()):
+            record = trials[t]
+            listed[record.number] = record
+        return listed
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
         with self._thread_lock:
@@ -120,11 +173,18 @@ class _Journal(JournalStorage):
         if ids_by_study is None or trials is None:
             return super().get_all_trials(study_id, deepcopy, states)
         waiting_only = isinstance(states, tuple | list) and list(states) == [TrialState.WAITING]
+        owner = getattr(replay, "_trial_id_to_study_id", None)
         with self._thread_lock:
             self._sync_with_backend()
             ids = ids_by_study.get(study_id)
-            if not waiting_only or ids is None:
+            maybe = self._maybe_waiting
+            if states is None and ids is not None and self._lists is not None:
+                out = list(self._listed(study_id, ids, trials))
+            elif not waiting_only or ids is None:
                 out = replay.get_all_trials(study_id, states)  # (KeyError for a study that is not there)
+            elif maybe is not None and isinstance(owner, dict):
+                maybe.difference_update([t for t in maybe if trials[t].state != TrialState.WAITING])
+                out = [trials[t] for t in sorted(maybe) if owner.get(t) == study_id]
             else:
                 seen, candidates = self._waiting.get(study_id, (0, set()))
                 candidates.update(t for t in ids[seen:] if not trials[t].state.is_finished())

@@ -38,6 +38,9 @@ def test_waiting_index_answers_like_optunas_scan(tmp_path: Path) -> None:
             t = study.ask()  # pops a waiting trial when there is one
             t.suggest_float("x", 0, 1)
             running.append(t)
+        elif op < 0.75 and running:  # a driver gives back a trial it asked but did not run
+            t = running.pop(rng.randrange(len(running)))
+            storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
         elif running:
             study.tell(running.pop(rng.randrange(len(running))), rng.random())
         if step % 10 == 0:
@@ -51,6 +54,59 @@ def test_waiting_index_answers_like_optunas_scan(tmp_path: Path) -> None:
     other.enqueue_trial({"x": 0.5})
     waiting = storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,))
     assert waiting and waiting[-1].system_attrs["fixed_params"] == {"x": 0.5}
+
+
+def test_every_trials_read_is_what_optunas_replay_reads(tmp_path: Path) -> None:
+    """The list of a study's trials is kept from read to read (the records the replay replaced swapped in, new
+    trials added): after random asks, reports, attributes, tells, enqueues and another writer's trials, it
+    holds what plain Optuna reads from the file, record for record."""
+
+    def shape(t: optuna.trial.FrozenTrial) -> tuple[Any, ...]:
+        return (t.number, t.state, t.values, dict(t.intermediate_values), t.user_attrs, t.params)
+
+    storage = open_storage(None, tmp_path)
+    study = optuna.create_study(storage=storage, study_name="s")
+    other = optuna.load_study(study_name="s", storage=JournalStorage(JournalFileBackend(
+        str(tmp_path / "study.journal"))))
+    rng = random.Random(1)
+    running: list[optuna.trial.Trial] = []
+    for step in range(400):
+        op = rng.random()
+        if op < 0.25 or not running:
+            t = (other if rng.random() < 0.2 else study).ask()
+            t.suggest_float("x", 0, 1)
+            running.append(t)
+        elif op < 0.55:
+            t = rng.choice(running)
+            t.report(rng.random(), len(storage.get_trial(t._trial_id).intermediate_values))
+        elif op < 0.65:
+            rng.choice(running).set_user_attr("k", step)
+        elif op < 0.7:
+            study.enqueue_trial({"x": 0.25})
+        else:
+            t = running.pop(rng.randrange(len(running)))
+            (other if rng.random() < 0.2 else study).tell(t, rng.random())
+        if step % 7 == 0:
+            plain = JournalStorage(JournalFileBackend(str(tmp_path / "study.journal")))
+            want = [shape(t) for t in plain.get_all_trials(study._study_id)]
+            assert [shape(t) for t in storage.get_all_trials(study._study_id, deepcopy=False)] == want, step
+
+
+def test_the_waiting_query_looks_at_the_waiting_trials_alone(tmp_path: Path) -> None:
+    """Thousands of running (or paused) trials do not make the query longer: it looks only at trials created
+    or set WAITING."""
+    storage = open_storage(None, tmp_path)
+    study = optuna.create_study(storage=storage, study_name="s")
+    for _ in range(2000):
+        study.ask()
+    study.enqueue_trial({"x": 0.5})
+    popped = study.ask()  # the enqueued one
+    given_back = study.ask()
+    storage.set_trial_state_values(given_back._trial_id, TrialState.WAITING)
+    waiting = storage.get_all_trials(study._study_id, states=(TrialState.WAITING,))
+    assert storage.get_trial(popped._trial_id).system_attrs["fixed_params"] == {"x": 0.5}
+    assert [t.number for t in waiting] == [given_back.number]
+    assert isinstance(storage, _Journal) and storage._maybe_waiting == {given_back._trial_id}  # popped: RUNNING
 
 
 def test_the_fast_paths_are_taken_with_this_optuna(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
