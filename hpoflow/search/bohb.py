@@ -41,7 +41,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.run.ledger import ATTR_PAUSED
-from hpoflow.search.history import History
+from hpoflow.search.history import History, search_space_view
 from hpoflow.search.samplers import StudyView
 
 __all__ = ["BOHBSampler"]
@@ -147,7 +147,7 @@ class BOHBSampler(optuna.samplers.BaseSampler):
         budget = self._budget_for(study, trial)
         if budget is None:
             return {}
-        return self._tpe.infer_relative_search_space(self._view_for(study, trial, budget), trial)
+        return self._tpe.infer_relative_search_space(search_space_view(self._view_for(study, trial, budget)), trial)
 
     def _budget_for(self, study: optuna.Study, trial: FrozenTrial) -> float | None:
         """The budget whose evaluations the model of ``trial`` reads; None: ``trial`` is drawn at random."""

@@ -37,7 +37,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpoflow.run.ledger import ATTR_PAUSED
 
-__all__ = ["History", "ViewedSampler", "rank_key"]
+__all__ = ["History", "ViewedSampler", "rank_key", "search_space_view"]
 
 Shown = Callable[[FrozenTrial], "FrozenTrial | None"]
 _MASK = (1 << 64) - 1
@@ -89,6 +89,7 @@ class History:
         self._n_final = 0
         self._rng = random.Random(self._seed)
         self._maximize: bool | None = None
+        self._capped = False
         self._draws: dict[int, float] = {}  # an unfinished trial's draw (module docstring)
 
     def trials(self, study: optuna.Study) -> list[FrozenTrial]:
@@ -123,12 +124,14 @@ class History:
                 self._open[n] = (t, form)
             if form is not None:
                 live.append((n, form))
-        if self.cap is None or len(self._final) + len(live) <= self.cap:
+        cap = self.cap
+        self._capped = cap is not None and len(self._final) + len(live) > cap
+        if cap is None or not self._capped:
             chosen: Sequence[int] = self._order
         else:
             # the rest, finished or not, in one proportion: the first r slots of the reservoir are a uniform
             # sample of the finished trials too
-            rate = (self.cap - self._keep) / max(1, self._n_final + len(live))
+            rate = (cap - self._keep) / max(1, self._n_final + len(live))
             r = min(len(self._reservoir), round(rate * self._n_final))
             chosen = sorted({n for _, n in self._top} | set(self._reservoir[:r]))
             live = [(n, t) for n, t in live if self._draw(n) < rate]
@@ -165,6 +168,11 @@ class History:
                     self._reservoir[j] = n
         self._n_final += 1
 
+    @property
+    def capped(self) -> bool:
+        """Whether the last read left trials out (the study holds more than ``cap``)."""
+        return self._capped
+
     def view(self, study: optuna.Study) -> optuna.Study:
         """``study`` as the sampler reads it: these trials (read at the sampler's first read: a sampler
         that reads none, as random search, costs nothing); everything else the study's."""
@@ -172,20 +180,42 @@ class History:
         return view
 
 
+def search_space_view(view: optuna.Study) -> optuna.Study:
+    """The view (``History.view``) a sampler's search space is inferred from: the same trials, but once the
+    history is capped, the finished ones only. Optuna's ``IntersectionSearchSpace`` reads back from the last
+    trial to the first unfinished one at every ask, so with hundreds running it read hundreds of trials an
+    ask; unfinished trials add nothing to the intersection, and only move where the next ask starts. (So
+    that a trial finishing after later ones is not intersected, as Optuna would: for a space whose
+    parameters are all always there, the same space; below the cap the view is Optuna's exactly.)"""
+    if isinstance(view, _Viewed):
+        finished: optuna.Study = _Viewed(view._study, view._history, source=view)  # type: ignore[assignment]
+        return finished
+    return view
+
+
 class _Viewed:
-    def __init__(self, study: optuna.Study, history: History) -> None:
+    def __init__(self, study: optuna.Study, history: History, source: _Viewed | None = None) -> None:
         self._study = study
         self._history = history
+        self._source = source  # (a search-space view: the trials of ``source``, finished ones once capped)
         self._trials: list[FrozenTrial] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._study, name)
 
+    def _read(self) -> list[FrozenTrial]:
+        if self._trials is None:
+            if self._source is None:
+                self._trials = self._history.trials(self._study)
+            else:
+                trials = self._source._read()
+                self._trials = [t for t in trials if t.state.is_finished()] if self._history.capped else trials
+        return self._trials
+
     def _get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None,
                     use_cache: bool = False) -> list[FrozenTrial]:
-        if self._trials is None:
-            self._trials = self._history.trials(self._study)
-        out = self._trials if states is None else [t for t in self._trials if t.state in states]
+        trials = self._read()
+        out = trials if states is None else [t for t in trials if t.state in states]
         if deepcopy:
             import copy
 
@@ -211,7 +241,7 @@ class ViewedSampler(optuna.samplers.BaseSampler):
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         self._view = None  # a new ask: read the study again
-        return self.inner.infer_relative_search_space(self._of(study, trial), trial)
+        return self.inner.infer_relative_search_space(search_space_view(self._of(study, trial)), trial)
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
                         search_space: dict[str, BaseDistribution]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ def _viewed(inner: optuna.samplers.BaseSampler, *, paused: bool, max_history: in
 
 def tpe(*, seed: int | None = None, n_startup_trials: int = 10, n_ei_candidates: int = 24,
         multivariate: bool = True, group: bool = False, constant_liar: bool = False, per_budget: bool = False,
-        max_history: int | None = 500, paused: bool = False) -> optuna.samplers.BaseSampler:
+        max_history: int | None = 300, paused: bool = False) -> optuna.samplers.BaseSampler:
     """Optuna's ``TPESampler`` with these options, reading a bounded history; ``per_budget``: fitted per
     budget (module docstring)."""
     fast_tpe.install()
@@ -63,7 +63,7 @@ def gp(*, seed: int | None = None, n_startup_trials: int = 10, deterministic_obj
 
 
 def bohb(*, seed: int | None = None, min_points_in_model: int | None = None, random_fraction: float = 1 / 3,
-         n_ei_candidates: int = 64, constant_liar: bool = False, max_history: int | None = 500,
+         n_ei_candidates: int = 64, constant_liar: bool = False, max_history: int | None = 300,
          paused: bool = False) -> optuna.samplers.BaseSampler:
     """``BOHBSampler`` (it reads paused trials at the budgets they reached itself: ``paused`` changes nothing)."""
     fast_tpe.install()

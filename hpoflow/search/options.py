@@ -57,9 +57,10 @@ class _LiarOptions(SamplerOptions):
     flight, TPE must know about running trials or it proposes near-duplicates)."""
 
     constant_liar: bool | None = None
-    max_history: int | None = Field(default=500, ge=1, description=(
-        "the most finished trials the model is fitted on (null: all); beyond it, the best ones and a uniform "
-        "sample of the others (hpoflow.search.history), so an ask costs the same at 100,000 trials as at 500"))
+    max_history: int | None = Field(default=300, ge=1, description=(
+        "the most finished trials the model is fitted on (null: all); beyond it, the 25 best (TPE's good set) "
+        "and a uniform sample of the others (hpoflow.search.history), so an ask costs the same at 100,000 "
+        "trials as at 300"))
 
     def sampler_kwargs(self, max_concurrent: int, stops_early: bool = False) -> dict[str, Any]:
         liar = max_concurrent > 1 if self.constant_liar is None else self.constant_liar

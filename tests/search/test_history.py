@@ -16,7 +16,7 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from hpoflow.run.ledger import ATTR_PAUSED
 from hpoflow.search import fast_tpe
 from hpoflow.search.bohb import BOHBSampler
-from hpoflow.search.history import History, ViewedSampler
+from hpoflow.search.history import History, ViewedSampler, search_space_view
 from hpoflow.search.models import tpe
 from hpoflow.search.samplers import PausedAsPruned, make_sampler
 from hpoflow.spec import StudySpec
@@ -143,7 +143,7 @@ def test_tpe_is_fitted_per_budget_where_trials_stop_early_unless_told_not_to() -
     off = make_sampler(search({"pruner": {"type": "asha"}, "sampler_options": {"per_budget": False}}).search)
     assert isinstance(off, ViewedSampler) and isinstance(off.inner, optuna.samplers.TPESampler)
     paused = make_sampler(search({"scheduler": {"type": "asha"}, "sampler_options": {"per_budget": False}}).search)
-    assert isinstance(paused, PausedAsPruned) and paused.history.cap == 500
+    assert isinstance(paused, PausedAsPruned) and paused.history.cap == 300
     unbounded = make_sampler(search({"sampler_options": {"max_history": None}}).search)
     assert isinstance(unbounded, ViewedSampler) and unbounded.history.cap is None
 
@@ -158,3 +158,24 @@ def test_a_study_far_above_the_cap_still_finds_the_good_region() -> None:
         xs.append(float(t.params["x"]))
         study.tell(t, _objective(t.params))
     assert statistics.median(abs(x - 0.3) for x in xs) < 0.1  # random: 0.25
+
+
+def test_the_search_space_is_inferred_from_the_finished_trials_once_the_history_is_capped() -> None:
+    """Optuna's intersection search space reads back to the first unfinished trial at every ask: above the cap
+    its view holds the finished trials only (below it, the view itself)."""
+    small = _study(50)
+    small.sampler = optuna.samplers.RandomSampler(seed=0)
+    for _ in range(20):
+        small.ask(SPACE)
+    view = History(cap=300, seed=0).view(small)
+    assert [t.number for t in search_space_view(view).get_trials()] == [t.number for t in view.get_trials()]
+    assert len(view.get_trials()) == 70
+    big = _study(1000)
+    big.sampler = optuna.samplers.RandomSampler(seed=0)
+    for _ in range(300):
+        big.ask(SPACE)
+    view = History(cap=300, seed=0).view(big)
+    shown = view.get_trials()
+    assert any(t.state == TrialState.RUNNING for t in shown)
+    assert [t.number for t in search_space_view(view).get_trials()] == [t.number for t in shown
+                                                                         if t.state.is_finished()]
