@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instance", default="167168", help=f"an LCBench task id, or 'all' ({', '.join(INSTANCES)})")
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS))
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--first-rep", type=int, default=0, help="the first repetition's seed (a run of reps 15-29 "
+                                                             "merges with one of 0-14: --recompute A.json,B.json)")
     ap.add_argument("--workers", type=int, default=1, help="concurrent trials (1 to 1,024)")
     ap.add_argument("--budget-epochs", type=int, default=BUDGET)
     ap.add_argument("--data", default=None, help="folder holding yahpo-lcbench/ (default: $HPOFLOW_BENCHMARKS or "
@@ -411,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     data = str(data_dir)
     if a.recompute:
         # runs of one instance from several files are one table (normalized together), in file order;
-        # a file's arm already read from an earlier file is left out (same arm, same seeds)
+        # a file's run of an arm and repetition already read from an earlier file is left out (same seed)
         merged: dict[str, dict[str, Any]] = {}
         for name in a.recompute.split(","):
             read = json.loads(Path(name).read_text())
@@ -424,9 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"--recompute: {name} has instance {inst} at {budget} epochs, an earlier file at "
                           f"{into['budget']}: give files of one budget", file=sys.stderr)
                     return 2
-                new = [r for r in block["runs"] if r["arm"] not in into["arms"]]
+                new = [r for r in block["runs"] if (r["arm"], r["rep"]) not in into["arms"]]
                 into["runs"].extend(new)
-                into["arms"].update(r["arm"] for r in new)
+                into["arms"].update((r["arm"], r["rep"]) for r in new)
             del read
         summaries = []
         for inst, into in merged.items():
@@ -454,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     for inst in instances:
         runs = []
         for arm in arms:
-            for rep in range(a.reps):
+            for rep in range(a.first_rep, a.first_rep + a.reps):
                 runs.append(run_arm(inst, arm, rep, a.workers, a.budget_epochs, data))
             print(f"  {inst} {arm}: {a.reps} reps done", file=sys.stderr, flush=True)
         s = summarize(runs, inst, data, a.budget_epochs, a.reference or 20_000)

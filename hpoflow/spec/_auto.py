@@ -2,13 +2,14 @@
 what ``search.algorithm: bohb`` brings with it.
 
 On YAHPO Gym's LCBench surrogate (the paper's 6,544-epoch budget, 30 repetitions, one trial at a time:
-``bench/search_benchmark.py``), of the arms that need nothing of the training code but per-epoch reports,
-BOHB's model (``hpoflow.search.bohb``) with the stopping ASHA pruner (judging from the first rung of
-Hyperband's geometry, ``hpoflow.search.options``) had the lowest mean regret over the 3 instances at 10 %,
-25 % and 100 % of the budget (0.082; TPE with the median pruner 0.104, TPE alone 0.127). So ``auto`` is
-that for a study whose trials train several epochs (constant liar when trials run at once), and TPE alone
-for one whose trials have one epoch (nothing to stop early, no budgets to model). A pruner or scheduler
-the study names is kept; ``sampler_options`` go to the sampler ``auto`` picks.
+``bench/search_benchmark.py``), TPE fitted per budget (``per_budget``, on by default with a pruner:
+``hpoflow.search.models``) with the stopping ASHA pruner (judging from the first rung of Hyperband's
+geometry, ``hpoflow.search.options``) had the lowest mean regret over the 3 instances at 10 %, 25 % and
+100 % of the budget of every arm (0.077; BOHB's model with promotion ASHA, which needs trials that
+checkpoint, 0.078; BOHB's model with the ASHA pruner 0.082; TPE alone 0.127). So ``auto`` is that for a
+study whose trials train several epochs (constant liar when trials run at once), and TPE alone for one
+whose trials have one epoch (nothing to stop early, no budgets to model). A pruner or scheduler the study
+names is kept; ``sampler_options`` go to the sampler ``auto`` picks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 __all__ = ["AUTO_ALGORITHM", "AUTO_PRUNER", "BOHB_PRUNER", "resolve_auto", "resolve_bohb"]
 
-AUTO_ALGORITHM = "bohb"  # the arm that won (docs/search.md), for trials of several epochs
+AUTO_ALGORITHM = "tpe"  # the arm that won (docs/search.md), for trials of several epochs (with AUTO_PRUNER: per budget)
 AUTO_PRUNER: dict[str, Any] = {"type": "asha"}  # its early stopping
 # BOHB's scheduling where the study names none: asynchronous, as ASHA (Syne Tune's BOHB is ASHA with
 # BOHB's model too); measured better with it than with the Hyperband pruner (docs/search.md)

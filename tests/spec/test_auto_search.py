@@ -1,11 +1,13 @@
-"""``search.algorithm: auto`` (hpoflow.spec._auto): the benchmark's winning arm (BOHB's model with its
-pruner) for trials of several epochs, TPE for one-epoch trials; a pruner or scheduler the study names is
-kept."""
+"""``search.algorithm: auto`` (hpoflow.spec._auto): the benchmark's winning arm (TPE fitted per budget
+with the ASHA pruner) for trials of several epochs, TPE for one-epoch trials; a pruner or scheduler the
+study names is kept."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from hpoflow.search.bohb import BOHBSampler
+from hpoflow.search.samplers import make_sampler
 from hpoflow.spec import StudySpec
 from hpoflow.spec._auto import AUTO_ALGORITHM, AUTO_PRUNER
 
@@ -19,10 +21,12 @@ def _search(training: dict[str, Any], **search: Any) -> Any:
 
 
 def test_auto_is_the_winning_arm_when_trials_train_epochs() -> None:
-    s = _search({"model": "mlp", "epochs": 52}, sampler_options={"random_fraction": 0.2})
-    assert (s.algorithm, s.pruner.type, s.sampler_options["random_fraction"]) == (AUTO_ALGORITHM,
-                                                                                  AUTO_PRUNER["type"], 0.2)
-    assert (AUTO_ALGORITHM, AUTO_PRUNER["type"]) == ("bohb", "asha")  # docs/search.md's table says why
+    s = _search({"model": "mlp", "epochs": 52}, sampler_options={"n_ei_candidates": 32})
+    assert (s.algorithm, s.pruner.type, s.sampler_options["n_ei_candidates"]) == (AUTO_ALGORITHM,
+                                                                                  AUTO_PRUNER["type"], 32)
+    assert (AUTO_ALGORITHM, AUTO_PRUNER["type"]) == ("tpe", "asha")  # docs/search.md's table says why
+    sampler = make_sampler(s)
+    assert isinstance(sampler, BOHBSampler) and sampler._random_fraction == 0.0  # fitted per budget
     s = _search({"function": "tests.trainfns_light:costly"})  # epochs: 10
     assert (s.algorithm, s.pruner.type) == (AUTO_ALGORITHM, AUTO_PRUNER["type"])
 
