@@ -57,12 +57,18 @@ class _Budgets:
         self._seen: dict[int, tuple[set[int], bool]] = {}  # number -> (steps counted, counted as final)
         self._scanned = 0
         self._open: set[int] = set()
+        self._parked: dict[int, FrozenTrial] = {}  # paused trials: number -> their record, looked at when it changes
 
     def update(self, trials: Sequence[FrozenTrial]) -> None:
+        seen = self._seen
         for t in trials:
-            final = t.state == TrialState.COMPLETE and not t.intermediate_values
-            steps, was_final = self._seen.setdefault(t.number, (set(), False))
-            if len(t.intermediate_values) != len(steps):  # reports only ever add steps, in any order
+            values = t.intermediate_values
+            known = seen.get(t.number)
+            if known is None:
+                known = seen[t.number] = (set(), False)
+            steps, was_final = known
+            final = not values and t.state == TrialState.COMPLETE
+            if len(values) != len(steps):  # reports only ever add steps, in any order
                 for step in t.intermediate_values.keys() - steps:
                     self.count[float(step)] += 1
                     steps.add(step)
@@ -72,13 +78,25 @@ class _Budgets:
 
     def changed(self, every: list[FrozenTrial]) -> list[FrozenTrial]:
         """Of the study's trials (by number), those new or unfinished since the last call: the only ones
-        whose reports can have changed."""
+        whose reports can have changed; a paused trial only when its record changed (it reports nothing
+        while paused)."""
         if len(every) < self._scanned:
-            self._scanned, self._open = 0, set()
+            self._scanned, self._open, self._parked = 0, set(), {}
         self._open.update(range(self._scanned, len(every)))
         self._scanned = len(every)
+        moved = [n for n, record in self._parked.items() if every[n] is not record]  # (pointer comparisons)
+        for n in moved:
+            del self._parked[n]
+        self._open.update(moved)
         out = [every[n] for n in sorted(self._open)]
-        self._open = {t.number for t in out if not t.state.is_finished()}
+        self._open = set()
+        for t in out:
+            if t.state.is_finished():
+                continue
+            if t.user_attrs.get(ATTR_PAUSED) is not None:
+                self._parked[t.number] = t
+            else:
+                self._open.add(t.number)
         return out
 
     def largest(self, at_least: int) -> float | None:

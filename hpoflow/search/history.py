@@ -81,7 +81,11 @@ class History:
 
     def _reset(self) -> None:
         self._scanned = 0
-        self._open: dict[int, tuple[FrozenTrial | None, FrozenTrial | None]] = {}  # number -> (record, its form)
+        # unfinished trials, not paused: number -> (record, its values then, its form)
+        self._open: dict[int, tuple[FrozenTrial | None, int, FrozenTrial | None]] = {}
+        self._parked: dict[int, FrozenTrial] = {}  # paused: number -> its record
+        self._parked_forms: dict[int, FrozenTrial] = {}  # the paused ones the view shows: number -> its form
+        self._parked_shown: list[tuple[float, int]] = []  # those, by (draw, number)
         self._final: dict[int, FrozenTrial] = {}  # the finished trials the view shows, by number
         self._order: list[int] = []  # their numbers, sorted
         self._top: list[tuple[tuple[int, float, float], int]] = []  # the best finished: (rank key, number), sorted
@@ -103,41 +107,65 @@ class History:
             self._maximize = (len(study.directions) == 1 and study.direction == optuna.study.StudyDirection.MAXIMIZE)
             if len(study.directions) > 1:
                 self._keep = 0
+        opened = self._open
         for n in range(self._scanned, len(every)):
-            self._open[n] = (None, None)
+            opened[n] = (None, -1, None)
         self._scanned = len(every)
+        parked = self._parked
+        for n in [n for n, record in parked.items() if every[n] is not record]:  # (pointer comparisons)
+            self._unpark(n)
+            opened[n] = (None, -1, None)
         live: list[tuple[int, FrozenTrial]] = []
-        for n, (record, form) in list(self._open.items()):
+        for n, (record, n_values, form) in list(opened.items()):
             t = every[n]
-            if t is record and form is not None and form.state != TrialState.RUNNING:  # paused, unchanged
-                live.append((n, form))
-                continue
-            if t.state.is_finished():
-                del self._open[n]
-                self._draws.pop(n, None)
-                seen = self._shown(t)
-                if seen is not None:
-                    self._settle(n, seen)
-                continue
-            if t is not record or t.user_attrs.get(ATTR_PAUSED) is None:  # (a running record may change in place)
+            if t is not record or len(t.intermediate_values) != n_values:  # (a running record gains values in place)
+                if t.state.is_finished():
+                    del opened[n]
+                    self._draws.pop(n, None)
+                    seen = self._shown(t)
+                    if seen is not None:
+                        self._settle(n, seen)
+                    continue
                 form = self._shown(t)
-                self._open[n] = (t, form)
+                if t.user_attrs.get(ATTR_PAUSED) is not None:  # paused: looked at again when its record changes
+                    del opened[n]
+                    self._park(n, t, form)
+                    continue
+                opened[n] = (t, len(t.intermediate_values), form)
             if form is not None:
                 live.append((n, form))
         cap = self.cap
-        self._capped = cap is not None and len(self._final) + len(live) > cap
+        n_live = len(live) + len(self._parked_shown)
+        self._capped = cap is not None and len(self._final) + n_live > cap
         if cap is None or not self._capped:
             chosen: Sequence[int] = self._order
+            live.extend((n, self._parked_forms[n]) for _, n in self._parked_shown)
         else:
             # the rest, finished or not, in one proportion: the first r slots of the reservoir are a uniform
-            # sample of the finished trials too
-            rate = (cap - self._keep) / max(1, self._n_final + len(live))
+            # sample of the finished trials too; the paused ones are kept by their draw, the lowest first
+            rate = (cap - self._keep) / max(1, self._n_final + n_live)
             r = min(len(self._reservoir), round(rate * self._n_final))
             chosen = sorted({n for _, n in self._top} | set(self._reservoir[:r]))
             live = [(n, t) for n, t in live if self._draw(n) < rate]
+            for d, n in self._parked_shown:
+                if d >= rate:
+                    break
+                live.append((n, self._parked_forms[n]))
         if not live:
             return [self._final[n] for n in chosen]
         return [t for _, t in sorted([(n, self._final[n]) for n in chosen] + live, key=lambda x: x[0])]
+
+    def _park(self, n: int, record: FrozenTrial, form: FrozenTrial | None) -> None:
+        self._parked[n] = record
+        if form is not None:
+            self._parked_forms[n] = form
+            bisect.insort(self._parked_shown, (self._draw(n), n))
+
+    def _unpark(self, n: int) -> None:
+        del self._parked[n]
+        if self._parked_forms.pop(n, None) is not None:
+            i = bisect.bisect_left(self._parked_shown, (self._draw(n), n))
+            del self._parked_shown[i]
 
     def _draw(self, n: int) -> float:
         d = self._draws.get(n)

@@ -99,8 +99,9 @@ def test_running_trials_are_read_in_the_proportion_of_the_finished_ones() -> Non
     assert abs(running - 187.5) <= 4 * (375 * 0.25) ** 0.5
 
 
-def test_an_ask_reads_only_the_trials_that_are_new_or_unfinished() -> None:
-    """A finished trial's form is computed once, a paused trial's again only when its record changed."""
+def test_an_ask_reads_only_the_trials_that_are_new_or_changed() -> None:
+    """A finished trial's form is computed once; a running one's again when it reported since, a paused one's
+    when its record changed (promoted)."""
     seen: list[int] = []
 
     def shown(t: FrozenTrial) -> FrozenTrial:
@@ -117,7 +118,14 @@ def test_an_ask_reads_only_the_trials_that_are_new_or_unfinished() -> None:
     assert len(seen) == 1002
     seen.clear()
     history.trials(study)
-    assert seen == [running.number]  # the paused one's record is the one of the last read
+    assert seen == []  # nothing changed
+    running.report(0.3, 1)
+    history.trials(study)
+    assert seen == [running.number]  # it reported
+    study._storage.set_trial_user_attr(paused._trial_id, ATTR_PAUSED, None)  # promoted
+    seen.clear()
+    history.trials(study)
+    assert seen == [paused.number]
     study.tell(running, 0.1)
     seen.clear()
     history.trials(study)
