@@ -123,7 +123,16 @@ class _Journal(JournalStorage):
         replay = self._replay_result
         trials = replay._trials
         first = len(trials)  # (a created trial's id is the number of trials before it)
-        replay.apply_logs(logs)
+        try:
+            replay.apply_logs(logs)  # (a record issued by this process may raise, the ones before it applied)
+        finally:
+            self._note(logs, first)
+
+    def _note(self, logs: list[dict[str, Any]], first: int) -> None:
+        """After ``logs`` were applied (all, or those before one that raised): the trials whose record may be
+        new, and those created or set WAITING (``first``: the number of trials before them)."""
+        replay = self._replay_result
+        trials = replay._trials
         owner = getattr(replay, "_trial_id_to_study_id", None)
         if self._lists is not None and isinstance(owner, dict):
             for log in logs:

@@ -49,7 +49,8 @@ def test_the_training_function_runs_cpu_sized(tmp_path: Path, monkeypatch: pytes
     trials = result.study.get_trials(deepcopy=False)
     assert len(trials) == 3
     states = [t.state.name for t in trials]
-    assert states.count("COMPLETE") >= 1 and set(states) <= {"COMPLETE", "PRUNED"}
+    assert states.count("COMPLETE") >= 1 and set(states) <= {"COMPLETE", "PRUNED"}, [
+        t.user_attrs.get("error") for t in trials]
     first = trials[0]
     assert first.value is not None and 0.0 <= first.value <= 1.0 and sorted(first.intermediate_values) == [1, 2]
     ckpts = sorted(p.name for p in (tmp_path / "run" / "trials" / "0" / "checkpoints").rglob("*") if p.is_file())
