@@ -3,8 +3,8 @@
 Optuna 5.0's TPE computes the log of the standard normal CDF element by element in Python
 (``optuna.samplers._tpe._truncnorm._log_ndtr``: ``np.frompyfunc`` over ``_log_ndtr_single``). It is called
 for every kernel and candidate of every integer or stepped parameter, and for the truncation of every
-kernel, so it took nine tenths of an ask (10 ms an ask with 100 finished trials and 7 parameters, 3 of them
-integers; 63 ms with 1,000). ``install`` replaces that one function, in that one module, with
+kernel, so it took most of an ask's time (a profile of asks over LCBench's 7 parameters, 3 of them
+integers). ``install`` replaces that one function, in that one module, with
 ``scipy.special.log_ndtr`` (SciPy comes with scikit-learn, a dependency), which gives the same values to
 within 1e-7 relative (SciPy's is the more accurate in the far tails); the rest of TPE is Optuna's.
 
