@@ -149,12 +149,10 @@ class _Journal(JournalStorage):
             if log.get("op_code") == _STATE and log.get("state") == TrialState.WAITING.value:
                 maybe.add(int(log["trial_id"]))
 
-    def _listed(self, study_id: int, ids: list[int], trials: dict[int, FrozenTrial]) -> list[FrozenTrial]:
-        """The study's records in trial order, kept from the last read: the records replaced since swapped in,
-        the trials created since added (a read costs what changed, not a walk over every trial)."""
-        lists = self._lists
-        if lists is None:
-            return [trials[t] for t in ids]
+    def _listed(self, lists: dict[int, list[FrozenTrial]], study_id: int, ids: list[int],
+                trials: dict[int, FrozenTrial]) -> list[FrozenTrial]:
+        """The study's records in trial order, kept in ``lists`` from the last read: the records replaced since
+        swapped in, the trials created since added (a read costs what changed, not a walk over every trial)."""
         listed = lists.get(study_id)
         if listed is None:
             listed = lists[study_id] = [trials[t] for t in ids]
@@ -187,8 +185,9 @@ class _Journal(JournalStorage):
             self._sync_with_backend()
             ids = ids_by_study.get(study_id)
             maybe = self._maybe_waiting
-            if states is None and ids is not None and self._lists is not None:
-                out = list(self._listed(study_id, ids, trials))
+            lists = self._lists
+            if states is None and ids is not None and lists is not None:
+                out = list(self._listed(lists, study_id, ids, trials))
             elif not waiting_only or ids is None:
                 out = replay.get_all_trials(study_id, states)  # (KeyError for a study that is not there)
             elif maybe is not None and isinstance(owner, dict):

@@ -26,6 +26,7 @@ sample is uniform.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import random
 from collections.abc import Callable, Container, Sequence
@@ -245,8 +246,6 @@ class _Viewed:
         trials = self._read()
         out = trials if states is None else [t for t in trials if t.state in states]
         if deepcopy:
-            import copy
-
             return copy.deepcopy(out)
         return list(out)
 
