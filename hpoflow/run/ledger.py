@@ -21,6 +21,8 @@ from typing import Literal
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from hpoflow.run.feed import TrialFeed
+
 __all__ = ["ATTR_BRACKET", "ATTR_CHECKPOINTS", "ATTR_DRIVER", "ATTR_ENQUEUED", "ATTR_GRID", "ATTR_IMPORTED",
            "ATTR_LINEAGE", "ATTR_NEXT_ATTEMPT", "ATTR_PAUSED", "ATTR_REPLACES", "ATTR_RUNGS", "ATTR_SEGMENTS",
            "ATTR_UNUSED", "FINISHED", "Tally", "Verdict", "claims", "count_finished", "interrupted", "is_counted",
@@ -99,6 +101,8 @@ class Tally:
     those, a trial whose record is the very object of the last read is unchanged (Optuna's journal
     and in-memory storages replace a trial's record when they change it), so a refresh costs one
     list from Optuna plus a pointer comparison per trial in flight, and work only for what changed.
+    Where the storage says which records changed (hpoflow's journal: ``hpoflow.run.feed``), only those
+    are looked at, not every trial in flight.
     After a refresh: ``finished`` (the trials that count against ``n_trials``), ``n_complete``,
     ``n_pruned``, ``n_failed``, ``running``, ``waiting`` and ``paused`` (by number, every driver's),
     ``grid_claimed`` (grid indices some trial stands for).
@@ -114,6 +118,8 @@ class Tally:
         self._trials: list[FrozenTrial] = []
         self._seen = 0  # trials looked at: numbers below this
         self._open: dict[int, FrozenTrial | None] = {}  # seen unfinished -> its record at the last read
+        self._fresh: set[int] = set()  # those of them whose record no read has shown yet
+        self._feed = TrialFeed()
         self._replaced: set[int] = set()
         self._counted: dict[int, TrialState] = {}  # finished trials that count
         self._by_state: Counter[TrialState] = Counter()
@@ -168,10 +174,13 @@ class Tally:
 
     def refresh(self, study: optuna.Study) -> list[FrozenTrial]:
         """Read the study; returns the trials that finished (and count) since the last refresh."""
-        self._trials = trials = study.get_trials(deepcopy=False)
+        trials, touched = self._feed.read(study)
+        self._trials = trials
         gone: set[int] = set()
         for t in trials[self._seen:]:
-            self._open.setdefault(t.number, None)
+            if t.number not in self._open:
+                self._open[t.number] = None
+                self._fresh.add(t.number)
             for key in claims(t):
                 self._holders.setdefault(key, []).append(t.number)
             if ATTR_GRID in t.user_attrs and ATTR_UNUSED not in t.user_attrs:
@@ -185,14 +194,20 @@ class Tally:
         changed: list[FrozenTrial] = []
         size = len(trials)
         # (trials[number] is trial ``number`` in Optuna's numbering; a record that is the one of the last
-        # read is that trial's, unchanged: only the others are looked at, through ``trial``)
-        moved = [number for number, last in self._open.items() if number >= size or trials[number] is not last]
+        # read is that trial's, unchanged: only the others are looked at, through ``trial``. Where the storage
+        # says which records changed since the last read, those are the ones looked at, and the trials no
+        # read has shown yet: hpoflow.run.feed)
+        if touched is None:
+            moved = [number for number, last in self._open.items() if number >= size or trials[number] is not last]
+        else:
+            moved = sorted(self._fresh.union(n for n in touched if n in self._open))
         for number in moved:
             last = self._open[number]
             try:
                 t = self.trial(number)
             except KeyError:  # (noted running, not in this read)
                 continue
+            self._fresh.discard(number)
             if t is last:
                 continue
             changed.append(t)  # (not compared with ``last``: an ``optuna.Trial`` updates the record it read in place)
@@ -234,7 +249,9 @@ class Tally:
         ``finished + len(running)`` stays right for a driver alone on the study."""
         self.waiting.pop(t.number, None)
         self.running[t.number] = t
-        self._open.setdefault(t.number, None)
+        if t.number not in self._open:
+            self._open[t.number] = None
+            self._fresh.add(t.number)
 
     def _counts(self, t: FrozenTrial) -> bool:
         return (t.number not in self._replaced and ATTR_IMPORTED not in t.user_attrs

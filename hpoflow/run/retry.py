@@ -292,6 +292,12 @@ class RetryingStorage(BaseStorage, BaseHeartbeat):
                        states: Container[TrialState] | None = None) -> list[FrozenTrial]:
         return self._call(lambda: self.inner.get_all_trials(study_id, deepcopy=deepcopy, states=states))
 
+    def trials_and_changes(self, study_id: int, since: int | None
+                           ) -> tuple[list[FrozenTrial], int, list[int] | None] | None:
+        """The inner storage's feed of what changed (``hpoflow.run.feed``); None where it has none."""
+        ask = getattr(self.inner, "trials_and_changes", None)
+        return None if ask is None else self._call(lambda: ask(study_id, since))
+
     def get_n_trials(self, study_id: int, state: tuple[TrialState, ...] | TrialState | None = None) -> int:
         return self._call(lambda: self.inner.get_n_trials(study_id, state))
 

@@ -30,6 +30,7 @@ from hpoflow.run.rundir import disk_why
 __all__ = ["DEFAULT_JOURNAL", "check_storage_path", "open_storage", "storage_label"]
 
 DEFAULT_JOURNAL = "study.journal"
+_CHANGES_KEPT = 1 << 20  # the most entries of a study's change log (``_Journal._changes``), 8 MiB
 
 try:  # the records of an intermediate value and of a state, as Optuna's journal writes them (private: None
     # where they moved)
@@ -73,6 +74,9 @@ class _Journal(JournalStorage):
         # record the replay has replaced since (None: not kept, Optuna's walk instead)
         self._lists: dict[int, list[FrozenTrial]] | None = {}
         self._replaced: dict[int, set[int]] = {}
+        # per study, the numbers of the trials whose record a read swapped in, in order, for readers that ask
+        # what changed since their last read (``trials_and_changes``): (the position of its first entry, them)
+        self._changes: dict[int, tuple[int, list[int]]] = {}
         super().__init__(backend)
         self._waiting: dict[int, tuple[int, set[int]]] = {}  # study -> (trials seen, unfinished ones)
 
@@ -81,7 +85,7 @@ class _Journal(JournalStorage):
         ``JournalFile.__setstate__`` opens the file anew) starts its WAITING index anew with its replay, and
         has lent no trial of it."""
         self._maybe_waiting = None  # (the parent's replay has run: nothing was noted)
-        self._lists, self._replaced = None, {}
+        self._lists, self._replaced, self._changes = None, {}, {}
         super().__setstate__(state)
         self._waiting = {}
         self._handouts, self._made = 0, {}
@@ -160,10 +164,41 @@ class _Journal(JournalStorage):
             return listed
         if len(listed) < len(ids):
             listed.extend(trials[t] for t in ids[len(listed):])
-        for t in self._replaced.pop(study_id, ()):
-            record = trials[t]
-            listed[record.number] = record
+        replaced = self._replaced.pop(study_id, None)
+        if replaced:
+            base, log = self._changes.setdefault(study_id, (0, []))
+            for t in replaced:
+                record = trials[t]
+                listed[record.number] = record
+                log.append(record.number)
+            if len(log) > _CHANGES_KEPT:  # a reader further behind than the half kept reads every trial again
+                drop = len(log) - _CHANGES_KEPT // 2
+                del log[:drop]
+                self._changes[study_id] = (base + drop, log)
         return listed
+
+    def trials_and_changes(self, study_id: int, since: int | None
+                           ) -> tuple[list[FrozenTrial], int, list[int] | None] | None:
+        """``get_all_trials(study_id, deepcopy=False)``, the cursor to give next time, and the numbers of the
+        trials whose record changed since the read that gave ``since`` (``hpoflow.run.feed``); None where
+        the study's list is not kept (Optuna's ways in use: the caller reads as it would without)."""
+        replay = self._replay_result
+        ids_by_study = getattr(replay, "_study_id_to_trial_ids", None)
+        trials = getattr(replay, "_trials", None)
+        if ids_by_study is None or trials is None:
+            return None
+        with self._thread_lock:
+            self._sync_with_backend()
+            ids = ids_by_study.get(study_id)
+            lists = self._lists
+            if ids is None or lists is None:
+                return None
+            out = list(self._listed(lists, study_id, ids, trials))
+            self._handouts += 1  # handed out as they are: each one's next value copies it
+            base, log = self._changes.get(study_id, (0, []))
+            cursor = base + len(log)
+            changed = log[since - base:] if since is not None and base <= since <= cursor else None
+            return out, cursor, changed
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
         with self._thread_lock:

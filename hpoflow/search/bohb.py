@@ -40,6 +40,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from hpoflow.run.feed import TrialFeed
 from hpoflow.run.ledger import ATTR_PAUSED
 from hpoflow.search.history import History, search_space_view
 from hpoflow.search.samplers import StudyView
@@ -76,25 +77,33 @@ class _Budgets:
                 self.count[_FINAL] += 1
                 self._seen[t.number] = (steps, True)
 
-    def changed(self, every: list[FrozenTrial]) -> list[FrozenTrial]:
+    def changed(self, every: list[FrozenTrial], touched: list[int] | None = None) -> list[FrozenTrial]:
         """Of the study's trials (by number), those new or unfinished since the last call: the only ones
         whose reports can have changed; a paused trial only when its record changed (it reports nothing
-        while paused)."""
+        while paused). ``touched``: the trials whose record changed since the last call, where the storage
+        says (``hpoflow.run.feed``): of the unfinished ones, only those are looked at."""
         if len(every) < self._scanned:
             self._scanned, self._open, self._parked = 0, set(), {}
-        self._open.update(range(self._scanned, len(every)))
+            touched = None
+        new = range(self._scanned, len(every))
         self._scanned = len(every)
-        moved = [n for n, record in self._parked.items() if every[n] is not record]  # (pointer comparisons)
+        parked = self._parked
+        if touched is None:
+            moved = [n for n, record in parked.items() if every[n] is not record]  # (pointer comparisons)
+            look = self._open.union(new)
+        else:
+            moved = [n for n in set(touched) if n in parked and every[n] is not parked[n]]
+            look = {n for n in touched if n in self._open}.union(new)
         for n in moved:
-            del self._parked[n]
-        self._open.update(moved)
-        out = [every[n] for n in sorted(self._open)]
-        self._open = set()
+            del parked[n]
+        look.update(moved)
+        out = [every[n] for n in sorted(look)]
         for t in out:
             if t.state.is_finished():
-                continue
-            if t.user_attrs.get(ATTR_PAUSED) is not None:
-                self._parked[t.number] = t
+                self._open.discard(t.number)
+            elif t.user_attrs.get(ATTR_PAUSED) is not None:
+                self._open.discard(t.number)
+                parked[t.number] = t
             else:
                 self._open.add(t.number)
         return out
@@ -152,6 +161,7 @@ class BOHBSampler(optuna.samplers.BaseSampler):
                                                constant_liar=constant_liar)
         self._random = optuna.samplers.RandomSampler(seed=seed)
         self._budgets = _Budgets()
+        self._feed = TrialFeed()
         self._budget: dict[int, float | None] = {}  # trial number -> the budget its model used (None: random)
         self._max_history = max_history
         self._histories: dict[float, History] = {}  # budget -> the model's view there
@@ -174,8 +184,8 @@ class BOHBSampler(optuna.samplers.BaseSampler):
         budget: float | None = None
         draw = random.Random(f"{self._seed}:{trial.number}").random()
         if draw >= self._random_fraction:
-            trials = study._get_trials(deepcopy=False, states=None, use_cache=False)
-            self._budgets.update(self._budgets.changed(trials))
+            trials, touched = self._feed.read(study)
+            self._budgets.update(self._budgets.changed(trials, touched))
             if self._min_evaluations is not None:
                 need = self._min_evaluations
             else:

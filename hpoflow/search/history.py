@@ -36,6 +36,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from hpoflow.run.feed import TrialFeed
 from hpoflow.run.ledger import ATTR_PAUSED
 
 __all__ = ["History", "ViewedSampler", "rank_key", "search_space_view"]
@@ -78,12 +79,14 @@ class History:
         self.cap = cap
         self._keep = 0 if cap is None else min(keep_top, cap)
         self._seed = 0 if seed is None else int(seed)
+        self._feed = TrialFeed()
         self._reset()
 
     def _reset(self) -> None:
         self._scanned = 0
         # unfinished trials, not paused: number -> (record, its values then, its form)
         self._open: dict[int, tuple[FrozenTrial | None, int, FrozenTrial | None]] = {}
+        self._unread: set[int] = set()  # those of them not looked at yet (no record)
         self._parked: dict[int, FrozenTrial] = {}  # paused: number -> its record
         self._parked_forms: dict[int, FrozenTrial] = {}  # the paused ones the view shows: number -> its form
         self._parked_shown: list[tuple[float, int]] = []  # those, by (draw, number)
@@ -99,27 +102,36 @@ class History:
 
     def trials(self, study: optuna.Study) -> list[FrozenTrial]:
         """The trials the sampler reads now, in trial order."""
-        every = study._get_trials(deepcopy=False, states=None, use_cache=False)
+        every, touched = self._feed.read(study)  # (touched: the records changed since the last read, if known)
         if len(every) < self._scanned or (every and every[-1].number != len(every) - 1):
             self._reset()  # another study, or a storage whose list is not by number: read afresh
+            touched = None
             if every and every[-1].number != len(every) - 1:
                 every = sorted(every, key=lambda t: t.number)
         if self._maximize is None:
             self._maximize = (len(study.directions) == 1 and study.direction == optuna.study.StudyDirection.MAXIMIZE)
             if len(study.directions) > 1:
                 self._keep = 0
-        opened = self._open
+        opened, unread = self._open, self._unread
         for n in range(self._scanned, len(every)):
             opened[n] = (None, -1, None)
+            unread.add(n)
         self._scanned = len(every)
         parked = self._parked
-        for n in [n for n, record in parked.items() if every[n] is not record]:  # (pointer comparisons)
+        if touched is None:
+            moved = [n for n, record in parked.items() if every[n] is not record]  # (pointer comparisons)
+        else:
+            moved = [n for n in set(touched) if n in parked and every[n] is not parked[n]]
+        for n in moved:
             self._unpark(n)
             opened[n] = (None, -1, None)
-        live: list[tuple[int, FrozenTrial]] = []
-        for n, (record, n_values, form) in list(opened.items()):
+            unread.add(n)
+        look = sorted(opened if touched is None else unread.union(n for n in touched if n in opened))
+        for n in look:
+            record, n_values, form = opened[n]
             t = every[n]
             if t is not record or len(t.intermediate_values) != n_values:  # (a running record gains values in place)
+                unread.discard(n)
                 if t.state.is_finished():
                     del opened[n]
                     self._draws.pop(n, None)
@@ -133,8 +145,7 @@ class History:
                     self._park(n, t, form)
                     continue
                 opened[n] = (t, len(t.intermediate_values), form)
-            if form is not None:
-                live.append((n, form))
+        live = [(n, form) for n, (_, _, form) in opened.items() if form is not None]
         cap = self.cap
         n_live = len(live) + len(self._parked_shown)
         self._capped = cap is not None and len(self._final) + n_live > cap

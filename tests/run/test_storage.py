@@ -21,6 +21,8 @@ from optuna.storages.journal import BaseJournalBackend, JournalFileBackend
 from optuna.storages.journal._storage import JournalStorageReplayResult
 from optuna.trial import TrialState
 
+from hpoflow.run.feed import TrialFeed
+from hpoflow.run.retry import RetryingStorage
 from hpoflow.run.storage import _Journal, open_storage
 from tests.conftest import mounted_tmpfs
 
@@ -288,3 +290,74 @@ def test_an_in_memory_storage_is_refused_by_validate_and_run(tmp_path: Path) -> 
                                 "'sqlite:///:memory:', an SQLite in-memory database: it lives only"), line_
         assert line_.endswith("Fix: export HPO_TEST_DB=<URL of a database file or server>")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_feeds_reader_is_told_every_trial_whose_record_changed_since_its_last_read(tmp_path: Path) -> None:
+    """``TrialFeed``: after random asks, reports (through an ``optuna.Trial``, which updates the record it read
+    in place), attributes, tells, enqueues, a driver giving a trial back and another writer's trials, every
+    trial a reader is not told about reads as it did at that reader's last read; two readers at different
+    paces each get their own changes."""
+
+    def shape(t: optuna.trial.FrozenTrial) -> tuple[Any, ...]:
+        return (t.number, t.state, t.values, dict(t.intermediate_values), dict(t.user_attrs), dict(t.params))
+
+    storage = open_storage(None, tmp_path)
+    study = optuna.create_study(storage=storage, study_name="s")
+    other = optuna.load_study(study_name="s", storage=JournalStorage(JournalFileBackend(
+        str(tmp_path / "study.journal"))))
+    readers = {3: TrialFeed(), 11: TrialFeed()}  # read every 3rd and every 11th operation
+    last: dict[int, list[tuple[Any, ...]] | None] = {3: None, 11: None}
+    told = {3: 0, 11: 0}
+    rng = random.Random(2)
+    running: list[optuna.trial.Trial] = []
+    for step in range(1, 500):
+        op = rng.random()
+        if op < 0.2 or not running:
+            t = (other if rng.random() < 0.2 else study).ask()
+            t.suggest_float("x", 0, 1)
+            running.append(t)
+        elif op < 0.55:
+            t = rng.choice(running)
+            t.report(rng.random(), len(storage.get_trial(t._trial_id).intermediate_values))
+        elif op < 0.62:
+            rng.choice(running).set_user_attr("k", step)
+        elif op < 0.66:
+            study.enqueue_trial({"x": 0.25})
+        elif op < 0.69:
+            t = running.pop(rng.randrange(len(running)))
+            storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
+        else:
+            t = running.pop(rng.randrange(len(running)))
+            (other if rng.random() < 0.2 else study).tell(t, rng.random())
+        for pace, feed in readers.items():
+            if step % pace:
+                continue
+            trials, changed = feed.read(study)
+            now = [shape(t) for t in trials]
+            before = last[pace]
+            if before is None:
+                assert changed is None  # a first read: nothing to compare with
+            else:
+                assert changed is not None
+                told[pace] += len(set(changed))
+                quiet = set(range(len(before))) - set(changed)
+                assert [now[n] for n in sorted(quiet)] == [before[n] for n in sorted(quiet)], (pace, step)
+            last[pace] = now
+    assert told[3] > 0 and told[11] > 0
+
+
+def test_a_feed_tells_what_changed_alone_however_many_trials_run(tmp_path: Path) -> None:
+    """One report among 2,000 running trials: the reader is told that one trial; through the retrying wrapper
+    the run uses too. A storage without the feed (Optuna's in-memory one) says nothing: None."""
+    storage = RetryingStorage(open_storage(None, tmp_path), "study.journal", 0)
+    study = optuna.create_study(storage=storage, study_name="s")
+    trials = [study.ask() for _ in range(2000)]
+    feed = TrialFeed()
+    assert feed.read(study)[1] is None
+    trials[1234].report(0.5, 1)
+    read, changed = feed.read(study)
+    assert changed == [1234] and len(read) == 2000 and read[1234].intermediate_values == {1: 0.5}
+    assert feed.read(study)[1] == []
+    memory = optuna.create_study()
+    memory.ask()
+    assert TrialFeed().read(memory)[1] is None and TrialFeed().read(memory)[0][0].number == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import optuna
@@ -14,6 +15,7 @@ from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from hpoflow.run.ledger import ATTR_PAUSED
+from hpoflow.run.storage import open_storage
 from hpoflow.search import fast_tpe
 from hpoflow.search.bohb import BOHBSampler
 from hpoflow.search.history import History, ViewedSampler, search_space_view
@@ -34,10 +36,10 @@ def _objective(p: dict[str, float | int]) -> float:
     return -(float(p["x"]) - 0.3) ** 2 - 0.01 * abs(int(p["layers"]) - 3)
 
 
-def _study(n: int, seed: int = 0) -> optuna.Study:
+def _study(n: int, seed: int = 0, storage: optuna.storages.BaseStorage | None = None) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     rnd = random.Random(seed)
-    study = optuna.create_study(direction="maximize")
+    study = optuna.create_study(direction="maximize", storage=storage)
     for _ in range(n):
         p = _params(rnd)
         study.add_trial(create_trial(params=p, distributions=SPACE, value=_objective(p)))
@@ -55,11 +57,19 @@ def test_scipys_log_ndtr_gives_optunas_values() -> None:
     np.testing.assert_allclose(ours, theirs, rtol=1e-7, atol=1e-300)
 
 
+def _storage(kind: str, tmp_path: Path) -> optuna.storages.BaseStorage | None:
+    """Optuna's in-memory storage (None), or hpoflow's journal (which tells a reader what changed since its last
+    read: ``hpoflow.run.feed``)."""
+    return open_storage(None, tmp_path) if kind == "journal" else None
+
+
+@pytest.mark.parametrize("kind", ["memory", "journal"])
 @pytest.mark.parametrize("liar", [False, True])
-def test_below_the_cap_tpe_proposes_what_optunas_tpe_proposes(liar: bool) -> None:
+def test_below_the_cap_tpe_proposes_what_optunas_tpe_proposes(liar: bool, kind: str, tmp_path: Path) -> None:
     """The bounded history is the whole study until it holds more than ``max_history`` finished trials: same
     seed, same proposals as Optuna's own TPESampler, one at a time and with trials running (constant liar)."""
-    ours = optuna.create_study(direction="maximize", sampler=tpe(seed=3, constant_liar=liar, max_history=100))
+    ours = optuna.create_study(direction="maximize", sampler=tpe(seed=3, constant_liar=liar, max_history=100),
+                               storage=_storage(kind, tmp_path))
     theirs = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(
         seed=3, constant_liar=liar, multivariate=True))
     running: list[tuple[optuna.trial.Trial, optuna.trial.Trial]] = []
@@ -99,7 +109,8 @@ def test_running_trials_are_read_in_the_proportion_of_the_finished_ones() -> Non
     assert abs(running - 187.5) <= 4 * (375 * 0.25) ** 0.5
 
 
-def test_an_ask_reads_only_the_trials_that_are_new_or_changed() -> None:
+@pytest.mark.parametrize("kind", ["memory", "journal"])
+def test_an_ask_reads_only_the_trials_that_are_new_or_changed(kind: str, tmp_path: Path) -> None:
     """A finished trial's form is computed once; a running one's again when it reported since, a paused one's
     when its record changed (promoted)."""
     seen: list[int] = []
@@ -108,7 +119,7 @@ def test_an_ask_reads_only_the_trials_that_are_new_or_changed() -> None:
         seen.append(t.number)
         return t
 
-    study = _study(1000)
+    study = _study(1000, storage=_storage(kind, tmp_path))
     paused = study.ask(SPACE)
     paused.report(0.5, 2)
     study._storage.set_trial_user_attr(paused._trial_id, ATTR_PAUSED, 2)
