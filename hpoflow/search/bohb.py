@@ -146,19 +146,24 @@ class BOHBSampler(optuna.samplers.BaseSampler):
     (+ 2; or exactly ``min_evaluations``, where given), configurations are random. ``random_fraction``:
     configurations drawn at random (BOHB: 1/3). The good evaluations are TPE's top 10 % (at most 25;
     BOHB's are the top 15 %: Optuna 4.9 deprecated setting TPE's split). ``max_history``: the most
-    evaluations the model reads at a budget (``hpoflow.search.history``; None: all)."""
+    evaluations the model reads at a budget (``hpoflow.search.history``; None: all), of which the ``keep_top``
+    best always. ``model``: the sampler fitted at the budget instead of Optuna's TPE (``search.algorithm: gp``
+    per budget: a GP; the TPE options are then unused)."""
 
     def __init__(self, *, seed: int | None = None, min_points_in_model: int | None = None,
                  random_fraction: float = 1 / 3, n_ei_candidates: int = 64,
                  constant_liar: bool = False, min_evaluations: int | None = None, multivariate: bool = True,
-                 group: bool = False, max_history: int | None = None) -> None:
+                 group: bool = False, max_history: int | None = None,
+                 model: optuna.samplers.BaseSampler | None = None, keep_top: int = 25) -> None:
         self._seed = seed
         self._min_points = min_points_in_model
         self._min_evaluations = min_evaluations
         self._random_fraction = random_fraction
-        self._tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=0, n_ei_candidates=n_ei_candidates,
-                                               multivariate=multivariate, group=group,
-                                               constant_liar=constant_liar)
+        self._keep_top = keep_top
+        # the model fitted at the budget (another than TPE: ``model``, e.g. a GP, told the same view)
+        self._model = model if model is not None else optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=0, n_ei_candidates=n_ei_candidates, multivariate=multivariate, group=group,
+            constant_liar=constant_liar)
         self._random = optuna.samplers.RandomSampler(seed=seed)
         self._budgets = _Budgets()
         self._feed = TrialFeed()
@@ -168,14 +173,14 @@ class BOHBSampler(optuna.samplers.BaseSampler):
         self._view: tuple[int, optuna.Study] | None = None  # (trial number, the view its model reads)
 
     def reseed_rng(self) -> None:
-        self._tpe.reseed_rng()
+        self._model.reseed_rng()
         self._random.reseed_rng()
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         budget = self._budget_for(study, trial)
         if budget is None:
             return {}
-        return self._tpe.infer_relative_search_space(search_space_view(self._view_for(study, trial, budget)), trial)
+        return self._model.infer_relative_search_space(search_space_view(self._view_for(study, trial, budget)), trial)
 
     def _budget_for(self, study: optuna.Study, trial: FrozenTrial) -> float | None:
         """The budget whose evaluations the model of ``trial`` reads; None: ``trial`` is drawn at random."""
@@ -202,7 +207,7 @@ class BOHBSampler(optuna.samplers.BaseSampler):
             history = self._histories.get(budget)
             if history is None:
                 history = self._histories[budget] = History(_BudgetView(study, budget).shown, cap=self._max_history,
-                                                            keep_top=25, seed=self._seed)
+                                                            keep_top=self._keep_top, seed=self._seed)
             self._view = (trial.number, history.view(study))
         return self._view[1]
 
@@ -211,19 +216,19 @@ class BOHBSampler(optuna.samplers.BaseSampler):
         budget = self._budget.get(trial.number)
         if not search_space or budget is None:
             return {}
-        return self._tpe.sample_relative(self._view_for(study, trial, budget), trial, search_space)
+        return self._model.sample_relative(self._view_for(study, trial, budget), trial, search_space)
 
     def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
         budget = self._budget.get(trial.number)
         if budget is None:
             return self._random.sample_independent(study, trial, param_name, param_distribution)
-        return self._tpe.sample_independent(self._view_for(study, trial, budget), trial, param_name,
+        return self._model.sample_independent(self._view_for(study, trial, budget), trial, param_name,
                                             param_distribution)
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self._tpe.before_trial(study, trial)
+        self._model.before_trial(study, trial)
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
                     values: Sequence[float] | None) -> None:
-        self._tpe.after_trial(study, trial, state, values)
+        self._model.after_trial(study, trial, state, values)

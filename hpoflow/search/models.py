@@ -19,7 +19,9 @@ import optuna
 
 from hpoflow.search import fast_tpe
 from hpoflow.search.bohb import BOHBSampler
+from hpoflow.search.gp_parallel import ThompsonGPSampler, default_refit_every
 from hpoflow.search.history import History, ViewedSampler
+from hpoflow.search.options import GPOptions
 from hpoflow.search.samplers import PausedAsPruned
 
 __all__ = ["bohb", "gp", "tpe"]
@@ -51,14 +53,34 @@ def tpe(*, seed: int | None = None, n_startup_trials: int = 10, n_ei_candidates:
 
 
 def gp(*, seed: int | None = None, n_startup_trials: int = 10, deterministic_objective: bool = False,
-       warn_independent_sampling: bool = True, max_history: int | None = 500,
+       warn_independent_sampling: bool = True, max_history: int | None = 500, acquisition: str = "auto",
+       refit_every: int | None = None, max_concurrent: int = 1, per_budget: bool = False,
        paused: bool = False) -> optuna.samplers.BaseSampler:
-    """Optuna's ``GPSampler`` with these options, fitted on at most ``max_history`` finished trials: the best
-    quarter and a uniform sample of the others (Syne Tune's ``max_size_data_for_model``)."""
-    inner = optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup_trials,
-                                      deterministic_objective=deterministic_objective,
-                                      warn_independent_sampling=warn_independent_sampling)
+    """Optuna's ``GPSampler`` with these options (``acquisition: ei``), or batched Thompson sampling on its GP
+    (``thompson``: ``hpoflow.search.gp_parallel``, a fit every ``refit_every`` completed trials, by default
+    ``default_refit_every(max_concurrent)``), fitted on at most ``max_history`` finished trials: the best
+    quarter and a uniform sample of the others (Syne Tune's ``max_size_data_for_model``). ``auto``: ``ei`` up
+    to ``GPOptions.EI_UP_TO`` trials at once, ``thompson`` above. ``per_budget``: fitted on the reports at
+    one budget, as BOHB's model (``hpoflow.search.bohb.BOHBSampler`` with this GP as its model, no random
+    third; until a budget holds ``n_startup_trials`` reports, configurations are random)."""
+    acquisition = GPOptions.acquisition_for(acquisition, max_concurrent)
+    startup = 1 if per_budget else n_startup_trials  # (per budget: BOHB's count decides when to fit)
+    inner: optuna.samplers.BaseSampler
+    if acquisition == "ei":
+        inner = optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup,
+                                          deterministic_objective=deterministic_objective,
+                                          warn_independent_sampling=warn_independent_sampling)
+    elif acquisition == "thompson":
+        every = refit_every if refit_every is not None else default_refit_every(max_concurrent)
+        inner = ThompsonGPSampler(seed=seed, n_startup_trials=startup, refit_every=every,
+                                  deterministic_objective=deterministic_objective,
+                                  warn_independent_sampling=warn_independent_sampling)
+    else:
+        raise ValueError(f"acquisition must be one of auto, ei, thompson, but got {acquisition!r}")
     keep = max(1, max_history // 4) if max_history is not None else 0
+    if per_budget:
+        return BOHBSampler(seed=seed, random_fraction=0.0, min_evaluations=max(1, n_startup_trials),
+                           max_history=max_history, model=inner, keep_top=keep)
     return _viewed(inner, paused=paused, max_history=max_history, keep_top=keep, seed=seed)
 
 

@@ -9,7 +9,7 @@ with ``sampler_kwargs(max_concurrent)``).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -96,8 +96,14 @@ class BOHBOptions(_LiarOptions):
     n_ei_candidates: int = Field(default=64, ge=1)
 
 
-class GPOptions(Options):
-    """``optuna.samplers.GPSampler``."""
+class GPOptions(SamplerOptions):
+    """``optuna.samplers.GPSampler``, or batched Thompson sampling on its GP with many trials at once
+    (``acquisition``; ``hpoflow.search.gp_parallel``). ``auto`` keeps Optuna's sampler up to ``EI_UP_TO``
+    trials at once, where its ask costs under 0.4 s and, with 32 LCBench trials at once (5 repetitions), it
+    reached random search's final regret sooner than Thompson sampling (median 175 s of virtual time against
+    249 s; final regret 0.044 against Thompson's 0.035); above, its ask grows with the running trials."""
+
+    EI_UP_TO: ClassVar[int] = 32  # acquisition auto: Optuna's GPSampler up to this many trials at once
 
     n_startup_trials: int = Field(default=10, ge=0)
     deterministic_objective: bool = False
@@ -105,6 +111,33 @@ class GPOptions(Options):
     max_history: int | None = Field(default=500, ge=1, description=(
         "the most finished trials the GP is fitted on (null: all); beyond it, the best quarter and a uniform "
         "sample of the others (hpoflow.search.history), as Syne Tune's max_size_data_for_model"))
+    acquisition: Literal["auto", "ei", "thompson"] = Field(default="auto", description=(
+        "ei: Optuna's GPSampler (LogEI; qLogEI over the running trials when some run): 0.33-0.38 s of CPU an "
+        "ask with up to 32 trials running, 0.71 s with 256 (500 finished trials, 7 parameters); thompson: "
+        "asynchronous parallel Thompson sampling on the same GP (hpoflow.search.gp_parallel), one fit and one "
+        "posterior over 1,024 candidates serving refit_every asks: 0.23 s an ask with a fit at each, 60 ms at "
+        f"32 at once, 1.7 ms at 1,024; auto: ei up to {EI_UP_TO} trials at once (search.max_concurrent), "
+        "thompson above"))
+    refit_every: int | None = Field(default=None, ge=1, description=(
+        "thompson: completed trials between two fits of the GP (null: 1 up to 15 trials at once, then "
+        "max_concurrent // 8: 4 at 32, 128 at 1,024, where a fit's 0.2-0.3 s is shared by 128 asks)"))
+
+    per_budget: bool | None = Field(default=None, description=(
+        "fit the GP on the trials' reports at one budget, as BOHB fits its model (hpoflow.search.bohb), "
+        "instead of on the completed trials alone (Optuna's GPSampler leaves pruned and paused trials out); "
+        "null: on when the study has a pruner or a promotion scheduler"))
+
+    @classmethod
+    def acquisition_for(cls, acquisition: str, max_concurrent: int) -> str:
+        """``acquisition`` with ``auto`` resolved for a study of ``max_concurrent`` trials at once."""
+        if acquisition == "auto":
+            return "ei" if max_concurrent <= cls.EI_UP_TO else "thompson"
+        return acquisition
+
+    def sampler_kwargs(self, max_concurrent: int, stops_early: bool = False) -> dict[str, Any]:
+        return {**self.kwargs(), "acquisition": self.acquisition_for(self.acquisition, max_concurrent),
+                "max_concurrent": max_concurrent, "per_budget": stops_early if self.per_budget is None
+                else self.per_budget}
 
 
 class NSGAIIOptions(Options):

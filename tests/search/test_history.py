@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
-from optuna.distributions import FloatDistribution, IntDistribution
+from optuna.distributions import BaseDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from hpoflow.run.ledger import ATTR_PAUSED
@@ -19,7 +19,7 @@ from hpoflow.run.storage import open_storage
 from hpoflow.search import fast_tpe
 from hpoflow.search.bohb import BOHBSampler
 from hpoflow.search.history import History, ViewedSampler, search_space_view
-from hpoflow.search.models import tpe
+from hpoflow.search.models import gp, tpe
 from hpoflow.search.samplers import PausedAsPruned, make_sampler
 from hpoflow.spec import StudySpec
 
@@ -165,6 +165,45 @@ def test_tpe_is_fitted_per_budget_where_trials_stop_early_unless_told_not_to() -
     assert isinstance(paused, PausedAsPruned) and paused.history.cap == 300
     unbounded = make_sampler(search({"sampler_options": {"max_history": None}}).search)
     assert isinstance(unbounded, ViewedSampler) and unbounded.history.cap is None
+
+
+def test_gp_is_fitted_per_budget_where_trials_stop_early_unless_told_not_to() -> None:
+    """``search.algorithm: gp`` with a pruner or a promotion scheduler is BOHB's rule with the GP as its model
+    (Optuna's GPSampler, or Thompson sampling with many trials at once); alone, or with ``per_budget: false``,
+    the GP read through the bounded history."""
+    from hpoflow.search.gp_parallel import ThompsonGPSampler
+
+    def search(extra: Mapping[str, object], at_once: int = 1) -> StudySpec:
+        return StudySpec.model_validate({
+            "study": {"name": "h", "metric": "val_accuracy", "direction": "maximize"},
+            "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+            "search": {"algorithm": "gp", "n_trials": 4, "seed": 0, "max_concurrent": at_once, **extra},
+            "training": {"model": "mlp", "epochs": 9}})
+
+    plain = make_sampler(search({}).search)
+    assert isinstance(plain, ViewedSampler) and isinstance(plain.inner, optuna.samplers.GPSampler)
+    for extra in ({"pruner": {"type": "hyperband"}}, {"scheduler": {"type": "asha"}}):
+        s = make_sampler(search(extra).search)
+        assert isinstance(s, BOHBSampler) and isinstance(s._model, optuna.samplers.GPSampler), extra
+        assert s._random_fraction == 0.0 and s._min_evaluations == 10 and s._keep_top == 125
+    many = make_sampler(search({"pruner": {"type": "asha"}}, at_once=64).search)
+    assert isinstance(many, BOHBSampler) and isinstance(many._model, ThompsonGPSampler)
+    off = make_sampler(search({"pruner": {"type": "asha"}, "sampler_options": {"per_budget": False}}).search)
+    assert isinstance(off, ViewedSampler) and isinstance(off.inner, optuna.samplers.GPSampler)
+
+
+def test_a_gp_per_budget_proposes_from_the_reports_at_the_largest_budget_with_enough() -> None:
+    """Trials stopped at step 3 with their best near x = 0.7, none run longer: the GP per budget, fitted on the
+    step-3 reports, proposes near 0.7 (Optuna's GPSampler alone reads no completed trial and samples at random)."""
+    study = optuna.create_study(direction="maximize", sampler=gp(seed=0, per_budget=True, n_startup_trials=10))
+    dist: dict[str, BaseDistribution] = {"x": FloatDistribution(0.0, 1.0)}
+    rnd = random.Random(0)
+    for _ in range(30):
+        x = rnd.random()
+        study.add_trial(create_trial(params={"x": x}, distributions=dist, state=TrialState.PRUNED,
+                                     intermediate_values={1: 0.0, 3: -(x - 0.7) ** 2}))
+    xs = [study.ask(dist).params["x"] for _ in range(5)]
+    assert all(abs(x - 0.7) < 0.15 for x in xs), xs
 
 
 def test_a_study_far_above_the_cap_still_finds_the_good_region() -> None:
