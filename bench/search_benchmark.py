@@ -60,11 +60,13 @@ ARMS: dict[str, dict[str, Any]] = {
     "tpe": {"algorithm": "tpe"},
     "gp": {"algorithm": "gp"},
     "gp-ts": {"algorithm": "gp", "sampler_options": {"acquisition": "thompson"}},
-    # GP per budget (its per_budget option, on by default with a pruner or a scheduler): BOHB's rule with a GP
-    "gp+hyperband": {"algorithm": "gp", "pruner": {"type": "hyperband"}},
-    "gp+asha": {"algorithm": "gp", "pruner": {"type": "asha"}},
+    # GP per budget (its per_budget option, on by default with a pruner or a scheduler): BOHB's rule with a GP;
+    # gp+ with LogEI (Optuna's GPSampler), gp-ts+ with Thompson sampling (acquisition auto's per budget)
+    "gp+hyperband": {"algorithm": "gp", "sampler_options": {"acquisition": "ei"}, "pruner": {"type": "hyperband"}},
+    "gp+asha": {"algorithm": "gp", "sampler_options": {"acquisition": "ei"}, "pruner": {"type": "asha"}},
     "gp-ts+hyperband": {"algorithm": "gp", "sampler_options": {"acquisition": "thompson"},
                         "pruner": {"type": "hyperband"}},
+    "gp-ts+asha": {"algorithm": "gp", "sampler_options": {"acquisition": "thompson"}, "pruner": {"type": "asha"}},
     # with a pruner or a scheduler, TPE is fitted per budget (its per_budget option, on by default there)
     "tpe+median": {"algorithm": "tpe", "sampler_options": {"n_startup_trials": 5}, "pruner": _MEDIAN},
     # the paper's Optuna arm as YAHPO Gym's own code runs it: Optuna's TPESampler(n_startup_trials=5) (then

@@ -60,10 +60,10 @@ def gp(*, seed: int | None = None, n_startup_trials: int = 10, deterministic_obj
     (``thompson``: ``hpoflow.search.gp_parallel``, a fit every ``refit_every`` completed trials, by default
     ``default_refit_every(max_concurrent)``), fitted on at most ``max_history`` finished trials: the best
     quarter and a uniform sample of the others (Syne Tune's ``max_size_data_for_model``). ``auto``: ``ei`` up
-    to ``GPOptions.EI_UP_TO`` trials at once, ``thompson`` above. ``per_budget``: fitted on the reports at
-    one budget, as BOHB's model (``hpoflow.search.bohb.BOHBSampler`` with this GP as its model, no random
-    third; until a budget holds ``n_startup_trials`` reports, configurations are random)."""
-    acquisition = GPOptions.acquisition_for(acquisition, max_concurrent)
+    to ``GPOptions.EI_UP_TO`` trials at once, ``thompson`` above and per budget. ``per_budget``: fitted on
+    the reports at one budget, as BOHB's model (``hpoflow.search.bohb.BOHBSampler`` with this GP as its
+    model, no random third; until a budget holds ``n_startup_trials`` reports, configurations are random)."""
+    acquisition = GPOptions.acquisition_for(acquisition, max_concurrent, per_budget)
     startup = 1 if per_budget else n_startup_trials  # (per budget: BOHB's count decides when to fit)
     inner: optuna.samplers.BaseSampler
     if acquisition == "ei":

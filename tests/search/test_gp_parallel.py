@@ -154,13 +154,17 @@ def test_several_objectives_and_constraints_stay_inside_the_space() -> None:
         assert all(d._contains(d.to_internal_repr(done.params[n])) for n, d in SPACE.items())
 
 
-def test_auto_is_optunas_gp_up_to_32_at_once_and_thompson_above() -> None:
+def test_auto_is_optunas_gp_up_to_32_at_once_and_thompson_above_or_per_budget() -> None:
     assert GPOptions().sampler_kwargs(1)["acquisition"] == "ei"
     assert GPOptions().sampler_kwargs(32)["acquisition"] == "ei"
     assert GPOptions().sampler_kwargs(33)["acquisition"] == "thompson"
     assert GPOptions().sampler_kwargs(1024)["acquisition"] == "thompson"
     assert GPOptions(acquisition="ei").sampler_kwargs(1024)["acquisition"] == "ei"
     assert GPOptions(acquisition="thompson").sampler_kwargs(1)["acquisition"] == "thompson"
+    # fitted per budget (a pruner or a promotion scheduler), auto is Thompson sampling at any concurrency
+    assert GPOptions().sampler_kwargs(1, stops_early=True)["acquisition"] == "thompson"
+    assert GPOptions(per_budget=False).sampler_kwargs(1, stops_early=True)["acquisition"] == "ei"
+    assert GPOptions(acquisition="ei").sampler_kwargs(1, stops_early=True)["acquisition"] == "ei"
     assert [default_refit_every(w) for w in (1, 8, 15, 16, 32, 256, 1024)] == [1, 1, 1, 2, 4, 32, 128]
 
 

@@ -169,8 +169,8 @@ def test_tpe_is_fitted_per_budget_where_trials_stop_early_unless_told_not_to() -
 
 def test_gp_is_fitted_per_budget_where_trials_stop_early_unless_told_not_to() -> None:
     """``search.algorithm: gp`` with a pruner or a promotion scheduler is BOHB's rule with the GP as its model
-    (Optuna's GPSampler, or Thompson sampling with many trials at once); alone, or with ``per_budget: false``,
-    the GP read through the bounded history."""
+    (Thompson sampling by default, Optuna's GPSampler with ``acquisition: ei``); alone, or with
+    ``per_budget: false``, the GP read through the bounded history."""
     from hpoflow.search.gp_parallel import ThompsonGPSampler
 
     def search(extra: Mapping[str, object], at_once: int = 1) -> StudySpec:
@@ -184,10 +184,12 @@ def test_gp_is_fitted_per_budget_where_trials_stop_early_unless_told_not_to() ->
     assert isinstance(plain, ViewedSampler) and isinstance(plain.inner, optuna.samplers.GPSampler)
     for extra in ({"pruner": {"type": "hyperband"}}, {"scheduler": {"type": "asha"}}):
         s = make_sampler(search(extra).search)
-        assert isinstance(s, BOHBSampler) and isinstance(s._model, optuna.samplers.GPSampler), extra
+        assert isinstance(s, BOHBSampler) and isinstance(s._model, ThompsonGPSampler), extra
         assert s._random_fraction == 0.0 and s._min_evaluations == 10 and s._keep_top == 125
     many = make_sampler(search({"pruner": {"type": "asha"}}, at_once=64).search)
     assert isinstance(many, BOHBSampler) and isinstance(many._model, ThompsonGPSampler)
+    ei = make_sampler(search({"pruner": {"type": "asha"}, "sampler_options": {"acquisition": "ei"}}).search)
+    assert isinstance(ei, BOHBSampler) and isinstance(ei._model, optuna.samplers.GPSampler)
     off = make_sampler(search({"pruner": {"type": "asha"}, "sampler_options": {"per_budget": False}}).search)
     assert isinstance(off, ViewedSampler) and isinstance(off.inner, optuna.samplers.GPSampler)
 
