@@ -343,8 +343,11 @@ def test_a_daemonised_grandchild_of_a_timed_out_trial_dies_with_its_worker(tmp_p
     write_fns(tmp_path)
     eng = LocalEngine(cores=[0])
     try:
-        # the timeout must fall after the trial wrote the sleeper's pid: 3 s was too short at load 19
-        res = run_one(eng, request(tmp_path, 0, "fns:daemonize", options={"hang": True}, timeout=20.0))
+        # the timeout must fall after the trial wrote the sleeper's pid. From a cold engine, the worker's
+        # start counts against it (3 s was too short at load 19); so a first trial starts the worker, and
+        # the timed trial's clock runs from its dispatch to that idle worker (the pid is written ~20 ms later)
+        assert run_one(eng, request(tmp_path, 1, "fns:score")).status == "complete"
+        res = run_one(eng, request(tmp_path, 0, "fns:daemonize", options={"hang": True}, timeout=6.0))
     finally:
         eng.close()
     assert res.status == "failed" and "timed out" in (res.error or "")

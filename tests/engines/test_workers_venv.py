@@ -3,8 +3,9 @@
 directory outside both prefixes. Workers must keep torch loaded from trial to trial (a second import
 of it crashed the second trial and killed the third).
 
-The packages are hard links (no copy of the bytes; a symlink would resolve back into the prefix);
-where the file system refuses them, or no venv can be made, the tests skip.
+The packages are an overlay mount of site-packages (nothing copied or linked; a symlink would resolve
+back into the prefix), or hard links where mounting is refused; where neither can be made, or no venv,
+the tests skip.
 """
 
 from __future__ import annotations
@@ -86,31 +87,56 @@ def use_torch(ctx):
 '''
 
 
+def _mount_overlay(site: Path, root: Path, pkgs: Path) -> bool:
+    """``site`` seen at ``pkgs`` through an overlay mount (its changes, the .pth files hidden below, go to
+    ``root/upper``); False where mounting is refused (not root, no overlayfs)."""
+    for d in ("upper", "work"):
+        (root / d).mkdir()
+    pkgs.mkdir()
+    options = f"lowerdir={site},upperdir={root / 'upper'},workdir={root / 'work'}"
+    try:
+        mounted = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(pkgs)],
+                                 capture_output=True, timeout=60).returncode == 0
+    except OSError:  # no mount program
+        mounted = False
+    if not mounted:
+        pkgs.rmdir()  # (cp -al makes it)
+    return mounted
+
+
 @pytest.fixture(scope="module")
 def outside_packages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """(a venv's python without any package of its own, a directory holding this interpreter's
-    site-packages as hard links): torch reached from it lies outside both the venv and its base."""
+    site-packages): torch reached from it lies outside both the venv and its base. The directory is an
+    overlay mount of site-packages, unmounted afterwards at once; where mounting is refused, hard links
+    (``cp -al``: 83,000 of them here, which took ~30 s of the disk's time to delete again)."""
     root = tmp_path_factory.mktemp("cluster-like")
     site = Path(sysconfig.get_paths()["purelib"])
     pkgs = root / "pkgs"
-    linked = subprocess.run(["cp", "-al", str(site), str(pkgs)], capture_output=True, text=True)
-    if linked.returncode != 0:
-        pytest.skip(f"cannot hard-link {site} into {root}: {linked.stderr.strip()}")
-    for pth in pkgs.glob("*.pth"):  # only the venv's own .pth (below) is processed
-        pth.unlink()
-    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], capture_output=True,
-                          text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot make a venv here: {made.stderr.strip()}")
-    python = root / "venv" / "bin" / "python"
-    probe = subprocess.run([str(python), "-c", "import sys; print(sys.prefix, sys.base_prefix)"], capture_output=True,
-                           text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    if probe.returncode != 0:
-        pytest.skip(f"the venv's python does not start: {probe.stderr.strip()}")
+    mounted = _mount_overlay(site, root, pkgs)
     try:
+        if not mounted:
+            linked = subprocess.run(["cp", "-al", str(site), str(pkgs)], capture_output=True, text=True)
+            if linked.returncode != 0:
+                pytest.skip(f"cannot hard-link {site} into {root}: {linked.stderr.strip()}")
+        for pth in pkgs.glob("*.pth"):  # only the venv's own .pth (below) is processed (overlay: hidden, not deleted)
+            pth.unlink()
+        made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")],
+                              capture_output=True, text=True)
+        if made.returncode != 0:
+            pytest.skip(f"cannot make a venv here: {made.stderr.strip()}")
+        python = root / "venv" / "bin" / "python"
+        probe = subprocess.run([str(python), "-c", "import sys; print(sys.prefix, sys.base_prefix)"],
+                               capture_output=True, text=True,
+                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        if probe.returncode != 0:
+            pytest.skip(f"the venv's python does not start: {probe.stderr.strip()}")
         yield python, pkgs
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if mounted and subprocess.run(["umount", str(pkgs)], capture_output=True, timeout=60).returncode != 0:
+            subprocess.run(["umount", "-l", str(pkgs)], capture_output=True, timeout=60)
+        if not os.path.ismount(pkgs):  # (never delete through a mount: the files are site-packages' own)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _env(how: str, python: Path, pkgs: Path) -> dict[str, str]:

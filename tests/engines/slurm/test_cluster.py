@@ -281,26 +281,34 @@ def _checkpointed_epochs(trial_dir: Path) -> dict[int, int]:
 def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its_checkpoint(
         slurm_cluster: SlurmCluster, agents: str) -> None:
     """Each trial a step (agents off), or the trials of node agents (on: the agents' step outlives the
-    node, ``srun --no-kill``, and the agent on the node left runs the rerun)."""
+    node, ``srun --no-kill``, and the agent on the node left runs the rerun). 10 paced epochs: the node
+    goes down once the trial on it has checkpointed epoch 2 and 4 or more epochs are left, with the other
+    trial as far from its end, so the rerun waits for n1."""
+    n_epochs = 10
     shared = slurm_cluster.shared_dir / f"nodefail-{agents}"
-    spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=16, processes=2, nodes=1,  # a node each
+    spec = _paced_spec(shared / "paced.yaml", n_trials=2, epochs=n_epochs, processes=2, nodes=1,  # a node each
                        engine_options={"agents": agents})
     run_dir = shared / "run"
+    _checkpointed_epochs(run_dir)  # its first call imports torch (seconds on a loaded machine): not in the window
     job = launch(slurm_cluster, spec, run_dir, "--nodes", "2")
+    victims: list[int] = []
 
-    def on_n2() -> int | None:
-        for t, epochs in _reported_epochs(run_dir).items():
-            hosts = _rank_hosts(run_dir / "trials" / str(t))
-            # a checkpoint of epoch 2 or later on disk for both ranks (its report may come first: the writes
-            # are async), and epochs still to train (a finished trial has nothing left to rerun)
-            saved = _checkpointed_epochs(run_dir / "trials" / str(t))
-            if 2 <= epochs < 16 and min(saved.get(0, 0), saved.get(1, 0)) >= 2 and hosts \
-                    and {h for h, _ in hosts.values()} == {"n2"}:
-                return t
-        return None
+    def on_n2() -> bool:
+        """A trial whose ranks run on n2, each with a checkpoint of epoch 2 to ``n_epochs - 4`` on disk (the
+        newest: the writes are async) and so epochs still to train (a finished trial has nothing left to
+        rerun). Read from the trial's own files, as the ranks write them: on a loaded machine the study's
+        reports lagged the ranks by seconds, and a trial first seen there near its end was missed."""
+        for trial_dir in sorted((run_dir / "trials").glob("[0-9]*")):
+            hosts = _rank_hosts(trial_dir)
+            saved = _checkpointed_epochs(trial_dir)
+            if hosts and {h for h, _ in hosts.values()} == {"n2"} and \
+                    2 <= min(saved.get(0, 0), saved.get(1, 0)) <= n_epochs - 4:
+                victims.append(int(trial_dir.name))
+                return True
+        return False
 
-    _wait_for("a trial on n2 with two epochs checkpointed", lambda: on_n2() is not None)
-    victim = on_n2()
+    _wait_for("a trial on n2 with two epochs checkpointed", on_n2, every=0.3)
+    victim = victims[-1]
     try:
         slurm_cluster.down_node("n2")
         info = wait_job(slurm_cluster, job)
@@ -310,7 +318,7 @@ def test_a_node_taken_down_mid_trial_reruns_its_trial_on_the_other_node_from_its
     assert info["JobState"] == "COMPLETED", out
     study = _study(run_dir)
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2, out
-    t = study.trials[victim]  # type: ignore[index]
+    t = study.trials[victim]
     assert t.user_attrs.get("attempts") == 2, t.user_attrs  # retried once, as the same trial
     assert t.user_attrs["metrics"]["resumed_from_epoch"] >= 2  # from its checkpoint, not from scratch
     second = _rank_hosts(run_dir / "trials" / str(victim))
