@@ -423,10 +423,9 @@ class SchedulerSpec(_Strict):
 class SearchSpec(_Strict):
     algorithm: str = Field(default="tpe", description="A registered sampler (grid, random, tpe, gp, cmaes, bohb, "
                                                       "...), any Optuna sampler class by import path, or auto (the "
-                                                      "benchmark's best arm: gp one trial at a time; with trials at "
-                                                      "once tpe, fitted per budget, with the asha pruner when "
-                                                      "trials train several epochs, else tpe: docs/search.md); "
-                                                      "bohb comes "
+                                                      "benchmark's best arm: gp, fitted per budget with Thompson "
+                                                      "sampling, with the asha pruner when trials train several "
+                                                      "epochs, else gp alone: docs/search.md); bohb comes "
                                                       "with the asha pruner unless a pruner or scheduler is named")
     n_trials: int | None = Field(default=None, ge=1)
     max_concurrent: int = Field(default=1, ge=1)
