@@ -73,21 +73,7 @@ def test_every_trials_read_is_what_optunas_replay_reads(tmp_path: Path) -> None:
     rng = random.Random(1)
     running: list[optuna.trial.Trial] = []
     for step in range(400):
-        op = rng.random()
-        if op < 0.25 or not running:
-            t = (other if rng.random() < 0.2 else study).ask()
-            t.suggest_float("x", 0, 1)
-            running.append(t)
-        elif op < 0.55:
-            t = rng.choice(running)
-            t.report(rng.random(), len(storage.get_trial(t._trial_id).intermediate_values))
-        elif op < 0.65:
-            rng.choice(running).set_user_attr("k", step)
-        elif op < 0.7:
-            study.enqueue_trial({"x": 0.25})
-        else:
-            t = running.pop(rng.randrange(len(running)))
-            (other if rng.random() < 0.2 else study).tell(t, rng.random())
+        _operate(rng, step, study, other, running, (0.25, 0.55, 0.65, 0.7, 0.7))
         if step % 7 == 0:
             plain = JournalStorage(JournalFileBackend(str(tmp_path / "study.journal")))
             want = [shape(t) for t in plain.get_all_trials(study._study_id)]
@@ -311,24 +297,7 @@ def test_a_feeds_reader_is_told_every_trial_whose_record_changed_since_its_last_
     rng = random.Random(2)
     running: list[optuna.trial.Trial] = []
     for step in range(1, 500):
-        op = rng.random()
-        if op < 0.2 or not running:
-            t = (other if rng.random() < 0.2 else study).ask()
-            t.suggest_float("x", 0, 1)
-            running.append(t)
-        elif op < 0.55:
-            t = rng.choice(running)
-            t.report(rng.random(), len(storage.get_trial(t._trial_id).intermediate_values))
-        elif op < 0.62:
-            rng.choice(running).set_user_attr("k", step)
-        elif op < 0.66:
-            study.enqueue_trial({"x": 0.25})
-        elif op < 0.69:
-            t = running.pop(rng.randrange(len(running)))
-            storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
-        else:
-            t = running.pop(rng.randrange(len(running)))
-            (other if rng.random() < 0.2 else study).tell(t, rng.random())
+        _operate(rng, step, study, other, running, (0.2, 0.55, 0.62, 0.66, 0.69))
         for pace, feed in readers.items():
             if step % pace:
                 continue
@@ -361,3 +330,29 @@ def test_a_feed_tells_what_changed_alone_however_many_trials_run(tmp_path: Path)
     memory = optuna.create_study()
     memory.ask()
     assert TrialFeed().read(memory)[1] is None and TrialFeed().read(memory)[0][0].number == 0
+
+
+def _operate(rng: random.Random, step: int, study: optuna.Study, other: optuna.Study,
+             running: list[optuna.trial.Trial], cuts: tuple[float, float, float, float, float]) -> None:
+    """One random operation on the study, from this process (``study``) or another writer (``other``): by where
+    a draw falls among ``cuts``, an ask, a report (through the ``optuna.Trial``), a user attribute, an
+    enqueue, a running trial put back WAITING (a driver that did not run it), else a tell."""
+    storage = study._storage
+    op = rng.random()
+    if op < cuts[0] or not running:
+        t = (other if rng.random() < 0.2 else study).ask()
+        t.suggest_float("x", 0, 1)
+        running.append(t)
+    elif op < cuts[1]:
+        t = rng.choice(running)
+        t.report(rng.random(), len(storage.get_trial(t._trial_id).intermediate_values))
+    elif op < cuts[2]:
+        rng.choice(running).set_user_attr("k", step)
+    elif op < cuts[3]:
+        study.enqueue_trial({"x": 0.25})
+    elif op < cuts[4]:
+        t = running.pop(rng.randrange(len(running)))
+        storage.set_trial_state_values(t._trial_id, TrialState.WAITING)
+    else:
+        t = running.pop(rng.randrange(len(running)))
+        (other if rng.random() < 0.2 else study).tell(t, rng.random())
