@@ -39,7 +39,7 @@ from hpoflow.engines.cluster.layout import (
     processes_per_node,
 )
 from hpoflow.engines.proc import describe_exit, tail
-from hpoflow.fileio import read_json, write_json_atomic
+from hpoflow.fileio import read_json, write_atomic, write_json_atomic
 from hpoflow.train.rendezvous import private_dir, store_path
 from hpoflow.train.transport import ReportReader, TrialFiles
 from hpoflow.trial import RankOutcome, TrialRequest, TrialResult, result_from_ranks
@@ -75,7 +75,8 @@ def _heartbeat(files: TrialFiles) -> Iterator[None]:
     def beat() -> None:
         while not stop.is_set():
             try:
-                files.heartbeat.write_text(f"{time.time()} {socket.gethostname()} {os.getpid()}\n")
+                # atomic (a reader never sees half a line); not fsynced: its mtime is what the engine reads
+                write_atomic(files.heartbeat, f"{time.time()} {socket.gethostname()} {os.getpid()}\n", durable=False)
             except OSError:
                 pass
             stop.wait(HEARTBEAT_S)
