@@ -177,23 +177,34 @@ class _Journal(JournalStorage):
                 self._changes[study_id] = (base + drop, log)
         return listed
 
+    def _maps(self) -> tuple[dict[int, list[int]], dict[int, FrozenTrial]] | None:
+        """Optuna's replay's trial ids per study and records per id; None if its layout is not the one known."""
+        replay = self._replay_result
+        ids_by_study = getattr(replay, "_study_id_to_trial_ids", None)
+        trials = getattr(replay, "_trials", None)
+        return None if ids_by_study is None or trials is None else (ids_by_study, trials)
+
+    def _kept(self, study_id: int, maps: tuple[dict[int, list[int]], dict[int, FrozenTrial]]
+              ) -> list[FrozenTrial] | None:
+        """Under the lock, after the sync: the study's kept list (a copy of the list, not of its records), or
+        None where it is not kept."""
+        ids = maps[0].get(study_id)
+        lists = self._lists
+        return None if ids is None or lists is None else list(self._listed(lists, study_id, ids, maps[1]))
+
     def trials_and_changes(self, study_id: int, since: int | None
                            ) -> tuple[list[FrozenTrial], int, list[int] | None] | None:
         """``get_all_trials(study_id, deepcopy=False)``, the cursor to give next time, and the numbers of the
         trials whose record changed since the read that gave ``since`` (``hpoflow.run.feed``); None where
         the study's list is not kept (Optuna's ways in use: the caller reads as it would without)."""
-        replay = self._replay_result
-        ids_by_study = getattr(replay, "_study_id_to_trial_ids", None)
-        trials = getattr(replay, "_trials", None)
-        if ids_by_study is None or trials is None:
+        maps = self._maps()
+        if maps is None:
             return None
         with self._thread_lock:
             self._sync_with_backend()
-            ids = ids_by_study.get(study_id)
-            lists = self._lists
-            if ids is None or lists is None:
+            out = self._kept(study_id, maps)
+            if out is None:
                 return None
-            out = list(self._listed(lists, study_id, ids, trials))
             self._handouts += 1  # handed out as they are: each one's next value copies it
             base, log = self._changes.get(study_id, (0, []))
             cursor = base + len(log)
@@ -209,20 +220,20 @@ class _Journal(JournalStorage):
 
     def get_all_trials(self, study_id: int, deepcopy: bool = True,
                        states: Container[TrialState] | None = None) -> list[FrozenTrial]:
-        replay = self._replay_result
-        ids_by_study = getattr(replay, "_study_id_to_trial_ids", None)
-        trials = getattr(replay, "_trials", None)
-        if ids_by_study is None or trials is None:
+        maps = self._maps()
+        if maps is None:
             return super().get_all_trials(study_id, deepcopy, states)
+        ids_by_study, trials = maps
+        replay = self._replay_result
         waiting_only = isinstance(states, tuple | list) and list(states) == [TrialState.WAITING]
         owner = getattr(replay, "_trial_id_to_study_id", None)
         with self._thread_lock:
             self._sync_with_backend()
             ids = ids_by_study.get(study_id)
             maybe = self._maybe_waiting
-            lists = self._lists
-            if states is None and ids is not None and lists is not None:
-                out = list(self._listed(lists, study_id, ids, trials))
+            kept = self._kept(study_id, maps) if states is None else None
+            if kept is not None:
+                out = kept
             elif not waiting_only or ids is None:
                 out = replay.get_all_trials(study_id, states)  # (KeyError for a study that is not there)
             elif maybe is not None and isinstance(owner, dict):
@@ -238,7 +249,6 @@ class _Journal(JournalStorage):
                 return copy.deepcopy(out)
             self._handouts += 1  # handed out as they are: each one's next value copies it
             return out
-
 
 def storage_label(storage: str | None, run_dir: Path) -> str:
     """Where the study lives, as a user would name it: a URL (``sqlite:///`` made absolute), or the
