@@ -19,7 +19,9 @@ not the driver's), ``cost`` (the cost model alone), ``driver`` = cpu - engine, o
 the sampler and pruner (TPE's ask and the history it reads, GP's fit, the median pruner's percentile:
 intrinsic to the algorithm) and ``own`` the rest (hpoflow's bookkeeping and the storage's writes); ``late`` is
 ``driver`` per new trial between the starts of the trials 60 % and 90 % into the study (what a study
-that grows pays late); ``wall`` and ``overhead`` (``DriverSummary.driver_overhead_s``) per trial;
+that grows pays late), ``early`` the same between 10 % and 40 %, and ``late_reports`` / ``early_reports`` the
+reports (epochs) per new trial there (a stopping pruner stops fewer trials late: each report is a write);
+``wall`` and ``overhead`` (``DriverSummary.driver_overhead_s``) per trial;
 ``ratio`` = driver / the random arm's driver. The outputs written after the last trial (trials.csv,
 the report) are timed apart (``outputs_s``).
 
@@ -156,7 +158,8 @@ class _Marks:
     def __init__(self, engine_clock: _Clock) -> None:
         self.engine = engine_clock
         self.start: tuple[float, float] = (0.0, 0.0)
-        self.starts: list[tuple[float, float]] = []
+        self.starts: list[tuple[float, float, int]] = []  # (CPU, engine CPU, reports so far) at each new trial
+        self.reports = 0
         self.finish: tuple[float, float] = (0.0, 0.0)
         self.kernel = 0.0  # of the process CPU, the kernel's (system calls: the storage's file locks and appends)
 
@@ -168,22 +171,23 @@ class _Marks:
         self.kernel = -os.times().system
 
     def on_trial_start(self, number: int, params: dict[str, Any]) -> None:
-        self.starts.append(self._now())  # (a promotion or a retry is no new trial: not called)
+        self.starts.append((*self._now(), self.reports))  # (a promotion or a retry is no new trial: not called)
 
     def on_trial_report(self, number: int, step: int, metrics: dict[str, float]) -> None:
-        pass
+        self.reports += 1
 
     def on_trial_end(self, result: Any, params: dict[str, Any], best: float | None) -> None:
         pass
 
-    def late(self) -> float:
-        """Driver CPU seconds per new trial between the starts of trials 60 % and 90 % into the study."""
+    def window(self, lo_frac: float, hi_frac: float) -> tuple[float, float]:
+        """Driver CPU seconds, and reports, per new trial between the starts of the trials ``lo_frac`` and
+        ``hi_frac`` into the study."""
         n = len(self.starts)
-        lo, hi = int(n * 0.6), int(n * 0.9)
+        lo, hi = int(n * lo_frac), int(n * hi_frac)
         if hi <= lo:
-            return 0.0
-        (c0, e0), (c1, e1) = self.starts[lo], self.starts[hi]
-        return ((c1 - c0) - (e1 - e0)) / (hi - lo)
+            return 0.0, 0.0
+        (c0, e0, r0), (c1, e1, r1) = self.starts[lo], self.starts[hi]
+        return ((c1 - c0) - (e1 - e0)) / (hi - lo), (r1 - r0) / (hi - lo)
 
     def on_finish(self, summary: Any) -> None:
         self.finish = self._now()
@@ -223,12 +227,16 @@ def run_arm(arm: str, n_trials: int, workers: int, *, cost: str, population: int
     cpu = marks.finish[0] - marks.start[0]
     engine = marks.finish[1] - marks.start[1]
     per = 1000.0 / done
+    late, late_reports = marks.window(0.6, 0.9)
+    early, early_reports = marks.window(0.1, 0.4)
     return {"arm": arm, "workers": workers, "trials": done, "complete": s.n_complete, "pruned": s.n_pruned,
             "failed": s.n_failed, "cpu_ms": round(cpu * per, 3), "kernel_ms": round(marks.kernel * per, 3),
             "engine_ms": round(engine * per, 3),
             "cost_ms": round(cost_clock.s * per, 3), "driver_ms": round((cpu - engine) * per, 3),
             "optuna_ms": round(oc.s * per, 3), "own_ms": round((cpu - engine - oc.s) * per, 3),
-            "late_ms": round(marks.late() * 1000.0, 3), "wall_ms": round(wall * per, 3),
+            "late_ms": round(late * 1000.0, 3), "late_reports": round(late_reports, 1),
+            "early_ms": round(early * 1000.0, 3), "early_reports": round(early_reports, 1),
+            "wall_ms": round(wall * per, 3),
             "overhead_ms": round(s.driver_overhead_s * per, 3), "outputs_s": round(outputs_s, 2)}
 
 
@@ -259,7 +267,8 @@ def main() -> None:
                 base = row["driver_ms"]
             row["ratio"] = round(row["driver_ms"] / base, 2) if base else None
             rows.append(row)
-            print(f"{arm:>18} x{w:<5} driver {row['driver_ms']:7.2f} ms/trial (late {row['late_ms']:7.2f}; "
+            print(f"{arm:>18} x{w:<5} driver {row['driver_ms']:7.2f} ms/trial (early {row['early_ms']:.2f} with "
+                  f"{row['early_reports']} reports a trial, late {row['late_ms']:.2f} with {row['late_reports']}; "
                   f"optuna {row['optuna_ms']:6.2f}, own {row['own_ms']:6.2f}) ratio {row['ratio']}; "
                   f"cpu {row['cpu_ms']:.2f} (kernel {row['kernel_ms']:.2f}), engine {row['engine_ms']:.2f} "
                   f"(cost {row['cost_ms']:.2f}), wall {row['wall_ms']:.2f}, overhead {row['overhead_ms']:.2f}; "
