@@ -121,8 +121,7 @@ def test_the_benchmark_accounts_for_every_epoch_once_and_its_json_recomputes(tmp
         assert [v for *_, v in some] == [c[int(e) - 1]["val_accuracy"] for (_, e, _, _), c in zip(some, curves,
                                                                                                      strict=True)]
     assert paused_then_resumed > 0  # promotion ASHA resumed paused trials
-    # the bound on any searcher: when the soonest of the 2,000 reference configurations, trained alone, reaches
-    # Random's final regret
+    # when the soonest of the 2,000 reference configurations, trained alone, reaches Random's final regret
     soonest = summary["earliest_random_final_s"]
     assert soonest is None or soonest > 0
     assert "the soonest any of 2,000 random configurations gets there" in run.stdout
@@ -145,3 +144,19 @@ def test_the_benchmark_accounts_for_every_epoch_once_and_its_json_recomputes(tmp
         assert rows(again.stdout) == rows(run.stdout) and len(rows(run.stdout)) == 3, files
 
 
+
+
+def test_the_soonest_search_finds_a_configuration_that_reaches_the_target_when_it_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``soonest_search`` (the benchmark's check of how soon any configuration reaches Random's final regret):
+    its local search never ends later than its random sample, and the configuration it names reaches the
+    target, by the surrogate, at the time it gives and not an epoch sooner."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import search_benchmark
+
+    target = 75.0
+    found = search_benchmark.soonest_search("167168", None, target, n=400, rounds=3, keep=10, children=5)
+    assert found["searched_soonest_s"] <= found["random_soonest_s"] < float("inf")
+    curve = surrogate().curves("167168", [found["config"]], 52)[0]
+    first = next(row for row in curve if row["val_accuracy"] >= target)
+    assert first["time"] == pytest.approx(found["searched_soonest_s"])
