@@ -16,8 +16,9 @@ import yaml
 
 from tests.conftest import ROOT
 
-# three 2-rank trials of the example model, one study each: 10-15 s each alone on 2 cores, minutes at load 20
-# (pytest-timeout counts a study in the first test that needs it)
+# three 2-rank trials of the example model, one study (its grid, one trial per strategy, one at a time, each on
+# fresh workers): 10-15 s each alone on 2 cores, minutes at load 20 (pytest-timeout counts the study in the
+# first test that needs it)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 STRATEGIES = ("allreduce", "zero1", "fsdp")
 # the example's decoder with 2 of its 4 layers (1.6 M parameters, not 3.2 M): half the compute of each
@@ -30,20 +31,23 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def studies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
-    """The trials.csv rows run so far in this module, by strategy (``row`` fills it)."""
+    """The trials.csv rows of the example's study, by strategy (``row`` fills it)."""
     return {}
 
 
 def row(studies: dict[str, dict[str, str]], tmp_path_factory: pytest.TempPathFactory,
         strategy: str) -> dict[str, str]:
-    """The example with one strategy, one precision (fp32), one learning rate, one epoch and ``LAYERS``: its one
-    trial's trials.csv row, run once per module (one study per strategy, so no test waits for three)."""
+    """The example's grid with one precision (fp32), one learning rate, one epoch and ``LAYERS``: one trial per
+    strategy, as the example runs them (``max_concurrent: 1``, ``max_trials_per_worker: 1``), in one study run
+    once per module (one driver and forkserver start for the three, not three); the trials.csv row of
+    ``strategy``'s trial."""
     if strategy in studies:
         return studies[strategy]
-    tmp = tmp_path_factory.mktemp(f"transformer-{strategy}")
+    tmp = tmp_path_factory.mktemp("transformer")
     spec = yaml.safe_load((ROOT / "examples" / "transformer.yaml").read_text())
     assert spec["space"]["strategy"]["choices"] == list(STRATEGIES)
-    spec["space"]["strategy"]["choices"] = [strategy]
+    assert spec["search"]["algorithm"] == "grid" and spec["search"]["max_concurrent"] == 1
+    assert spec["engine_options"]["max_trials_per_worker"] == 1  # each trial's peak memory on fresh workers
     spec["space"]["precision"]["choices"] = ["fp32"]
     spec["space"]["lr"]["choices"] = [3.0e-3]
     spec["training"]["epochs"] = 1
@@ -55,10 +59,10 @@ def row(studies: dict[str, dict[str, str]], tmp_path_factory: pytest.TempPathFac
                         str(tmp / "run"), "--quiet"], capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     with open(tmp / "run" / "trials.csv") as f:
-        (out,) = list(csv.DictReader(f))
-    assert out["param_strategy"] == strategy, out
-    studies[strategy] = out
-    return out
+        rows = list(csv.DictReader(f))
+    assert sorted(r["param_strategy"] for r in rows) == sorted(STRATEGIES), rows  # one trial per strategy
+    studies.update((r["param_strategy"], r) for r in rows)
+    return studies[strategy]
 
 
 def _m(row: dict[str, str], name: str) -> float:
