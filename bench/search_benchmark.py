@@ -449,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
                                                       "from their runs")
     ap.add_argument("--markdown", action="store_true", help="with --recompute: the table of docs/search.md")
     ap.add_argument("--plot", default=None, help="with --recompute: the anytime regret of its arms as a PNG")
+    ap.add_argument("--reach", type=float, default=None, metavar="ACCURACY",
+                    help="with --recompute: each arm's repetitions that reach this accuracy and their median virtual "
+                         "time to it (e.g. Random's final at one worker, to read runs with more workers against it)")
     ap.add_argument("--soonest-search", action="store_true",
                     help="with --recompute: how soon any configuration reaches Random's final regret (50,000 random "
                          "ones, then a local search on the surrogate; a few CPU-minutes an instance)")
@@ -498,6 +501,14 @@ def main(argv: list[str] | None = None) -> int:
         for inst, into in merged.items():
             s = summarize(into["runs"], inst, data, into["budget"], into["reference"])
             print(table(s))
+            if a.reach is not None:
+                parts = []
+                for arm in s["arms"]:
+                    times = [time_to(evaluations(r), a.reach) for r in into["runs"] if r["arm"] == arm]
+                    got = [t for t in times if t is not None]
+                    parts.append(f"{arm} {len(got)}/{len(times)}"
+                                 + (f" at {statistics.median(got):.0f} s" if got else ""))
+                print(f"reached accuracy {a.reach:g} (reps, median virtual time): {', '.join(parts)}")
             if a.soonest_search and "random" in s["arms"]:
                 b, w = s["normalization"]["paper"]["best"], s["normalization"]["paper"]["worst"]
                 found = soonest_search(inst, data, b - s["arms"]["random"]["paper"]["final"] * (b - w))
