@@ -183,8 +183,9 @@ class PrunerOptions(Options):
     an ``auto`` step becomes the first rung of Hyperband's geometry there (``hpoflow.search.schedulers.
     first_rung``: 52 epochs -> 2), so a trial is never judged before the first rung."""
 
-    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
-        """The pruner's keyword arguments; ``first_rung``: the first rung of the study's epochs (None: unknown)."""
+    def pruner_kwargs(self, first_rung: int | None, epochs: int | None = None) -> dict[str, Any]:
+        """The pruner's keyword arguments; ``first_rung``: the first rung of the study's epochs, ``epochs``: those
+        epochs (None: unknown)."""
         return self.kwargs()
 
 
@@ -209,7 +210,7 @@ class MedianPrunerOptions(PrunerOptions):
     def _steps(cls, v: int | str) -> int | str:
         return _int_or_auto(v, 0, "warmup_steps")
 
-    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
+    def pruner_kwargs(self, first_rung: int | None, epochs: int | None = None) -> dict[str, Any]:
         warmup = (first_rung or 0) if self.warmup_steps == "auto" else self.warmup_steps
         return {"n_startup_trials": self.startup_trials, "n_warmup_steps": warmup,
                 "interval_steps": self.interval_steps, "n_min_trials": self.min_trials}
@@ -223,8 +224,8 @@ class PercentilePrunerOptions(MedianPrunerOptions):
 
     percentile: float = Field(default=25.0, gt=0, lt=100)
 
-    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
-        return {**super().pruner_kwargs(first_rung), "percentile": self.percentile}
+    def pruner_kwargs(self, first_rung: int | None, epochs: int | None = None) -> dict[str, Any]:
+        return {**super().pruner_kwargs(first_rung, epochs), "percentile": self.percentile}
 
 
 class _RungPrunerOptions(PrunerOptions):
@@ -240,7 +241,7 @@ class _RungPrunerOptions(PrunerOptions):
     def _positive(cls, v: int | str) -> int | str:
         return _int_or_auto(v, 1, "min_resource")
 
-    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
+    def pruner_kwargs(self, first_rung: int | None, epochs: int | None = None) -> dict[str, Any]:
         auto = self.min_resource == "auto"
         return {**self.kwargs(), "min_resource": (first_rung or 1) if auto else self.min_resource}
 
@@ -252,12 +253,17 @@ class AshaPrunerOptions(_RungPrunerOptions):
 
 
 class HyperbandPrunerOptions(_RungPrunerOptions):
-    """``optuna.pruners.HyperbandPruner``; ``max_resource`` defaults to the trials' reported steps."""
+    """``optuna.pruners.HyperbandPruner``; ``max_resource`` defaults to ``training.epochs``, else to the
+    trials' reported steps (Optuna's ``auto``: its brackets wait for a trial to complete, and no trial is
+    pruned before; with 1,024 trials at once on a budget of a few epochs each, none ever was)."""
 
-    max_resource: int | None = Field(default=None, ge=1)
+    max_resource: int | None = Field(
+        default=None, ge=1, description="The largest step (default: training.epochs; when the epochs are not a "
+                                        "number, the longest completed trial's last step + 1, known only once a "
+                                        "trial completes: no trial is pruned before).")
 
-    def pruner_kwargs(self, first_rung: int | None) -> dict[str, Any]:
-        return {**super().pruner_kwargs(first_rung), "max_resource": self.max_resource or "auto"}
+    def pruner_kwargs(self, first_rung: int | None, epochs: int | None = None) -> dict[str, Any]:
+        return {**super().pruner_kwargs(first_rung, epochs), "max_resource": self.max_resource or epochs or "auto"}
 
 
 class NoSchedulerOptions(NoOptions):

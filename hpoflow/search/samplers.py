@@ -119,7 +119,8 @@ class PausedAsPruned(ViewedSampler):
 def make_pruner(p: PrunerSpec, epochs: Any = None) -> optuna.pruners.BasePruner:
     """The Optuna pruner for ``p.type`` (``none`` gives a pruner that never prunes). ``epochs``: the
     trials' ``training.epochs`` (an int, else unknown), where an ``auto`` step of the options resolves
-    (``PrunerOptions.pruner_kwargs``: the first rung of Hyperband's geometry over those epochs)."""
+    (``PrunerOptions.pruner_kwargs``: the first rung of Hyperband's geometry over those epochs; Hyperband's
+    ``max_resource``, those epochs)."""
     if p.type not in PRUNERS:  # a pruner class by import path (checked by the spec)
         made: optuna.pruners.BasePruner = _build(_class(p.type), dict(p.options), None)
         return made
@@ -127,7 +128,7 @@ def make_pruner(p: PrunerSpec, epochs: Any = None) -> optuna.pruners.BasePruner:
     if isinstance(options, PrunerOptions):
         known = isinstance(epochs, int) and not isinstance(epochs, bool) and epochs > 1
         eta = int(getattr(options, "reduction_factor", 3))
-        kwargs = options.pruner_kwargs(first_rung(epochs, eta) if known else None)
+        kwargs = options.pruner_kwargs(first_rung(epochs, eta) if known else None, epochs if known else None)
     else:
         kwargs = options.kwargs()
     pruner: optuna.pruners.BasePruner = _build(PRUNERS.get(p.type), kwargs, None)

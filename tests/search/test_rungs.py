@@ -150,5 +150,36 @@ def test_the_pruners_auto_steps_are_the_first_rung_of_the_studys_epochs() -> Non
     assert built({"type": "asha"}, "${epochs}")._min_resource == 1  # a searched epoch count: unknown here
     assert built({"type": "asha", "min_resource": 4}, 52)._min_resource == 4
     assert built({"type": "hyperband"}, 52)._min_resource == 2
+    assert built({"type": "hyperband"}, 52)._max_resource == 52  # the epochs: brackets from the first trial
+    assert built({"type": "hyperband"}, "${epochs}")._max_resource == "auto"  # unknown: Optuna's, at a complete
+    assert built({"type": "hyperband", "max_resource": 30}, 52)._max_resource == 30
     with pytest.raises(ValueError, match="min_resource must be >= 1 or auto"):
         PrunerSpec.model_validate({"type": "asha", "min_resource": 0}).options  # noqa: B018
+
+
+def test_hyperband_prunes_before_any_trial_completes_when_the_epochs_are_known() -> None:
+    """With ``max_resource`` from ``training.epochs``, Hyperband's brackets exist from the first trial: of 60
+    trials running at once, none complete, the poor ones are pruned at their rungs. Optuna's ``auto``
+    (epochs unknown) waits for a complete trial and prunes none of them."""
+    import optuna
+
+    from hpoflow.search.samplers import make_pruner
+    from hpoflow.spec import PrunerSpec
+
+    def pruned(epochs: Any) -> int:
+        study = optuna.create_study(direction="maximize", study_name="hb",
+                                    pruner=make_pruner(PrunerSpec.model_validate({"type": "hyperband"}), epochs))
+        trials = [study.ask() for _ in range(60)]
+        stopped: set[int] = set()
+        for step in range(1, 20):  # every running trial reports each epoch, in turn (60 at once)
+            for i, t in enumerate(trials):
+                if i in stopped:
+                    continue
+                t.report(float(-i), step)  # trial i's value is -i: each trial is worse than those before it
+                if t.should_prune():
+                    stopped.add(i)
+        assert 0 not in stopped  # the best of all
+        return len(stopped)
+
+    assert pruned(52) > 20
+    assert pruned("${epochs}") == 0
