@@ -250,6 +250,7 @@ class _Journal(JournalStorage):
             self._handouts += 1  # handed out as they are: each one's next value copies it
             return out
 
+
 def storage_label(storage: str | None, run_dir: Path) -> str:
     """Where the study lives, as a user would name it: a URL (``sqlite:///`` made absolute), or the
     journal file's absolute path. Relative journal paths and SQLite files are in the run directory."""
