@@ -224,7 +224,7 @@ class BOHBSampler(optuna.samplers.BaseSampler):
         if budget is None:
             return self._random.sample_independent(study, trial, param_name, param_distribution)
         return self._model.sample_independent(self._view_for(study, trial, budget), trial, param_name,
-                                            param_distribution)
+                                              param_distribution)
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._model.before_trial(study, trial)

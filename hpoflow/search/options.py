@@ -102,8 +102,9 @@ class GPOptions(SamplerOptions):
     GP fitted on completed trials, where its ask costs under 0.4 s and, with 32 LCBench trials at once (5
     repetitions), it reached random search's final regret sooner than Thompson sampling (median 175 s of
     virtual time against 249 s; final regret 0.040 against Thompson's 0.032); above, its ask grows with the
-    running trials. Fitted per budget, ``auto`` is Thompson sampling: with the Hyperband pruner, one trial at
-    a time on LCBench 167168, LogEI's mean regret was 0.050 (5 repetitions) against Thompson's 0.016 (30),
+    running trials. Fitted per budget, ``auto`` is Thompson sampling: with the Hyperband pruner (its
+    ``max_resource`` then Optuna's ``auto``), one trial at a time on LCBench 167168, LogEI's mean regret was
+    0.050 (5 repetitions) against Thompson's 0.016 (30),
     and with 32 trials at once LogEI's qLogEI did not finish 5 repetitions in 35 minutes."""
 
     EI_UP_TO: ClassVar[int] = 32  # acquisition auto: Optuna's GPSampler up to this many trials at once

@@ -7,12 +7,12 @@ docs/search.md), 30 repetitions on each of 3 instances:
 - one trial at a time, the lowest mean regret at 10 %, 25 % and 100 % of the budget was Optuna's GP fitted
   per budget (``per_budget``, on by default with a pruner: ``hpoflow.search.models``) with Thompson
   sampling (``acquisition: auto`` with a budget: ``hpoflow.search.gp_parallel``) and the stopping ASHA
-  pruner (0.045), then the same GP with the Hyperband pruner (0.067) and the GP training every trial to the
+  pruner (0.045), then the same GP with the Hyperband pruner (0.064) and the GP training every trial to the
   end (0.070); TPE per budget with the ASHA pruner 0.081, BOHB's model with promotion ASHA 0.082;
 - with 32 trials at once (5 repetitions, one instance), the same GP with the stopping ASHA pruner had the
-  lowest final regret of every arm (0.014, against 0.031-0.114) and at 25 % of the budget, and reached
-  Random's final regret soonest (148 s of virtual time, Random
-  276 s); at 1,024 trials at once its Thompson sampling keeps the driver under 20 ms of CPU a trial.
+  lowest final regret of every arm (0.014, against 0.028-0.146) and at 25 % of the budget, and reached
+  Random's final regret in 148 s of virtual time (Random 276 s; with the Hyperband pruner 117 s); at 1,024
+  trials at once its Thompson sampling keeps the driver under 20 ms of CPU a trial.
 
 So ``auto`` is ``gp`` with the ``asha`` pruner for trials of several epochs, and ``gp`` alone for one-epoch
 trials (nothing to stop early, no budgets to model). A pruner or scheduler the study names is kept;
